@@ -1,0 +1,98 @@
+// CPU kernel of zerofast::gather_cast: the executor's only data-moving op.
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "../gather_cast_checks.h"
+
+namespace zerofast {
+namespace {
+
+// One entry per source, so the per-range loop does no dtype lookups.
+struct SourceView {
+  const char* base;
+  int64_t itemsize;
+  at::ScalarType dtype;
+};
+
+std::vector<SourceView> source_views(const std::vector<at::Tensor>& sources) {
+  std::vector<SourceView> views;
+  views.reserve(sources.size());
+  for (const auto& s : sources) {
+    views.push_back({static_cast<const char*>(s.const_data_ptr()), static_cast<int64_t>(s.element_size()),
+                     s.scalar_type()});
+  }
+  return views;
+}
+
+// Casts go through ATen's own copy kernel on borrowed memory: Tensor.to is defined by that
+// kernel, including how each CPU's vector units round and which NaN they emit, so anything
+// hand-written here could only drift from it.
+void cast_piece(const char* src, at::ScalarType src_dtype, char* dst, at::ScalarType dst_dtype, int64_t n) {
+  const auto cpu = at::TensorOptions().device(at::kCPU);
+  at::Tensor s = at::from_blob(const_cast<char*>(src), {n}, cpu.dtype(src_dtype));
+  at::Tensor d = at::from_blob(dst, {n}, cpu.dtype(dst_dtype));
+  d.copy_(s);
+}
+
+struct OutView {
+  char* base;
+  int64_t itemsize;
+  at::ScalarType dtype;
+};
+
+void copy_piece(const SourceView& v, int64_t src_off, const OutView& out, int64_t dst_off, int64_t n) {
+  const char* src = v.base + src_off * v.itemsize;
+  char* dst = out.base + dst_off * out.itemsize;
+  if (v.dtype == out.dtype) {
+    std::memcpy(dst, src, static_cast<size_t>(n * out.itemsize));
+  } else {
+    cast_piece(src, v.dtype, dst, out.dtype, n);
+  }
+}
+
+// Work is split by element count, not by segment, so one huge tensor and many tiny ones
+// both spread evenly over the threads.
+constexpr int64_t kGrainElements = 1 << 18;
+
+void gather_cast_cpu(const std::vector<at::Tensor>& sources, const at::Tensor& segments, const at::Tensor& out) {
+  check_gather_cast_args(sources, segments, out);
+  const int64_t nseg = segments.size(0);
+  if (nseg == 0) return;
+  const int64_t* seg = segments.const_data_ptr<int64_t>();
+  std::vector<int64_t> ends(nseg);
+  int64_t total = 0;
+  for (int64_t i = 0; i < nseg; ++i) {
+    total += seg[4 * i + 3];
+    ends[i] = total;
+  }
+  const auto views = source_views(sources);
+  const OutView out_view{static_cast<char*>(out.mutable_data_ptr()), static_cast<int64_t>(out.element_size()),
+                         out.scalar_type()};
+
+  at::parallel_for(0, total, kGrainElements, [&](int64_t begin, int64_t end) {
+    int64_t k = std::upper_bound(ends.begin(), ends.end(), begin) - ends.begin();
+    while (begin < end) {
+      const int64_t* s = seg + 4 * k;
+      const int64_t seg_start = ends[k] - s[3];
+      const int64_t skip = begin - seg_start;
+      const int64_t n = std::min(end, ends[k]) - begin;
+      if (n > 0) copy_piece(views[s[0]], s[1] + skip, out_view, s[2] + skip, n);
+      begin += n;
+      ++k;
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
+  m.impl("gather_cast", &gather_cast_cpu);
+}
+
+}  // namespace zerofast
