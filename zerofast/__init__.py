@@ -1,0 +1,31 @@
+"""zerofast: consolidate DeepSpeed ZeRO checkpoints on a native core, without DeepSpeed."""
+from .errors import (
+    AmbiguousTagError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InconsistentCheckpointError,
+    NativeExtensionError,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointError,
+    ZeroFastError,
+)
+from .reconstruct import reconstruct
+from .write import LazyStateDict, TensorMeta
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "reconstruct",
+    "LazyStateDict",
+    "TensorMeta",
+    "ZeroFastError",
+    "AmbiguousTagError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "InconsistentCheckpointError",
+    "NativeExtensionError",
+    "UnsafeCheckpointError",
+    "UnsupportedCheckpointError",
+]

@@ -1,0 +1,131 @@
+"""Step 1: find the tag folder and the rank files of a DeepSpeed checkpoint, and check the set.
+
+Only file names are read here (plus the ``latest`` text file); nothing is unpickled. Whether the
+number of rank files matches the world size recorded inside them is checked by ``safe_load``.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import (
+    AmbiguousTagError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    UnsupportedCheckpointError,
+)
+
+MODEL_FILE_STAGE012 = "mp_rank_00_model_states.pt"
+_ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_TENSOR_PARALLEL = re.compile(r"mp_rank_(\d+)_")
+_UNSUPPORTED_PREFIXES = {"expert_": "mixture-of-experts", "layer_": "pipeline-parallel"}
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The files of one save. ``model_files`` has one entry (stages 0-2) or one per rank (stage 3)."""
+
+    root: Path
+    tag: str
+    tag_dir: Path
+    model_files: tuple[Path, ...]
+    optim_files: tuple[Path, ...]
+
+    @property
+    def partitioned_model_states(self) -> bool:
+        return len(self.model_files) > 0 and self.model_files[0].name != MODEL_FILE_STAGE012
+
+
+def discover(ckpt_dir: str | os.PathLike, tag: str | None = None) -> CheckpointFiles:
+    """Resolve ``ckpt_dir`` (a checkpoint root or a tag folder) and list its rank files."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise CheckpointNotFoundError("expected a DeepSpeed checkpoint folder, found no such directory", root)
+    if tag is None and _holds_model_states(root):
+        return _list_files(root.parent, root.name, root)
+    tag = tag if tag is not None else _pick_tag(root)
+    tag_dir = root / tag
+    if not tag_dir.is_dir():
+        raise CheckpointNotFoundError(f"tag {tag!r} has no folder {tag_dir.name!r} here", root)
+    return _list_files(root, tag, tag_dir)
+
+
+def _holds_model_states(folder: Path) -> bool:
+    return any(name.endswith("_model_states.pt") for name in os.listdir(folder))
+
+
+def _tag_folders(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and _holds_model_states(p))
+
+
+def _pick_tag(root: Path) -> str:
+    latest = root / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if not tag:
+            raise CheckpointNotFoundError("expected a tag name in 'latest', found an empty file", latest)
+        return tag
+    tags = _tag_folders(root)
+    if len(tags) == 1:
+        return tags[0]
+    if not tags:
+        raise CheckpointNotFoundError(
+            "expected a DeepSpeed checkpoint ('latest' plus a tag folder, or a tag folder holding "
+            "*_model_states.pt files), found none", root)
+    raise AmbiguousTagError(f"no 'latest' file and {len(tags)} tags {tags}; pass tag= (or --tag) to pick one", root)
+
+
+def _list_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
+    names = sorted(os.listdir(tag_dir))
+    _reject_unsupported(tag_dir, names)
+    zero3 = _ranked(tag_dir, names, _ZERO3_MODEL, group=1)
+    optim = _ranked(tag_dir, names, _OPTIM, group=2)
+    has_plain = MODEL_FILE_STAGE012 in names
+    if zero3 and has_plain:
+        raise IncompleteCheckpointError(
+            f"expected either {MODEL_FILE_STAGE012} (stages 0-2) or zero_pp_rank_*_model_states.pt (stage 3), "
+            "found both: the folder mixes two saves", tag_dir)
+    if not zero3 and not has_plain:
+        raise CheckpointNotFoundError(
+            f"expected {MODEL_FILE_STAGE012} or zero_pp_rank_*_mp_rank_00_model_states.pt, found neither", tag_dir)
+    model_files = tuple(zero3) if zero3 else (tag_dir / MODEL_FILE_STAGE012,)
+    if zero3 and len(zero3) != len(optim):
+        raise IncompleteCheckpointError(
+            f"expected one optimizer file per model-states file, found {len(zero3)} model-states and "
+            f"{len(optim)} optimizer files", tag_dir)
+    return CheckpointFiles(root=root, tag=tag, tag_dir=tag_dir, model_files=model_files, optim_files=tuple(optim))
+
+
+def _reject_unsupported(tag_dir: Path, names: list[str]) -> None:
+    for name in names:
+        for prefix, what in _UNSUPPORTED_PREFIXES.items():
+            if name.startswith(prefix) and name.endswith(".pt"):
+                raise UnsupportedCheckpointError(f"{what} checkpoints are not supported yet (found {name})", tag_dir)
+        m = _TENSOR_PARALLEL.search(name)
+        if m and name.endswith(".pt") and int(m.group(1)) != 0:
+            raise UnsupportedCheckpointError(
+                f"tensor-parallel checkpoints are not supported yet (found {name}: model-parallel rank "
+                f"{int(m.group(1))})", tag_dir)
+
+
+def _ranked(tag_dir: Path, names: list[str], pattern: re.Pattern, group: int) -> list[Path]:
+    """Files matching ``pattern`` ordered by rank; ranks must run 0..N-1 with one file each."""
+    by_rank: dict[int, list[str]] = {}
+    for name in names:
+        m = pattern.match(name)
+        if m:
+            by_rank.setdefault(int(m.group(group)), []).append(name)
+    for rank, found in by_rank.items():
+        if len(found) > 1:
+            raise IncompleteCheckpointError(
+                f"expected one file for rank {rank}, found {found}: the folder mixes saves of two dtypes", tag_dir)
+    missing = [r for r in range(max(by_rank, default=-1) + 1) if r not in by_rank]
+    if missing:
+        example = pattern.pattern.strip("^$").replace("(bf16_)?", "").replace(r"(\d+)", str(missing[0]))
+        raise IncompleteCheckpointError(
+            f"expected rank files 0..{max(by_rank)}, rank(s) {missing} missing (e.g. {example.replace(chr(92), '')})",
+            tag_dir)
+    return [tag_dir / by_rank[r][0] for r in sorted(by_rank)]

@@ -1,0 +1,48 @@
+"""The exceptions zerofast raises. Each names the file it is about and what was expected.
+
+Every class derives from :class:`ZeroFastError`, so ``except zerofast.ZeroFastError`` catches
+all input problems while programming errors still surface as themselves.
+"""
+from __future__ import annotations
+
+import os
+
+
+class ZeroFastError(Exception):
+    """Base class of every error zerofast raises about its input or its build."""
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None):
+        self.path = None if path is None else os.fspath(path)
+        super().__init__(f"{self.path}: {message}" if self.path is not None else message)
+
+
+class CheckpointNotFoundError(ZeroFastError, FileNotFoundError):
+    """The folder does not exist or holds no DeepSpeed checkpoint."""
+
+
+class AmbiguousTagError(ZeroFastError):
+    """Several tags exist, no ``latest`` file says which one, and no tag was passed."""
+
+
+class IncompleteCheckpointError(ZeroFastError):
+    """Rank files are missing, or stray rank files from another save are present."""
+
+
+class CorruptCheckpointError(ZeroFastError):
+    """A file is truncated or is not a readable ``torch.save`` archive."""
+
+
+class UnsafeCheckpointError(ZeroFastError):
+    """A pickle references a global that no DeepSpeed checkpoint needs; nothing was run."""
+
+
+class InconsistentCheckpointError(ZeroFastError):
+    """The metadata disagrees with the tensors (sizes, partition counts, shapes)."""
+
+
+class UnsupportedCheckpointError(ZeroFastError):
+    """A layout zerofast does not handle yet (tensor/pipeline parallel, MoE, unknown stage)."""
+
+
+class NativeExtensionError(ZeroFastError, ImportError):
+    """The compiled extension is missing or was built against another torch."""

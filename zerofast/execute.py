@@ -1,0 +1,48 @@
+"""Step 4: run a plan's tensors through the native gather-and-cast op."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import ops
+from .plan import TensorPlan
+
+
+class Executor:
+    """Materializes :class:`TensorPlan` entries from the source tensors they index."""
+
+    def __init__(self, sources: Sequence[torch.Tensor], device: str | torch.device = "cpu"):
+        self.sources = sources
+        self.device = torch.device(device)
+
+    def run(self, tp: TensorPlan, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Write ``tp`` into ``out`` (a fresh tensor when None) and return it in its shape."""
+        if out is None:
+            out = torch.empty(tp.numel, dtype=tp.out_dtype, device=self.device)
+        flat = out.view(-1)
+        if flat.numel() != tp.numel or flat.dtype != tp.out_dtype:
+            raise ValueError(f"out for {tp.name!r} must hold {tp.numel} x {tp.out_dtype}, got "
+                             f"{flat.numel()} x {flat.dtype}")
+        if tp.segments:
+            sources, segments = self._local(tp)
+            ops.gather_cast(sources, segments, flat)
+        return out.view(tp.shape)
+
+    def view_or_run(self, tp: TensorPlan) -> torch.Tensor:
+        """Like :meth:`run`, but a tensor stored whole in the requested dtype comes back as a view
+        of its (memory-mapped) source: casting to the dtype a tensor already has copies nothing."""
+        if self.device.type == "cpu" and len(tp.segments) == 1 and tp.stored_dtype == tp.out_dtype:
+            src, src_off, dst_off, length = tp.segments[0]
+            if dst_off == 0 and length == tp.numel:
+                return self.sources[src][src_off:src_off + length].view(tp.shape)
+        return self.run(tp)
+
+    def _local(self, tp: TensorPlan) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Renumber the sources one tensor uses, so the op gets a short list."""
+        index: dict[int, int] = {}
+        rows = []
+        for src, src_off, dst_off, length in tp.segments:
+            rows.append((index.setdefault(src, len(index)), src_off, dst_off, length))
+        sources = [self.sources[s] for s in index]
+        return sources, torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)

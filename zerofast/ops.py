@@ -1,0 +1,47 @@
+"""The only door to the native ops: ``torch.ops.zerofast.*``, or the reference when asked for.
+
+The extension is loaded on first use, so ``import zerofast`` never fails for lack of it; the
+first reconstruct does, with a :class:`NativeExtensionError` that says how to build it.
+``ZEROFAST_NATIVE=0`` selects the pure-torch reference instead (slow; for debugging).
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+from . import reference
+from .errors import NativeExtensionError
+
+_BUILD_HINT = "build it with `pip install --no-build-isolation -e .` (or `make build`) in the zerofast checkout"
+_loaded = False
+
+
+def native_enabled() -> bool:
+    return os.environ.get("ZEROFAST_NATIVE", "1") != "0"
+
+
+def load_native() -> None:
+    """Import the compiled extension, registering ``torch.ops.zerofast``; check it fits this torch."""
+    global _loaded
+    if _loaded:
+        return
+    try:
+        from . import _C
+    except ImportError as e:
+        raise NativeExtensionError(f"zerofast's native extension could not be loaded ({e}); {_BUILD_HINT}") from e
+    built_for = _C.torch_version()
+    if built_for != torch.__version__:
+        raise NativeExtensionError(
+            f"zerofast's native extension was built for torch {built_for} but torch {torch.__version__} is "
+            f"running; rebuild it: {_BUILD_HINT}")
+    _loaded = True
+
+
+def gather_cast(sources: Sequence[torch.Tensor], segments: torch.Tensor, out: torch.Tensor) -> None:
+    if not native_enabled():
+        reference.gather_cast(sources, segments, out)
+        return
+    load_native()
+    torch.ops.zerofast.gather_cast(list(sources), segments, out)

@@ -1,0 +1,63 @@
+"""``zerofast.reconstruct``: discover, load safely, plan, execute, and hand back a state dict."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .discover import discover
+from .execute import Executor
+from .plan import Plan, SourceTable, build_plan
+from .safe_load import LoadedCheckpoint, load_checkpoint
+from .write import LazyStateDict, eager_state_dict
+
+_ALLOWED_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Prepared:
+    """A checkpoint read and planned: everything but the data movement."""
+
+    checkpoint: LoadedCheckpoint
+    plan: Plan
+    sources: list[torch.Tensor]
+
+
+def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
+            exclude_frozen: bool = False) -> Prepared:
+    if dtype not in _ALLOWED_DTYPES:
+        raise ValueError(f"dtype must be one of torch.float32, torch.bfloat16, torch.float16 or None, got {dtype!r}")
+    ckpt = load_checkpoint(discover(ckpt_dir, tag))
+    table = SourceTable()
+    plan = build_plan(ckpt, table, dtype, exclude_frozen=exclude_frozen)
+    return Prepared(ckpt, plan, table.tensors)
+
+
+def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
+                lazy: bool = False, exclude_frozen: bool = False, device: str | torch.device = "cpu"):
+    """Consolidate a DeepSpeed ZeRO checkpoint into one state dict.
+
+    Args:
+        ckpt_dir: the checkpoint root (holding ``latest``) or a tag folder.
+        dtype: ``torch.float32`` (default) returns every floating tensor as fp32, frozen weights
+            included; ``torch.bfloat16``/``torch.float16`` cast every floating tensor once;
+            ``None`` keeps what the checkpoint holds (fp32 masters, frozen weights in the model
+            dtype, buffers as stored). Integer and bool buffers always keep their dtype.
+        tag: which save to read when the root holds several.
+        lazy: return a read-only mapping that builds each tensor when it is looked up.
+        exclude_frozen: leave out parameters with ``requires_grad=False`` (e.g. a LoRA base).
+        device: where the tensors are built.
+
+    Returns:
+        An ``OrderedDict`` in the model's own ``state_dict()`` order (tied parameters share
+        storage), or a :class:`~zerofast.write.LazyStateDict` when ``lazy`` is set.
+    """
+    device = torch.device(device)
+    if device.type != "cpu":
+        raise NotImplementedError(f"device={str(device)!r}: only the CPU executor is built so far")
+    prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)
+    executor = Executor(prepared.sources, device)
+    if lazy:
+        return LazyStateDict(prepared.plan, executor)
+    return eager_state_dict(prepared.plan, executor)
