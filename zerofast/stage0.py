@@ -1,0 +1,132 @@
+"""Planning for ZeRO stage 0, where the checkpoint does not say which master is which parameter.
+
+A stage-0 mixed-precision save keeps its fp32 masters in the model-states file under
+``optimizer`` (``fp32_groups``: one tensor per parameter; ``fp32_groups_flat``: one flat tensor
+per group) and records no ``param_shapes``. Each master is matched to the module parameter of
+the same shape whose stored value equals ``master.to(model_dtype)``. Only an unambiguous answer
+is accepted: equal-looking parameters may share a class only if their masters are identical too,
+since then every assignment yields the same state dict.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InconsistentCheckpointError
+from .plan import SourceTable, _Entry
+from .safe_load import LoadedCheckpoint
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A master: ``numel`` elements at ``offset`` of source ``src`` (a registered flat tensor)."""
+
+    src: int
+    offset: int
+    shape: tuple[int, ...]
+    where: str
+
+
+def stage0_trainable_entries(ckpt: LoadedCheckpoint, table: SourceTable) -> dict[str, _Entry]:
+    meta = ckpt.meta
+    params = _module_parameters(ckpt)
+    opt = meta.raw.get("optimizer")
+    if not isinstance(opt, dict) or not ({"fp32_groups", "fp32_groups_flat"} & set(opt)):
+        # Plain fp32 training keeps no masters: the module holds the trained values.
+        return {name: _module_entry(table, ckpt, name) for name in params}
+    model_dtype = next(iter(params.values())).dtype if params else torch.float32
+    slots = _slots(ckpt, table, opt, params, model_dtype)
+    return _assign(ckpt, table, slots, params, model_dtype)
+
+
+def _module_parameters(ckpt: LoadedCheckpoint) -> dict[str, torch.Tensor]:
+    """Module entries that are parameters, one name per storage (tied names are aliases)."""
+    meta = ckpt.meta
+    buffers = set(meta.buffer_names)
+    seen: set[int] = set()
+    out = {}
+    for name, t in meta.module.items():
+        if name in buffers or not isinstance(t, torch.Tensor) or name in meta.shared_params:
+            continue
+        storage = t.untyped_storage()._cdata
+        if storage not in seen:
+            seen.add(storage)
+            out[name] = t
+    return out
+
+
+def _module_entry(table: SourceTable, ckpt: LoadedCheckpoint, name: str) -> _Entry:
+    t = ckpt.meta.module[name]
+    src = table.add(str(ckpt.meta.path), f"module[{name!r}]", t)
+    return tuple(t.shape), t.dtype, [(src, 0, 0, t.numel())]
+
+
+def _slots(ckpt, table, opt, params, model_dtype) -> list[_Slot]:
+    path = str(ckpt.meta.path)
+    slots: list[_Slot] = []
+    if "fp32_groups" in opt:
+        for g, group in enumerate(opt["fp32_groups"]):
+            for i, t in enumerate(group):
+                where = f"optimizer.fp32_groups[{g}][{i}]"
+                slots.append(_Slot(table.add(path, where, t), 0, tuple(t.shape), where))
+        return slots
+    for g, flat in enumerate(opt["fp32_groups_flat"]):
+        where = f"optimizer.fp32_groups_flat[{g}]"
+        slots += _walk_flat(ckpt, table.add(path, where, flat), flat.reshape(-1), params, model_dtype, where)
+    return slots
+
+
+def _walk_flat(ckpt, src, flat, params, model_dtype, where) -> list[_Slot]:
+    """Cut a flat master buffer into parameters by matching values from the front."""
+    slots, offset = [], 0
+    while offset < flat.numel():
+        shapes = {tuple(t.shape) for t in params.values()
+                  if offset + t.numel() <= flat.numel() and t.numel() > 0
+                  and torch.equal(flat[offset:offset + t.numel()].to(model_dtype), t.reshape(-1))}
+        if len(shapes) != 1:
+            raise InconsistentCheckpointError(
+                f"cannot map {where} at element {offset} to exactly one module parameter "
+                f"({'none' if not shapes else len(shapes)} candidates match master.to({model_dtype}))",
+                ckpt.meta.path)
+        shape = shapes.pop()
+        slots.append(_Slot(src, offset, shape, f"{where}[{offset}:]"))
+        offset += torch.Size(shape).numel()
+    return slots
+
+
+def _digest(t: torch.Tensor) -> bytes:
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _assign(ckpt, table, slots, params, model_dtype) -> dict[str, _Entry]:
+    sources = table.tensors
+    names_by_key: dict[tuple, list[str]] = {}
+    for name, t in params.items():
+        names_by_key.setdefault((tuple(t.shape), _digest(t)), []).append(name)
+    slots_by_key: dict[tuple, list[_Slot]] = {}
+    for s in slots:
+        master = _slot_tensor(sources, s)
+        slots_by_key.setdefault((s.shape, _digest(master.to(model_dtype))), []).append(s)
+    assigned: dict[str, _Slot] = {}
+    for key, group in slots_by_key.items():
+        names = names_by_key.get(key, [])
+        if len(names) < len(group):
+            raise InconsistentCheckpointError(
+                f"{group[0].where}: no module parameter of shape {key[0]} equals master.to({model_dtype})",
+                ckpt.meta.path)
+        if len({_digest(_slot_tensor(sources, s)) for s in group}) > 1:
+            raise InconsistentCheckpointError(
+                f"masters {[s.where for s in group]} differ but all match parameters {names[:len(group)]}; "
+                "the mapping is ambiguous", ckpt.meta.path)
+        assigned.update(zip(names, group))
+    ordered = sorted(assigned.items(), key=lambda kv: slots.index(kv[1]))  # keep the group order
+    return {name: (s.shape, sources[s.src].dtype, [(s.src, s.offset, 0, torch.Size(s.shape).numel())])
+            for name, s in ordered}
+
+
+def _slot_tensor(sources, s: _Slot) -> torch.Tensor:
+    n = torch.Size(s.shape).numel()
+    return sources[s.src][s.offset:s.offset + n]
