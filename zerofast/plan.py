@@ -118,7 +118,7 @@ _Entry = tuple[tuple[int, ...], torch.dtype, Segments]
 
 def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
                exclude_frozen: bool = False) -> Plan:
-    trainable = _trainable_entries(ckpt, table)
+    trainable = _trainable_entries(ckpt, table, exclude_frozen)
     frozen = _declared_frozen_entries(ckpt, table)
     kinds, aliases, undeclared_frozen, buffers = _classify_module(ckpt, trainable, frozen)
     for name in undeclared_frozen:
@@ -147,11 +147,11 @@ def _whole(table: SourceTable, ms: ModelStates, where: str, name: str, tensor: t
     return tuple(tensor.shape), tensor.dtype, [(src, 0, 0, tensor.numel())]
 
 
-def _trainable_entries(ckpt: LoadedCheckpoint, table: SourceTable) -> dict[str, _Entry]:
+def _trainable_entries(ckpt: LoadedCheckpoint, table: SourceTable, exclude_frozen: bool) -> dict[str, _Entry]:
     if ckpt.stage == 0:
         from .stage0 import stage0_trainable_entries  # the only layout that needs value matching
 
-        return stage0_trainable_entries(ckpt, table)
+        return stage0_trainable_entries(ckpt, table, exclude_frozen)
     shapes = ckpt.meta.param_shapes
     if shapes is None:
         raise InconsistentCheckpointError("expected 'param_shapes' for a ZeRO stage 1-3 checkpoint, found None",

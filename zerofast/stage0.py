@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InconsistentCheckpointError
+from .errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from .plan import SourceTable, _Entry
 from .safe_load import LoadedCheckpoint
 
@@ -29,16 +29,30 @@ class _Slot:
     where: str
 
 
-def stage0_trainable_entries(ckpt: LoadedCheckpoint, table: SourceTable) -> dict[str, _Entry]:
+def stage0_trainable_entries(ckpt: LoadedCheckpoint, table: SourceTable, exclude_frozen: bool) -> dict[str, _Entry]:
     meta = ckpt.meta
     params = _module_parameters(ckpt)
     opt = meta.raw.get("optimizer")
     if not isinstance(opt, dict) or not ({"fp32_groups", "fp32_groups_flat"} & set(opt)):
         # Plain fp32 training keeps no masters: the module holds the trained values.
+        if exclude_frozen:
+            _require_no_frozen(ckpt, opt, len(params))
         return {name: _module_entry(table, ckpt, name) for name in params}
     model_dtype = next(iter(params.values())).dtype if params else torch.float32
     slots = _slots(ckpt, table, opt, params, model_dtype)
     return _assign(ckpt, table, slots, params, model_dtype)
+
+
+def _require_no_frozen(ckpt: LoadedCheckpoint, opt, n_params: int) -> None:
+    """Plain fp32 stage 0 names no parameter as frozen. Only the optimizer's per-parameter state,
+    kept for parameters that were trained and keyed by index, shows whether any exist."""
+    state = opt.get("state") if isinstance(opt, dict) else None
+    trained = len(state) if isinstance(state, dict) else None
+    if trained != n_params:
+        raise UnsupportedCheckpointError(
+            f"exclude_frozen: this fp32 stage-0 checkpoint does not record which parameters are frozen "
+            f"(the optimizer has state for {trained} of the module's {n_params} parameters, unnamed)",
+            ckpt.meta.path)
 
 
 def _module_parameters(ckpt: LoadedCheckpoint) -> dict[str, torch.Tensor]:

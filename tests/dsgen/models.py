@@ -13,9 +13,8 @@ Features (all switchable through keyword arguments, see ``build_model``):
   that must NOT show up in any state dict;
 * LayerNorms (float weight + bias) in every block;
 * odd numels: ``odd.up`` is Linear(7, 13) (weight 91, bias 13), ``odd.down`` is
-  Linear(13, 7), a 1-element parameter ``gate`` of shape (1,) and a 0-dim parameter
-  ``temperature`` of shape () (``scalar_0d``, off by default: DeepSpeed only accepts
-  it at world size 1, see OddBlock);
+  Linear(13, 7), a 1-element parameter ``gate`` of shape (1,), and optionally
+  (``empty_param``) a trainable zero-element parameter ``odd.empty`` of shape (0, 4);
 * frozen parameters: a LoRA-like ``lora`` block whose ``base`` Linear (and ``base_norm``)
   has ``requires_grad=False`` while the small ``lora_a``/``lora_b`` adapters train.
 """
@@ -35,7 +34,7 @@ DEFAULTS = {
     "frozen": True,
     "lora_rank": 2,
     "odd": True,
-    "scalar_0d": False,
+    "empty_param": False,
     "seed": 1234,
 }
 
@@ -71,28 +70,30 @@ class LoraBlock(nn.Module):
 class OddBlock(nn.Module):
     """Parameters whose numels divide badly by any world size."""
 
-    def __init__(self, dim: int, scalar_0d: bool):
+    def __init__(self, dim: int, empty_param: bool):
         super().__init__()
         self.proj_in = nn.Linear(dim, 7)
         self.up = nn.Linear(7, 13)
         self.down = nn.Linear(13, 7)
         self.proj_out = nn.Linear(7, dim, bias=False)
         self.gate = nn.Parameter(torch.full((1,), 0.5))
-        # A 0-dim parameter (off by default). DeepSpeed refuses it whenever it broadcasts
-        # params (engine._broadcast_model at world size > 1, zero.Init at stage 3): it calls
-        # param.data.view(torch.uint8), which torch rejects for 0-dim tensors.
-        self.temperature = nn.Parameter(torch.tensor(1.25)) if scalar_0d else None
+        # No 0-dim parameter here: DeepSpeed 0.19.8 refuses one at every stage and world size
+        # (engine._broadcast_model and zero.Init call param.data.view(torch.uint8), which
+        # torch rejects for 0-dim tensors).
+        # Optional trainable parameter with zero elements: DeepSpeed keeps it out of the
+        # optimizer groups and checkpoints it with the frozen parameters.
+        self.empty = nn.Parameter(torch.zeros(0, 4)) if empty_param else None
 
     def forward(self, x):
         h = self.proj_in(x)
         h = self.down(torch.tanh(self.up(h)))
-        if self.temperature is not None:
-            h = h * self.temperature
+        if self.empty is not None:
+            h = h + self.empty.sum()
         return x + self.gate * self.proj_out(h)
 
 
 class ZfModel(nn.Module):
-    def __init__(self, vocab, dim, hidden, n_blocks, tied, buffers, frozen, lora_rank, odd, scalar_0d):
+    def __init__(self, vocab, dim, hidden, n_blocks, tied, buffers, frozen, lora_rank, odd, empty_param):
         super().__init__()
         self.vocab = vocab
         self.has_buffers = buffers
@@ -104,7 +105,7 @@ class ZfModel(nn.Module):
             self.register_buffer("scratch", torch.zeros(dim), persistent=False)
         self.blocks = nn.ModuleList([Block(dim, hidden) for _ in range(n_blocks)])
         self.lora = LoraBlock(dim, lora_rank) if frozen else None
-        self.odd = OddBlock(dim, scalar_0d) if odd else None
+        self.odd = OddBlock(dim, empty_param) if odd else None
         self.final_norm = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if tied:

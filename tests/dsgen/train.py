@@ -15,6 +15,7 @@ lists, dicts, ints and strings, so ``torch.load(path, weights_only=True)`` reads
     buffers          name -> persistent buffer as the module holds it
     state_dict_keys  list(model.state_dict().keys()) of the plain module
     tied             alias -> source name (the alias is in neither trainable nor frozen)
+    empty_trainable  names of trainable zero-element params (recorded under "frozen")
     param_groups     list per optimizer group of trainable names (DeepSpeed's group order)
     model_dtype, stage, world_size, tag, spec, ds_version
 
@@ -209,6 +210,9 @@ def main():
             "buffers": buffers,
             "state_dict_keys": state_dict_keys,
             "tied": tied,
+            # Trainable parameters with zero elements: DeepSpeed keeps them out of the optimizer
+            # groups and saves them with the frozen ones; they are listed under "frozen" too.
+            "empty_trainable": [n for n, p in module.named_parameters() if p.requires_grad and full_numel(p) == 0],
             "param_groups": group_names,
             "model_dtype": model_dtype,
             "stage": stage,

@@ -1,0 +1,218 @@
+"""Catalog of real DeepSpeed checkpoint layouts, generated on demand and cached.
+
+    from tests.dsgen.catalog import LAYOUTS, ensure_checkpoint
+    root = ensure_checkpoint("s3_bf16_w2_frozen_tied")   # folder with latest, tag, ground_truth.pt
+
+Command line (generates what is missing and prints timings):
+
+    python -m tests.dsgen.catalog [name ...]
+
+Cache: $ZEROFAST_TEST_CACHE, else <repo>/.cache/ds-ckpts. Each layout lives in
+``<cache>/<name>-<key>`` where key hashes train.py, models.py, the layout spec and the
+installed DeepSpeed version, so editing any of them regenerates. Generation goes to a
+temporary folder that is renamed into place, under an exclusive file lock, so concurrent
+pytest processes neither race nor see half-written checkpoints.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent.parent
+TRAIN = HERE / "train.py"
+MODELS = HERE / "models.py"
+TIMEOUT_S = float(os.environ.get("ZEROFAST_DSGEN_TIMEOUT", "300"))
+
+# name -> spec. Keys: stage, world_size, dtype, n_groups, steps, model, ds_config (see train.py).
+# Every model has embed/lm_head tying and int64 + bool + float buffers unless noted.
+LAYOUTS: dict[str, dict] = {
+    # -- stage 0: no ZeRO. The masters (if any) live in the model states file. --
+    "s0_fp32_w1": {
+        "stage": 0, "world_size": 1, "dtype": "fp32", "n_groups": 2,
+        "model": {"empty_param": True},
+    },
+    "s0_bf16_w2": {
+        "stage": 0, "world_size": 2, "dtype": "bf16", "n_groups": 2,
+    },
+    # -- stage 1 --
+    "s1_bf16_w2_frozen": {
+        "stage": 1, "world_size": 2, "dtype": "bf16", "n_groups": 1,
+    },
+    "s1_bf16_w2_fp32accum": {
+        "stage": 1, "world_size": 2, "dtype": "bf16", "n_groups": 2,
+        "ds_config": {"data_types": {"grad_accum_dtype": "fp32"}},
+    },
+    "s1_fp32_w3": {
+        "stage": 1, "world_size": 3, "dtype": "fp32", "n_groups": 2,
+        "model": {"frozen": False, "empty_param": True},
+    },
+    # -- stage 2 --
+    "s2_bf16_w2_frozen_tied": {
+        "stage": 2, "world_size": 2, "dtype": "bf16", "n_groups": 2,
+    },
+    "s2_fp32_w4_odd_3groups": {
+        "stage": 2, "world_size": 4, "dtype": "fp32", "n_groups": 3,
+        "model": {"empty_param": True},
+    },
+    "s2_bf16_w2_offload": {
+        "stage": 2, "world_size": 2, "dtype": "bf16", "n_groups": 2,
+        "ds_config": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+                      "zero_force_ds_cpu_optimizer": False},
+    },
+    # -- stage 3 --
+    "s3_bf16_w2_frozen_tied": {
+        "stage": 3, "world_size": 2, "dtype": "bf16", "n_groups": 2,
+    },
+    "s3_fp32_w3_3groups_subgroups": {
+        # 3 param groups; sub_group_size=300 splits them further, so fp32_flat_groups has 6
+        # tensors per rank for 3 entries of param_shapes. No empty_param: stage 3 at W > 1
+        # fails gathering a zero-element param (torch.cat of an empty list).
+        "stage": 3, "world_size": 3, "dtype": "fp32", "n_groups": 3,
+        "ds_config": {"zero_optimization": {"sub_group_size": 300}},
+    },
+    "s3_bf16_w4_offload": {
+        "stage": 3, "world_size": 4, "dtype": "bf16", "n_groups": 2,
+        "ds_config": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+                      "zero_force_ds_cpu_optimizer": False},
+    },
+    "s3_fp32_w1": {
+        "stage": 3, "world_size": 1, "dtype": "fp32", "n_groups": 1,
+        "model": {"empty_param": True},
+    },
+}
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("ZEROFAST_TEST_CACHE")
+    return Path(env) if env else REPO_ROOT / ".cache" / "ds-ckpts"
+
+
+def _ds_version() -> str:
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def layout_key(name: str) -> str:
+    h = hashlib.sha256()
+    h.update(TRAIN.read_bytes())
+    h.update(b"\0")
+    h.update(MODELS.read_bytes())
+    h.update(b"\0")
+    h.update(json.dumps(LAYOUTS[name], sort_keys=True).encode())
+    h.update(b"\0")
+    h.update(_ds_version().encode())
+    return h.hexdigest()[:12]
+
+
+def checkpoint_path(name: str) -> Path:
+    return cache_dir() / f"{name}-{layout_key(name)}"
+
+
+def _complete(path: Path) -> bool:
+    return (path / "ground_truth.pt").is_file() and (path / "latest").is_file()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_train(spec: dict, outdir: Path) -> None:
+    env = dict(os.environ)
+    env["DS_ACCELERATOR"] = "cpu"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    last = None
+    for _attempt in range(3):  # retry only when the picked port was taken meanwhile
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec["world_size"]),
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+               str(TRAIN), json.dumps(spec), str(outdir)]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            tail = (e.stderr or b"")
+            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+            raise RuntimeError(f"DeepSpeed checkpoint generation timed out after {TIMEOUT_S}s\n"
+                               f"cmd: {' '.join(cmd)}\n--- stderr tail ---\n{tail[-6000:]}") from None
+        if proc.returncode == 0:
+            return
+        last = proc
+        if "address already in use" not in (proc.stderr + proc.stdout).lower():
+            break
+        shutil.rmtree(outdir, ignore_errors=True)
+    out = (last.stdout or "") + (last.stderr or "")
+    # The ranks' own tracebacks ("[rankN]: ...") say more than torchrun's summary after them.
+    rank_lines = [ln for ln in out.splitlines() if ln.startswith("[rank")]
+    raise RuntimeError(f"DeepSpeed checkpoint generation failed (rc={last.returncode})\n"
+                       f"cmd: {' '.join(last.args)}\n--- rank errors ---\n" + "\n".join(rank_lines[-80:])
+                       + f"\n--- output tail ---\n{out[-4000:]}")
+
+
+def ensure_checkpoint(name: str) -> Path:
+    """Return the checkpoint root for layout ``name``, generating it if it is not cached."""
+    if name not in LAYOUTS:
+        raise KeyError(f"unknown layout {name!r}; known: {sorted(LAYOUTS)}")
+    final = checkpoint_path(name)
+    if _complete(final):
+        return final
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".generate.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one generator at a time: also keeps the CPUs free
+        if _complete(final):
+            return final
+        # Generation only happens under this lock, so any temp folder present now was left
+        # behind by a killed generator.
+        for stale in root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = root / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            _run_train(LAYOUTS[name], tmp)
+            if not _complete(tmp):
+                raise RuntimeError(f"generation of {name} finished without latest/ground_truth.pt in {tmp}")
+            if final.exists():  # an incomplete leftover
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        # Drop this layout's folders made by older code (other keys).
+        for old in root.glob(f"{name}-*"):
+            if old != final and old.is_dir() and old.name[len(name) + 1:].isalnum():
+                shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def ensure_all(names=None) -> dict[str, Path]:
+    return {n: ensure_checkpoint(n) for n in (names or LAYOUTS)}
+
+
+def main(argv=None) -> int:
+    names = list(argv if argv is not None else sys.argv[1:]) or list(LAYOUTS)
+    total = 0.0
+    for n in names:
+        cached = _complete(checkpoint_path(n)) if n in LAYOUTS else False
+        t0 = time.monotonic()
+        path = ensure_checkpoint(n)
+        dt = time.monotonic() - t0
+        total += dt
+        print(f"{n:32s} {'cached' if cached else f'{dt:6.1f}s'}  {path}", flush=True)
+    print(f"{'total':32s} {total:6.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
