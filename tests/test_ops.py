@@ -1,0 +1,118 @@
+"""The native gather_cast op against its pure-torch reference, and its argument checks."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zerofast import ops, reference
+from tests.helpers import assert_bitwise_equal
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+SPECIAL = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 3.4e38,
+                        65504.0, 65520.0, 1e-8, -2.5])
+
+
+def _source(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if not dtype.is_floating_point:
+        return torch.randint(-1000, 1000, (n,), generator=g).to(dtype)
+    values = torch.randn(n, generator=g, dtype=torch.float64) * 10 ** torch.randint(-6, 6, (n,), generator=g)
+    values[: min(n, len(SPECIAL))] = SPECIAL[: min(n, len(SPECIAL))].double()
+    return values.to(dtype)
+
+
+@st.composite
+def gather_problems(draw):
+    out_dtype = draw(st.sampled_from(FLOATS))
+    n_sources = draw(st.integers(1, 5))
+    sizes = [draw(st.integers(0, 3000)) for _ in range(n_sources)]
+    dtypes = [draw(st.sampled_from(FLOATS)) for _ in range(n_sources)]
+    sources = [_source(n, d, seed=i) for i, (n, d) in enumerate(zip(sizes, dtypes))]
+    rows, out_len = [], 0
+    for _ in range(draw(st.integers(0, 12))):
+        src = draw(st.integers(0, n_sources - 1))
+        off = draw(st.integers(0, sizes[src]))
+        length = draw(st.integers(0, sizes[src] - off))
+        rows.append((src, off, out_len, length))
+        out_len += length + draw(st.integers(0, 3))
+    order = draw(st.permutations(range(len(rows))))  # segments need not come in output order
+    segments = torch.tensor([rows[i] for i in order], dtype=torch.int64).reshape(-1, 4)
+    return sources, segments, out_len, out_dtype
+
+
+@settings(max_examples=300, deadline=None)
+@given(gather_problems())
+def test_native_matches_reference(problem):
+    sources, segments, out_len, out_dtype = problem
+    fill = torch.full((out_len,), 7, dtype=out_dtype)  # untouched gaps must stay as they were
+    native, ref = fill.clone(), fill.clone()
+    ops.load_native()
+    torch.ops.zerofast.gather_cast(sources, segments, native)
+    reference.gather_cast(sources, segments, ref)
+    assert_bitwise_equal(native, ref)
+
+
+@pytest.mark.parametrize("src_dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("out_dtype", FLOATS, ids=str)
+def test_large_cast_equals_tensor_to(src_dtype, out_dtype):
+    # Several parallel_for chunks, and every special value, through each dtype pair.
+    src = _source(1_200_003, src_dtype, seed=1)
+    out = torch.empty(1_200_000, dtype=out_dtype)
+    ops.gather_cast([src], torch.tensor([[0, 3, 0, 1_200_000]]), out)
+    assert_bitwise_equal(out, src[3:].to(out_dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.uint8, torch.int32], ids=str)
+def test_non_floating_copies(dtype):
+    src = _source(1000, dtype, seed=2)
+    out = torch.empty(600, dtype=dtype)
+    ops.gather_cast([src], torch.tensor([[0, 400, 0, 600]]), out)
+    assert_bitwise_equal(out, src[400:])
+
+
+@pytest.mark.parametrize("segments, message", [
+    ([[1, 0, 0, 1]], "names source 1 but there are 1 sources"),
+    ([[0, 5, 0, 10]], "past the end of `sources\\[0\\]`"),
+    ([[0, 0, 5, 10]], "past the end of `out`"),
+    ([[0, -1, 0, 1]], "negative offset or length"),
+])
+def test_bad_segments_name_the_argument(segments, message):
+    ops.load_native()
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.zerofast.gather_cast([torch.zeros(10)], torch.tensor(segments), torch.zeros(10))
+
+
+def test_bad_arguments_name_the_argument():
+    ops.load_native()
+    with pytest.raises(RuntimeError, match="`segments` must be a contiguous CPU int64 tensor"):
+        torch.ops.zerofast.gather_cast([torch.zeros(4)], torch.zeros(1, 4), torch.zeros(4))
+    with pytest.raises(RuntimeError, match="cannot cast `sources\\[0\\]` of dtype Long"):
+        torch.ops.zerofast.gather_cast([torch.zeros(4, dtype=torch.int64)], torch.tensor([[0, 0, 0, 4]]),
+                                       torch.zeros(4))
+    with pytest.raises(RuntimeError, match="`out` must be contiguous"):
+        torch.ops.zerofast.gather_cast([torch.zeros(4)], torch.tensor([[0, 0, 0, 2]]), torch.zeros(4, 2)[:, 0])
+
+
+def test_extension_built_for_other_torch_is_a_typed_error(monkeypatch):
+    from zerofast import _C
+
+    monkeypatch.setattr(ops, "_loaded", False)
+    monkeypatch.setattr(_C, "torch_version", lambda: "1.0.0")
+    with pytest.raises(ops.NativeExtensionError, match="built for torch 1.0.0 but torch .* is running"):
+        ops.load_native()
+
+
+def test_reference_path_selected_by_env(monkeypatch):
+    monkeypatch.setenv("ZEROFAST_NATIVE", "0")
+    calls = []
+    monkeypatch.setattr(reference, "gather_cast", lambda *a: calls.append(a))
+    ops.gather_cast([torch.zeros(2)], torch.tensor([[0, 0, 0, 2]]), torch.zeros(2))
+    assert len(calls) == 1
+
+
+def test_native_is_the_default(monkeypatch):
+    monkeypatch.delenv("ZEROFAST_NATIVE", raising=False)
+    monkeypatch.setattr(reference, "gather_cast", lambda *a: pytest.fail("reference used by default"))
+    out = torch.zeros(2)
+    ops.gather_cast([torch.ones(2)], torch.tensor([[0, 0, 0, 2]]), out)
+    assert out.tolist() == [1.0, 1.0]
