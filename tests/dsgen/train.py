@@ -181,7 +181,7 @@ def main():
                 full = safe_get_full_fp32_param(p)
                 if full is None:
                     raise RuntimeError(f"safe_get_full_fp32_param({name}) returned None at stage {stage}")
-            trainable[name] = full.detach().float().cpu().clone()
+            trainable[name] = full.detach().float().cpu().clone().reshape(full_shape(p))
         else:
             if hasattr(p, "ds_id"):
                 with deepspeed.zero.GatheredParameters([p]):
@@ -189,11 +189,6 @@ def main():
             else:
                 value = p.detach().cpu().clone()
             frozen[name] = value
-
-    for name, t in trainable.items():
-        shape = tuple(first_shape(module, name))
-        if tuple(t.shape) != shape:
-            trainable[name] = t.reshape(shape)
 
     state_dict_keys = list(models.build_model(spec.get("model")).state_dict().keys())
     persistent = set(state_dict_keys)
@@ -232,8 +227,7 @@ def full_numel(p):
     return p.ds_numel if hasattr(p, "ds_id") else p.numel()
 
 
-def first_shape(module, name):
-    p = module.get_parameter(name)
+def full_shape(p):
     return p.ds_shape if hasattr(p, "ds_id") else p.shape
 
 
