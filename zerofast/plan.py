@@ -67,6 +67,17 @@ def out_dtype_for(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype
     return dtype
 
 
+def tensor_identity(t) -> tuple:
+    """Same value for two module entries exactly when they are one tensor saved under two names.
+
+    Sharing a storage is not enough: fused fp16/bf16 optimizers keep every parameter as a view
+    into one flat buffer, so distinct parameters share storages at different offsets.
+    """
+    if not isinstance(t, torch.Tensor):
+        return ("object", id(t))
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
 class SourceTable:
     """Collects the source tensors a plan refers to, each registered once."""
 
@@ -279,23 +290,23 @@ def _classify_module(ckpt: LoadedCheckpoint, trainable: dict, frozen: dict):
     aliases: dict[str, str] = {}
     undeclared_frozen: list[str] = []
     buffers: dict[str, None] = {}
-    by_storage: dict[int, str] = {}
+    by_identity: dict[tuple, str] = {}
     kinds: dict[str, None] = {}
     for name, value in meta.module.items():
         kinds[name] = None
-        storage = value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else id(value)
+        identity = tensor_identity(value)
         if name in trainable or name in frozen:
-            by_storage.setdefault(storage, name)
+            by_identity.setdefault(identity, name)
         elif name in meta.shared_params:
             aliases[name] = meta.shared_params[name]
         elif name in buffer_names:
             buffers[name] = None
-        elif storage in by_storage:
-            aliases[name] = by_storage[storage]
+        elif identity in by_identity:
+            aliases[name] = by_identity[identity]
         elif ckpt.stage != 3 and isinstance(value, torch.Tensor):
             # Stage 1 saves no frozen_param_shapes; its frozen weights exist only here.
             undeclared_frozen.append(name)
-            by_storage.setdefault(storage, name)
+            by_identity.setdefault(identity, name)
         else:
             raise InconsistentCheckpointError(
                 f"module entry {name!r} has no data: it is not in 'param_shapes', 'frozen_param_shapes', "

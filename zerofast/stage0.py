@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InconsistentCheckpointError, UnsupportedCheckpointError
-from .plan import SourceTable, _Entry
+from .plan import SourceTable, _Entry, tensor_identity
 from .safe_load import LoadedCheckpoint
 
 
@@ -56,17 +56,17 @@ def _require_no_frozen(ckpt: LoadedCheckpoint, opt, n_params: int) -> None:
 
 
 def _module_parameters(ckpt: LoadedCheckpoint) -> dict[str, torch.Tensor]:
-    """Module entries that are parameters, one name per storage (tied names are aliases)."""
+    """Module entries that are parameters, one name per tensor (tied names are aliases)."""
     meta = ckpt.meta
     buffers = set(meta.buffer_names)
-    seen: set[int] = set()
+    seen: set[tuple] = set()
     out = {}
     for name, t in meta.module.items():
         if name in buffers or not isinstance(t, torch.Tensor) or name in meta.shared_params:
             continue
-        storage = t.untyped_storage()._cdata
-        if storage not in seen:
-            seen.add(storage)
+        identity = tensor_identity(t)
+        if identity not in seen:
+            seen.add(identity)
             out[name] = t
     return out
 
