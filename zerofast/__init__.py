@@ -3,6 +3,8 @@ from .errors import (
     AmbiguousTagError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ExportError,
+    OutputExistsError,
     IncompleteCheckpointError,
     InconsistentCheckpointError,
     NativeExtensionError,
@@ -10,6 +12,7 @@ from .errors import (
     UnsupportedCheckpointError,
     ZeroFastError,
 )
+from .write_shards import ExportResult, export, load_exported
 from .reconstruct import reconstruct
 from .write import LazyStateDict, TensorMeta
 
@@ -17,6 +20,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "reconstruct",
+    "export",
+    "load_exported",
+    "ExportResult",
+    "ExportError",
+    "OutputExistsError",
     "LazyStateDict",
     "TensorMeta",
     "ZeroFastError",

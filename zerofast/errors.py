@@ -46,3 +46,11 @@ class UnsupportedCheckpointError(ZeroFastError):
 
 class NativeExtensionError(ZeroFastError, ImportError):
     """The compiled extension is missing or was built against another torch."""
+
+
+class ExportError(ZeroFastError):
+    """The export's output folder cannot be written, or an exported folder cannot be read back."""
+
+
+class OutputExistsError(ExportError, FileExistsError):
+    """The output folder holds files zerofast did not write, or another export is writing there."""

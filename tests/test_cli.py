@@ -1,0 +1,206 @@
+"""The ``zerofast`` command: export, inspect, progress bar, and its one-line errors."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerofast
+from zerofast.cli import main
+from zerofast.write_shards import MARKER, load_exported
+
+from tests.dsgen.catalog import LAYOUTS, ensure_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+_NO_DEEPSPEED = importlib.util.find_spec("deepspeed") is None
+SMALL = "s2_bf16_w2_frozen_tied"
+
+
+def needs_deepspeed(test):
+    skip = pytest.mark.skipif(_NO_DEEPSPEED, reason="real checkpoints are made by DeepSpeed 0.19.8, "
+                                                    "which is not installed (pip install deepspeed==0.19.8)")
+    return pytest.mark.deepspeed(skip(test))
+
+
+@functools.lru_cache(maxsize=None)
+def _root(name: str) -> Path:
+    return ensure_checkpoint(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _truth(name: str) -> dict:
+    return torch.load(_root(name) / "ground_truth.pt", weights_only=True)
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _assert_one_error_line(err: str, *fragments: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zerofast: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+
+@needs_deepspeed
+def test_export_writes_files_and_a_summary(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["export", str(_root(SMALL)), str(out), "--dtype", "bf16", "--format", "torch",
+               "--max-shard-size", "2KB"])
+    stdout = capsys.readouterr().out
+    assert rc == 0
+    assert stdout.startswith("wrote ") and str(out) in stdout
+    assert (out / "pytorch_model.bin.index.json").is_file()
+    got = load_exported(out)
+    want = zerofast.reconstruct(_root(SMALL), torch.bfloat16)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("flag,dtype", [("keep", None), ("fp16", torch.float16)])
+def test_export_dtype_flag_follows_the_policy(tmp_path, flag, dtype):
+    assert main(["export", str(_root(SMALL)), str(tmp_path), "--dtype", flag, "--quiet"]) == 0
+    got = load_exported(tmp_path)
+    want = zerofast.reconstruct(_root(SMALL), dtype)
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@needs_deepspeed
+def test_export_flags_reach_the_export(tmp_path):
+    rc = main(["export", str(_root(SMALL)), str(tmp_path), "--exclude-frozen", "--duplicate-tied", "--quiet",
+               "--tag", _truth(SMALL)["tag"]])
+    assert rc == 0
+    got = load_exported(tmp_path)
+    assert not set(got) & set(_truth(SMALL)["frozen"])
+    for alias, source in _truth(SMALL)["tied"].items():
+        assert got[alias].data_ptr() != got[source].data_ptr()
+
+
+@needs_deepspeed
+def test_progress_bar_only_on_a_terminal_and_not_with_quiet(tmp_path, monkeypatch, capsys):
+    tty = _Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert main(["export", str(_root(SMALL)), str(tmp_path / "a")]) == 0
+    assert "export" in tty.getvalue() and "B/s" in tty.getvalue()
+    assert capsys.readouterr().out.startswith("wrote ")
+
+    quiet = _Tty()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    assert main(["export", str(_root(SMALL)), str(tmp_path / "b"), "--quiet"]) == 0
+    assert quiet.getvalue() == "" and capsys.readouterr().out == ""
+
+    piped = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", piped)
+    assert main(["export", str(_root(SMALL)), str(tmp_path / "c")]) == 0
+    assert piped.getvalue() == ""
+
+
+def test_missing_checkpoint_is_one_line_and_exit_1(tmp_path, capsys):
+    rc = main(["export", str(tmp_path / "nope"), str(tmp_path / "out")])
+    _assert_one_error_line(capsys.readouterr().err, str(tmp_path / "nope"))
+    assert rc == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_debug_adds_the_traceback(tmp_path, capsys):
+    rc = main(["inspect", str(tmp_path / "nope"), "--debug"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "Traceback" in err and "CheckpointNotFoundError" in err
+    assert err.strip().splitlines()[-1].startswith("zerofast: error: ")
+
+
+@needs_deepspeed
+def test_foreign_output_folder_is_one_line_naming_overwrite(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    rc = main(["export", str(_root(SMALL)), str(tmp_path)])
+    _assert_one_error_line(capsys.readouterr().err, "notes.txt", "--overwrite")
+    assert rc == 1
+    assert main(["export", str(_root(SMALL)), str(tmp_path), "--overwrite", "--quiet"]) == 0
+    assert sorted(os.listdir(tmp_path)) == [MARKER, "model.safetensors", "notes.txt"]
+
+
+@pytest.mark.parametrize("argv", [["export", "a", "b", "--max-shard-size", "5 parsecs"],
+                                  ["export", "a", "b", "--dtype", "fp8"], ["export", "a"]])
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "export" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+def _stored_bytes(truth: dict, dtype: torch.dtype | None) -> int:
+    total = 0
+    for group in ("trainable", "frozen", "buffers"):
+        for value in truth[group].values():
+            size = dtype.itemsize if dtype is not None and value.is_floating_point() else value.element_size()
+            total += value.numel() * size
+    return total
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_inspect_json_reports_the_checkpoint(layout, capsys):
+    assert main(["inspect", str(_root(layout)), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    truth = _truth(layout)
+    assert (report["stage"], report["world_size"], report["tag"]) == (truth["stage"], truth["world_size"], truth["tag"])
+    assert report["deepspeed_version"] == truth["ds_version"]
+    assert report["training_dtype"] == truth["spec"]["dtype"]
+    assert report["model_dtype"] == truth["model_dtype"]
+    assert report["tied"] == truth["tied"]
+    counts = {k: v["count"] for k, v in report["tensors"].items()}
+    assert counts["trainable"] + counts["frozen"] == len(truth["trainable"]) + len(truth["frozen"])
+    assert counts["buffer"] == len(truth["buffers"])
+    assert sum(v["bytes"] for v in report["tensors"].values()) == _stored_bytes(truth, None)
+    assert report["output_bytes"] == {"fp32": _stored_bytes(truth, torch.float32),
+                                      "bf16": _stored_bytes(truth, torch.bfloat16),
+                                      "fp16": _stored_bytes(truth, torch.float16),
+                                      "keep": _stored_bytes(truth, None)}
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_inspect_table_is_readable(layout, capsys):
+    assert main(["inspect", str(_root(layout))]) == 0
+    text = capsys.readouterr().out
+    truth = _truth(layout)
+    assert f"ZeRO-{truth['stage']}" in text and truth["tag"] in text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.strip()}
+    assert rows["world"][-1] == str(truth["world_size"])
+    assert int(rows["buffer"][1]) == len(truth["buffers"])
+    assert int(rows["fp32"][-2].replace(",", "")) == _stored_bytes(truth, torch.float32)
+    for alias, source in truth["tied"].items():
+        assert f"{alias} -> {source}" in text
+
+
+@needs_deepspeed
+def test_python_dash_m_runs_the_same_command():
+    proc = subprocess.run([sys.executable, "-m", "zerofast", "inspect", str(_root(SMALL)), "--json"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["stage"] == _truth(SMALL)["stage"]

@@ -1,0 +1,241 @@
+"""The ``zerofast`` command: ``export`` a checkpoint to Hugging Face-layout files, ``inspect`` one.
+
+Errors about the input or the output folder (every :class:`~zerofast.errors.ZeroFastError`) are
+reported as one line on stderr with exit code 1; ``--debug`` adds the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from collections import Counter
+from typing import Sequence, TextIO
+
+import torch
+
+from .errors import ZeroFastError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
+KINDS = ("trainable", "frozen", "buffer")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except ZeroFastError as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"zerofast: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("zerofast: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader left (`zerofast inspect ... | head`); point stdout at /dev/null so that
+        # Python's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--tag", help="which save to read when the root holds several (default: 'latest')")
+    common.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser = argparse.ArgumentParser(prog="zerofast", description="Consolidate DeepSpeed ZeRO checkpoints.")
+    parser.add_argument("--version", action="version", version=f"zerofast {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    ex = sub.add_parser("export", parents=[common], help="write Hugging Face-layout weight files",
+                        description="Write a checkpoint as model.safetensors / pytorch_model.bin (sharded with "
+                                    "an index when larger than --max-shard-size).")
+    ex.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
+    ex.add_argument("out", metavar="OUT", help="output folder")
+    ex.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                    help="dtype of floating tensors; 'keep' keeps what the checkpoint holds (default: fp32)")
+    ex.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    ex.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
+                    help="per-file limit: bytes, or e.g. 500MB, 5GB, 4GiB (default: 5GB)")
+    ex.add_argument("--exclude-frozen", action="store_true", help="leave out parameters that did not train")
+    ex.add_argument("--duplicate-tied", action="store_true",
+                    help="store tied weights as real copies instead of recording the aliases")
+    ex.add_argument("--overwrite", action="store_true",
+                    help="write into a non-empty folder zerofast did not write (replaces only weight files)")
+    ex.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    ex.set_defaults(run=_export)
+
+    ins = sub.add_parser("inspect", parents=[common], help="describe a checkpoint without converting it")
+    ins.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
+    ins.add_argument("--json", action="store_true", help="print the report as JSON")
+    ins.set_defaults(run=_inspect)
+    return parser
+
+
+def _size(text: str) -> int:
+    from .write_shards import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+
+def _export(args: argparse.Namespace) -> int:
+    from .write_shards import export
+
+    bar = _ProgressBar(enabled=not args.quiet and _is_tty(sys.stderr))
+    try:
+        result = export(args.ckpt, args.out, dtype=DTYPES[args.dtype], format=args.format,
+                        max_shard_size=args.max_shard_size, tag=args.tag, exclude_frozen=args.exclude_frozen,
+                        duplicate_tied=args.duplicate_tied, overwrite=args.overwrite, progress=bar)
+    finally:
+        bar.close()
+    if not args.quiet:
+        count = len(result.files) + (1 if result.index else 0)
+        tied = f", {len(result.aliases)} tied" if result.aliases else ""
+        print(f"wrote {count} file{'s' if count != 1 else ''} ({human_bytes(result.total_size)}, "
+              f"{result.tensors} tensors{tied}) to {result.out_dir} in {result.seconds:.2f} s")
+    return 0
+
+
+def _is_tty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class _ProgressBar:
+    """A tqdm bar of bytes written, created on the first report (when the total is known)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self._bar is None:
+            try:
+                from tqdm import tqdm
+            except ImportError:  # tqdm comes with the 'export' extra; without it, no bar
+                self.enabled = False
+                return
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="export", file=sys.stderr,
+                             dynamic_ncols=True, leave=False)
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+def describe(ckpt_dir, tag: str | None = None) -> dict:
+    """What ``inspect`` reports, as plain JSON-ready data. Reads metadata only, no tensor data."""
+    from .plan import out_dtype_for
+    from .reconstruct import prepare
+
+    prepared = prepare(ckpt_dir, None, tag=tag)
+    plan, ckpt = prepared.plan, prepared.checkpoint
+    tensors = {k: {"count": 0, "elements": 0, "bytes": 0, "dtypes": set()} for k in KINDS}
+    for tp in plan.tensors.values():
+        row = tensors[tp.kind]
+        row["count"] += 1
+        row["elements"] += tp.numel
+        row["bytes"] += tp.numel * tp.stored_dtype.itemsize
+        row["dtypes"].add(_dtype_name(tp.stored_dtype))
+    for row in tensors.values():
+        row["dtypes"] = sorted(row["dtypes"])
+    output = {label: sum(tp.numel * out_dtype_for(tp.stored_dtype, d).itemsize for tp in plan.tensors.values())
+              for label, d in DTYPES.items()}
+    return {
+        "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
+        "world_size": plan.world_size, "deepspeed_version": ckpt.ds_version,
+        "global_steps": ckpt.meta.raw.get("global_steps"),
+        "training_dtype": _training_dtype(ckpt.meta.raw.get("ds_config")),
+        "model_dtype": _model_dtype(ckpt.meta),
+        "tensors": tensors, "tied": dict(plan.aliases), "output_bytes": output,
+    }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _training_dtype(config) -> str | None:
+    """What the DeepSpeed config trained in: its bf16/fp16 sections, else fp32."""
+    if not isinstance(config, dict):
+        return None
+    for key, label in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        section = config.get(key)
+        if isinstance(section, dict) and section.get("enabled"):
+            return label
+    return "fp32"
+
+
+def _model_dtype(meta) -> str | None:
+    """The dtype the module's parameters were held in (stage 3 placeholders carry it too)."""
+    buffers = set(meta.buffer_names)
+    counts = Counter(_dtype_name(v.dtype) for k, v in meta.module.items()
+                     if k not in buffers and isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    report = describe(args.ckpt, tag=args.tag)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def format_report(r: dict) -> str:
+    lines = [
+        f"checkpoint    {r['checkpoint']}",
+        f"tag           {r['tag']}" + (f"  (global step {r['global_steps']})" if r["global_steps"] is not None else ""),
+        f"stage         ZeRO-{r['stage']}",
+        f"world size    {r['world_size']}",
+        f"deepspeed     {r['deepspeed_version'] or 'unknown'}",
+        f"training      {r['training_dtype'] or 'unknown'} (model held in {r['model_dtype'] or 'unknown'})",
+        "",
+        f"{'tensors':<10}{'count':>8}{'elements':>14}{'stored':>12}   dtypes",
+    ]
+    total = {"count": 0, "elements": 0, "bytes": 0}
+    for kind in KINDS:
+        row = r["tensors"][kind]
+        lines.append(f"{kind:<10}{row['count']:>8,}{row['elements']:>14,}{human_bytes(row['bytes']):>12}   "
+                     f"{', '.join(row['dtypes']) or '-'}")
+        total = {k: total[k] + row[k] for k in total}
+    lines.append(f"{'total':<10}{total['count']:>8,}{total['elements']:>14,}{human_bytes(total['bytes']):>12}")
+    lines += ["", "tied          " + (", ".join(f"{a} -> {s}" for a, s in r["tied"].items()) or "none"), ""]
+    lines.append(f"{'export as':<10}{'size':>12}")
+    for label, nbytes in r["output_bytes"].items():
+        lines.append(f"{label:<10}{human_bytes(nbytes):>12}   {nbytes:,} bytes")
+    return "\n".join(lines)
+
+
+def human_bytes(n: int) -> str:
+    """Decimal units, the ones ``--max-shard-size 5GB`` uses."""
+    if n < 1000:
+        return f"{n} B"
+    value = n / 1000
+    for unit in ("KB", "MB", "GB"):
+        if value < 1000:
+            return f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"

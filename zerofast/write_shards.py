@@ -1,0 +1,501 @@
+"""Step 5 for files (`zerofast.export`): write a checkpoint out in the Hugging Face layout, streaming.
+
+Safetensors files are laid out here (header first, then the data region, sized up front) and each
+tensor is gathered and cast by the native executor straight into a memory-mapped window of the
+file: the data is written once, and only one window (``_WINDOW_BYTES``) is mapped at a time, so
+memory stays flat whatever the model size. The torch format cannot stream (see ``_write_torch``).
+
+Everything is written into a temporary folder inside the output folder and moved to its final
+name only once every file is complete, the index last, so an interrupted export never leaves a
+file under a final name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import json
+import mmap
+import os
+import re
+import shutil
+import struct
+import time
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from .errors import ExportError, OutputExistsError
+from .execute import Executor
+from .plan import Plan, TensorPlan
+from .reconstruct import prepare
+
+FORMATS = ("safetensors", "torch")
+TIED_KEY = "zerofast_tied"  # metadata key: JSON string {alias: source} of tied names written once
+MARKER = ".zerofast-export.json"  # lists the files the last export put in the folder
+_TMP_DIR = re.compile(r"^\.zerofast-tmp-\d+$")
+_WINDOW_BYTES = 64 << 20
+
+# format -> (single file, shard pattern, index): the names transformers and huggingface_hub use
+_NAMES = {
+    "safetensors": ("model.safetensors", "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json"),
+    "torch": ("pytorch_model.bin", "pytorch_model-{:05d}-of-{:05d}.bin", "pytorch_model.bin.index.json"),
+}
+_WEIGHT_FILE = re.compile(r"^(model(-\d{5,}-of-\d{5,})?\.safetensors|pytorch_model(-\d{5,}-of-\d{5,})?\.bin)"
+                          r"(\.index\.json)?$")
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What an export wrote. ``files`` are the data files in shard order; ``index`` is None for one file."""
+
+    out_dir: Path
+    format: str
+    dtype: torch.dtype | None
+    files: tuple[str, ...]
+    index: str | None
+    total_size: int  # tensor bytes written, as the index's metadata counts them
+    tensors: int  # entries stored with their own data
+    aliases: dict[str, str]  # tied names recorded as {alias: source} rather than stored again
+    seconds: float
+
+    @property
+    def paths(self) -> list[Path]:
+        return [self.out_dir / n for n in (*self.files, *([self.index] if self.index else []))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shard planning: pure functions of the plan and the size limit.
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in a size limit as huggingface_hub reads it: ``"5GB"`` is 5*10**9, ``"5GiB"`` 5*2**30,
+    and an int (or a string of digits) is a count of bytes."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ValueError(f"max_shard_size must be an int or a string such as '5GB', got {size!r}")
+    if isinstance(size, int):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", size)
+        unit = m.group(2).upper() if m else None
+        if unit not in _UNITS:
+            raise ValueError(f"max_shard_size {size!r}: expected a number of bytes or a size such as '500MB', "
+                             "'5GB' or '4GiB'")
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+def plan_shards(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Group ``(name, nbytes)`` into shards as huggingface_hub does.
+
+    Names stay in order; a shard closes when the next tensor would take it over ``max_bytes``; a
+    tensor larger than the limit gets a shard of its own (appended as soon as it is met, while the
+    open shard stays open). There is always at least one shard.
+    """
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, nbytes in sizes:
+        if nbytes > max_bytes:
+            shards.append([name])
+            continue
+        if used + nbytes > max_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+@dataclass(frozen=True)
+class _File:
+    name: str
+    items: tuple[TensorPlan, ...]  # stored with their own data; ``tp.name`` is the name in the file
+    aliases: tuple[tuple[str, str], ...]  # torch format: (alias, source) that share the source's storage
+    keys: tuple[str, ...]  # every key of the file, in the model's order
+
+
+def shard_names(fmt: str, count: int) -> list[str]:
+    single, pattern, _ = _NAMES[fmt]
+    return [single] if count == 1 else [pattern.format(i + 1, count) for i in range(count)]
+
+
+def _stored_entries(plan: Plan, duplicate_tied: bool) -> list[TensorPlan]:
+    """Every tensor that gets its own data, in model order: tied aliases too when duplicated."""
+    out = []
+    for name in plan.order:
+        source = plan.aliases.get(name)
+        if source is None:
+            out.append(plan.tensors[name])
+        elif duplicate_tied:
+            out.append(dataclasses.replace(plan.tensors[source], name=name))
+    return out
+
+
+def layout(plan: Plan, fmt: str, max_bytes: int, duplicate_tied: bool = False) -> tuple[list[_File], dict[str, str]]:
+    """The files an export writes, and the tied names it records instead of storing them again.
+
+    An alias costs no bytes: safetensors lists it in the metadata, torch files hold it next to its
+    source so that the two keep sharing storage.
+    """
+    entries = {tp.name: tp for tp in _stored_entries(plan, duplicate_tied)}
+    groups = plan_shards(((n, tp.nbytes) for n, tp in entries.items()), max_bytes)
+    tied = {} if duplicate_tied else {a: plan.aliases[a] for a in plan.order if a in plan.aliases}
+    files = []
+    for name, group in zip(shard_names(fmt, len(groups)), groups):
+        members = set(group)
+        aliases = tuple((a, s) for a, s in tied.items() if s in members) if fmt == "torch" else ()
+        members.update(a for a, _ in aliases)
+        keys = tuple(k for k in plan.order if k in members)
+        files.append(_File(name, tuple(entries[n] for n in group), aliases, keys))
+    return files, tied
+
+
+def _index(fmt: str, files: Sequence[_File], tied: dict[str, str], total: int) -> dict:
+    weight_map = {key: f.name for f in files for key in f.keys}
+    metadata: dict = {"total_size": total}
+    if fmt == "safetensors" and tied:
+        metadata[TIED_KEY] = json.dumps(tied, sort_keys=True)
+    return {"metadata": metadata, "weight_map": weight_map}
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing one file.
+
+def _st_dtype(tp: TensorPlan) -> str:
+    try:
+        return _ST_DTYPES[tp.out_dtype]
+    except KeyError:
+        raise ExportError(f"{tp.name!r} has dtype {tp.out_dtype}, which safetensors cannot store; "
+                          "use --format torch") from None
+
+
+def safetensors_header(items: Sequence[TensorPlan], metadata: dict[str, str]) -> tuple[bytes, list[tuple[TensorPlan, int]]]:
+    """The file's first bytes (length prefix and JSON header) and each tensor's data offset.
+
+    safetensors wants the data packed without gaps, so tensors go in by falling itemsize: every
+    offset is then a multiple of its tensor's itemsize, and the typed views of the mapping are
+    aligned (the header is padded so the data region starts at a multiple of 8).
+    """
+    header: dict = {"__metadata__": metadata}
+    placed = []
+    pos = 0
+    for tp in sorted(items, key=lambda t: -t.out_dtype.itemsize):
+        header[tp.name] = {"dtype": _st_dtype(tp), "shape": list(tp.shape), "data_offsets": [pos, pos + tp.nbytes]}
+        placed.append((tp, pos))
+        pos += tp.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, placed
+
+
+def _write_safetensors(path: Path, file: _File, metadata: dict[str, str], executor: Executor,
+                       advance: Callable[[int], None]) -> None:
+    head, placed = safetensors_header(file.items, metadata)
+    with open(path, "w+b") as f:
+        f.write(head)
+        f.flush()
+        _reserve(f.fileno(), len(head) + sum(tp.nbytes for tp, _ in placed), path)
+        for start, end, batch in _windows(_pieces(placed, len(head))):
+            _fill(f.fileno(), start, end, batch, executor)
+            advance(end - start)
+
+
+def _reserve(fd: int, size: int, path: Path) -> None:
+    """Allocate the file's blocks up front: a full disk then fails here, as an error, rather than
+    killing the process with SIGBUS when a mapped page finds no room."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except AttributeError:  # no posix_fallocate on this platform
+        os.ftruncate(fd, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise ExportError(f"cannot reserve {size} bytes for the output file: {e.strerror}", path) from e
+        os.ftruncate(fd, size)
+
+
+def _pieces(placed: Iterable[tuple[TensorPlan, int]], base: int) -> Iterator[tuple[TensorPlan, int]]:
+    """(tensor or slice of one, file offset), each at most one window long."""
+    for tp, off in placed:
+        size = tp.out_dtype.itemsize
+        step = max(1, _WINDOW_BYTES // size)
+        for lo in range(0, tp.numel, step):
+            hi = min(tp.numel, lo + step)
+            yield (tp if hi - lo == tp.numel else tp.slice(lo, hi)), base + off + lo * size
+
+
+def _windows(pieces: Iterable[tuple[TensorPlan, int]]) -> Iterator[tuple[int, int, list[tuple[TensorPlan, int]]]]:
+    """Consecutive pieces grouped into byte ranges of at most one window."""
+    batch: list[tuple[TensorPlan, int]] = []
+    start = end = 0
+    for tp, off in pieces:
+        if batch and off + tp.nbytes - start > _WINDOW_BYTES:
+            yield start, end, batch
+            batch = []
+        if not batch:
+            start = off
+        batch.append((tp, off))
+        end = off + tp.nbytes
+    if batch:
+        yield start, end, batch
+
+
+def _fill(fd: int, start: int, end: int, batch: Sequence[tuple[TensorPlan, int]], executor: Executor) -> None:
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    # The tensor holds the only reference to the mapping, so returning unmaps it: written pages
+    # leave this process's memory and wait in the page cache for write-back.
+    window = torch.frombuffer(mmap.mmap(fd, end - base, offset=base), dtype=torch.uint8)
+    for tp, off in batch:
+        executor.run(tp, out=window[off - base:off - base + tp.nbytes].view(tp.out_dtype))
+
+
+def _write_torch(path: Path, file: _File, executor: Executor, advance: Callable[[int], None]) -> None:
+    # torch.save needs every tensor of a file in memory at once, so this format holds one shard
+    # (at most max_shard_size, or a single larger tensor) instead of streaming tensor by tensor.
+    made = {}
+    for tp in file.items:
+        made[tp.name] = executor.run(tp)
+        advance(tp.nbytes)
+    for alias, source in file.aliases:
+        made[alias] = made[source]
+    torch.save(OrderedDict((k, made[k]) for k in file.keys), path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The output folder: ownership, locking, the temporary folder, and the final moves.
+
+@contextmanager
+def _output_dir(out_dir: Path, overwrite: bool) -> Iterator[tuple[Path, list[str]]]:
+    """Lock ``out_dir``, check that it may be written, and yield a fresh temporary folder inside
+    it plus the files the previous export left there. The temporary folder goes in any case."""
+    _make_dir(out_dir)
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        _lock(fd, out_dir)
+        previous = _check_owner(out_dir, overwrite)
+        for name in os.listdir(out_dir):
+            if _TMP_DIR.match(name):  # the lock says no export is alive to own it
+                shutil.rmtree(out_dir / name, ignore_errors=True)
+        tmp = out_dir / f".zerofast-tmp-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            yield tmp, previous
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _make_dir(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OutputExistsError("expected an output folder, found a file", out_dir) from None
+    except OSError as e:
+        raise ExportError(f"cannot create the output folder: {e.strerror}", out_dir) from e
+
+
+def _lock(fd: int, out_dir: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise OutputExistsError("another zerofast export is writing into this folder", out_dir) from None
+
+
+def _read_marker(out_dir: Path) -> list[str]:
+    try:
+        files = json.loads((out_dir / MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
+
+
+def _check_owner(out_dir: Path, overwrite: bool) -> list[str]:
+    previous = _read_marker(out_dir)
+    ours = set(previous) | {MARKER}
+    foreign = sorted(n for n in os.listdir(out_dir) if n not in ours and not _TMP_DIR.match(n))
+    if foreign and not overwrite:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OutputExistsError(
+            f"the folder holds files zerofast did not write ({shown}); pass overwrite=True (--overwrite) to "
+            "export into it anyway, replacing only model weight files", out_dir)
+    return previous
+
+
+def _commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | None, previous: Sequence[str]) -> None:
+    """Move the finished files into place, the index last, after removing what they replace.
+
+    The marker claims the new names before anything moves, so a rerun after an interruption here
+    still recognizes every file as zerofast's. Old indexes go first: no index ever lists shards
+    that are missing or half replaced.
+    """
+    final = [*data_files, *([index] if index else [])]
+    _write_marker(out_dir, tmp, sorted(set(previous) | set(final)))
+    stale = set(previous) | {n for n in os.listdir(out_dir) if _WEIGHT_FILE.match(n)}
+    for name in sorted(stale, key=lambda n: not n.endswith(".index.json")):
+        path = out_dir / name
+        if name not in data_files and path.is_file():
+            path.unlink()
+    for name in final:
+        os.replace(tmp / name, out_dir / name)
+    _write_marker(out_dir, tmp, final)
+
+
+def _write_marker(out_dir: Path, tmp: Path, files: Sequence[str]) -> None:
+    staged = tmp / MARKER
+    staged.write_text(json.dumps({"written_by": "zerofast", "files": list(files)}, indent=2) + "\n")
+    os.replace(staged, out_dir / MARKER)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32,
+           format: str = "safetensors", max_shard_size: int | str = "5GB", tag: str | None = None,
+           exclude_frozen: bool = False, duplicate_tied: bool = False, overwrite: bool = False,
+           progress: Progress | None = None) -> ExportResult:
+    """Write a DeepSpeed ZeRO checkpoint out as Hugging Face-layout weight files.
+
+    Args:
+        ckpt_dir: the checkpoint root (holding ``latest``) or a tag folder.
+        out_dir: the folder to write; created if missing. A folder holding files zerofast did not
+            write is refused unless ``overwrite`` is set; a previous zerofast export is replaced.
+        dtype: as for :func:`zerofast.reconstruct` (``None`` keeps the checkpoint's dtypes).
+        format: ``"safetensors"`` (streamed into the files) or ``"torch"`` (``torch.save``, one
+            shard in memory at a time).
+        max_shard_size: per-file limit, an int of bytes or a string such as ``"5GB"``/``"4GiB"``.
+        tag, exclude_frozen: as for :func:`zerofast.reconstruct`.
+        duplicate_tied: write tied weights as real copies instead of recording the aliases.
+        overwrite: write into a non-empty folder that zerofast did not write; only model weight
+            files (``model*.safetensors``, ``pytorch_model*.bin`` and their indexes) are replaced.
+        progress: called as ``progress(bytes_done, bytes_total)``, first with 0, then as data lands.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    limit = parse_size(max_shard_size)
+    started = time.monotonic()
+    prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)
+    files, tied = layout(prepared.plan, format, limit, duplicate_tied)
+    total = sum(tp.nbytes for f in files for tp in f.items)
+    advance = _counter(progress, total)
+    executor = prepared.streaming_executor()
+    out = Path(out_dir)
+    with _output_dir(out, overwrite) as (tmp, previous):
+        for f in files:
+            if format == "torch":
+                _write_torch(tmp / f.name, f, executor, advance)
+            else:
+                _write_safetensors(tmp / f.name, f, _file_metadata(tied, len(files)), executor, advance)
+        index = _NAMES[format][2] if len(files) > 1 else None
+        if index:
+            (tmp / index).write_text(json.dumps(_index(format, files, tied, total), indent=2, sort_keys=True) + "\n")
+        _commit(out, tmp, [f.name for f in files], index, previous)
+    return ExportResult(out, format, dtype, tuple(f.name for f in files), index, total,
+                        sum(len(f.items) for f in files), tied, time.monotonic() - started)
+
+
+def _file_metadata(tied: dict[str, str], count: int) -> dict[str, str]:
+    # transformers refuses a safetensors file whose metadata lacks format "pt"
+    metadata = {"format": "pt"}
+    if tied and count == 1:
+        metadata[TIED_KEY] = json.dumps(tied, sort_keys=True)
+    return metadata
+
+
+def _counter(progress: Progress | None, total: int) -> Callable[[int], None]:
+    done = 0
+    if progress is not None:
+        progress(0, total)
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
+
+    return advance
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading an export back.
+
+def load_exported(out_dir: str | os.PathLike) -> "OrderedDict[str, torch.Tensor]":
+    """Read an exported folder (either format, one file or an index of shards) with the plain
+    safetensors/torch loaders and tie the recorded aliases back: ``sd[alias] is sd[source]``."""
+    out = Path(out_dir)
+    for fmt in FORMATS:
+        single, _, index = _NAMES[fmt]
+        if (out / single).is_file():
+            tensors, metadata = _read_weights(out / single, fmt)
+            return _tie(tensors, _tied_from(metadata, out / single), out / single)
+        if (out / index).is_file():
+            return _load_indexed(out / index, fmt)
+    raise ExportError("expected model.safetensors, pytorch_model.bin or one of their index files, found none", out)
+
+
+def _load_indexed(index_path: Path, fmt: str) -> "OrderedDict[str, torch.Tensor]":
+    try:
+        index = json.loads(index_path.read_text())
+        weight_map, metadata = dict(index["weight_map"]), dict(index.get("metadata") or {})
+    except (ValueError, KeyError, TypeError) as e:
+        raise ExportError(f"expected an index with a 'weight_map', could not read it ({e})", index_path) from None
+    merged: dict[str, torch.Tensor] = {}
+    for name in dict.fromkeys(weight_map.values()):
+        merged.update(_read_weights(index_path.parent / name, fmt)[0])
+    missing = sorted(set(weight_map) - set(merged))
+    if missing:
+        raise ExportError(f"the index lists {len(missing)} tensors its files do not hold, e.g. {missing[:3]}",
+                          index_path)
+    return _tie(merged, _tied_from(metadata, index_path), index_path)
+
+
+def _read_weights(path: Path, fmt: str) -> tuple[dict[str, torch.Tensor], dict]:
+    if not path.is_file():
+        raise ExportError("the index lists this file, but it is missing", path)
+    if fmt == "torch":
+        return torch.load(path, map_location="cpu", weights_only=True), {}
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata() or {}
+    return load_file(path), metadata
+
+
+def _tied_from(metadata: dict, where: Path) -> dict[str, str]:
+    raw = metadata.get(TIED_KEY)
+    if raw is None:
+        return {}
+    try:
+        tied = json.loads(raw) if isinstance(raw, str) else raw
+        return {str(a): str(s) for a, s in tied.items()}
+    except (ValueError, AttributeError):
+        raise ExportError(f"expected {TIED_KEY!r} to hold a JSON object {{alias: source}}, found {raw!r}",
+                          where) from None
+
+
+def _tie(tensors: dict[str, torch.Tensor], tied: dict[str, str], where: Path) -> "OrderedDict[str, torch.Tensor]":
+    out = OrderedDict(tensors)
+    for alias, source in tied.items():
+        if source not in out:
+            raise ExportError(f"tied weight {alias!r} points to {source!r}, which the export does not hold", where)
+        out[alias] = out[source]
+    return out
