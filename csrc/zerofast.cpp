@@ -14,7 +14,12 @@ TORCH_LIBRARY(zerofast, m) {
   // Copies `segments` rows (source index, source offset, output offset, length), counted in
   // elements, from 1-D contiguous `sources` into the 1-D contiguous `out`, casting each element
   // from the source dtype to out's dtype exactly as Tensor.to would.
-  m.def("gather_cast(Tensor[] sources, Tensor segments, Tensor(a!) out) -> ()");
+  //
+  // `stream_sources` promises that every source is a clean, private, read-only file mapping
+  // that nobody else holds: the kernel then asks the OS to read the ranges ahead, and drops
+  // the pages it has read from this process, so a pass over a large checkpoint does not keep
+  // the input resident next to the output.
+  m.def("gather_cast(Tensor[] sources, Tensor segments, Tensor(a!) out, bool stream_sources=False) -> ()");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -10,11 +10,19 @@ from .plan import TensorPlan
 
 
 class Executor:
-    """Materializes :class:`TensorPlan` entries from the source tensors they index."""
+    """Materializes :class:`TensorPlan` entries from the source tensors they index.
 
-    def __init__(self, sources: Sequence[torch.Tensor], device: str | torch.device = "cpu"):
+    With ``streamable`` (one flag per source: is it a private file mapping nobody else holds?),
+    the native op reads those sources ahead and drops their pages once read, so one pass over a
+    checkpoint keeps only the output resident. Only callers that never hand a source view to
+    the user may pass it; the lazy mapping does hand out views, so it does not.
+    """
+
+    def __init__(self, sources: Sequence[torch.Tensor], device: str | torch.device = "cpu",
+                 streamable: Sequence[bool] | None = None):
         self.sources = sources
         self.device = torch.device(device)
+        self.streamable = streamable
 
     def run(self, tp: TensorPlan, out: torch.Tensor | None = None) -> torch.Tensor:
         """Write ``tp`` into ``out`` (a fresh tensor when None) and return it in its shape."""
@@ -26,8 +34,11 @@ class Executor:
                              f"{flat.numel()} x {flat.dtype}")
         if tp.segments:
             sources, segments = self._local(tp)
-            ops.gather_cast(sources, segments, flat)
+            ops.gather_cast(sources, segments, flat, stream_sources=self._streams(tp))
         return out.view(tp.shape)
+
+    def _streams(self, tp: TensorPlan) -> bool:
+        return self.streamable is not None and all(self.streamable[s[0]] for s in tp.segments)
 
     def view_or_run(self, tp: TensorPlan) -> torch.Tensor:
         """Like :meth:`run`, but a tensor stored whole in the requested dtype comes back as a view

@@ -39,9 +39,11 @@ def load_native() -> None:
     _loaded = True
 
 
-def gather_cast(sources: Sequence[torch.Tensor], segments: torch.Tensor, out: torch.Tensor) -> None:
+def gather_cast(sources: Sequence[torch.Tensor], segments: torch.Tensor, out: torch.Tensor,
+                stream_sources: bool = False) -> None:
+    """See the schema in csrc/zerofast.cpp. ``stream_sources`` only changes memory behaviour."""
     if not native_enabled():
         reference.gather_cast(sources, segments, out)
         return
     load_native()
-    torch.ops.zerofast.gather_cast(list(sources), segments, out)
+    torch.ops.zerofast.gather_cast(list(sources), segments, out, stream_sources)

@@ -7,6 +7,7 @@ all run the same plan through the same executor.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -48,6 +49,15 @@ class TensorPlan:
     def nbytes(self) -> int:
         return self.numel * self.out_dtype.itemsize
 
+    def slice(self, lo: int, hi: int) -> "TensorPlan":
+        """Elements ``[lo, hi)`` of this tensor (flattened) as a 1-D plan of their own."""
+        segments = []
+        for src, src_off, dst_off, length in self.segments:
+            a, b = max(dst_off, lo), min(dst_off + length, hi)
+            if a < b:
+                segments.append((src, src_off + a - dst_off, a - lo, b - a))
+        return dataclasses.replace(self, shape=(hi - lo,), segments=tuple(segments))
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -84,6 +94,7 @@ class SourceTable:
     def __init__(self) -> None:
         self.refs: list[SourceRef] = []
         self.tensors: list[torch.Tensor] = []
+        self.mapped: list[bool] = []  # still a view of the file mapping (not copied to fit)
         self._index: dict[tuple[str, str], int] = {}
 
     def add(self, file: str, key: str, tensor: torch.Tensor) -> int:
@@ -93,6 +104,7 @@ class SourceTable:
             self._index[ident] = len(self.refs)
             self.refs.append(SourceRef(file, key, tensor.dtype, flat.numel()))
             self.tensors.append(flat)
+            self.mapped.append(tensor.is_contiguous())
         return self._index[ident]
 
 

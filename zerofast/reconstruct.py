@@ -22,6 +22,11 @@ class Prepared:
     checkpoint: LoadedCheckpoint
     plan: Plan
     sources: list[torch.Tensor]
+    mapped: list[bool]  # per source: a view of a file mapping, not a copy
+
+    def streaming_executor(self, device: str | torch.device = "cpu") -> Executor:
+        """An executor for one pass that hands no source views out (eager dict, export)."""
+        return Executor(self.sources, device, streamable=self.mapped)
 
 
 def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
@@ -31,7 +36,7 @@ def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float
     ckpt = load_checkpoint(discover(ckpt_dir, tag))
     table = SourceTable()
     plan = build_plan(ckpt, table, dtype, exclude_frozen=exclude_frozen)
-    return Prepared(ckpt, plan, table.tensors)
+    return Prepared(ckpt, plan, table.tensors, table.mapped)
 
 
 def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
@@ -57,7 +62,6 @@ def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.f
     if device.type != "cpu":
         raise NotImplementedError(f"device={str(device)!r}: only the CPU executor is built so far")
     prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)
-    executor = Executor(prepared.sources, device)
     if lazy:
-        return LazyStateDict(prepared.plan, executor)
-    return eager_state_dict(prepared.plan, executor)
+        return LazyStateDict(prepared.plan, Executor(prepared.sources, device))
+    return eager_state_dict(prepared.plan, prepared.streaming_executor(device))

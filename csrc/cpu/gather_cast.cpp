@@ -4,7 +4,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -56,11 +60,33 @@ void copy_piece(const SourceView& v, int64_t src_off, const OutView& out, int64_
   }
 }
 
+// Page advice on source mappings. madvise is advisory here: a failure costs memory or speed,
+// never correctness, so its result is ignored.
+const uintptr_t kPage = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+
+void advise(const char* begin, int64_t nbytes, int advice, bool whole_pages_only) {
+  uintptr_t lo = reinterpret_cast<uintptr_t>(begin);
+  uintptr_t hi = lo + static_cast<uintptr_t>(nbytes);
+  // Dropping must spare pages shared with a neighbouring range another thread may be reading;
+  // reading ahead may cover them.
+  lo = whole_pages_only ? (lo + kPage - 1) / kPage * kPage : lo / kPage * kPage;
+  hi = whole_pages_only ? hi / kPage * kPage : (hi + kPage - 1) / kPage * kPage;
+  if (hi > lo) (void)madvise(reinterpret_cast<void*>(lo), hi - lo, advice);
+}
+
+void read_ahead(const std::vector<SourceView>& views, const int64_t* seg, int64_t nseg) {
+  for (int64_t i = 0; i < nseg; ++i) {
+    const SourceView& v = views[seg[4 * i]];
+    advise(v.base + seg[4 * i + 1] * v.itemsize, seg[4 * i + 3] * v.itemsize, MADV_WILLNEED, false);
+  }
+}
+
 // Work is split by element count, not by segment, so one huge tensor and many tiny ones
 // both spread evenly over the threads.
 constexpr int64_t kGrainElements = 1 << 18;
 
-void gather_cast_cpu(const std::vector<at::Tensor>& sources, const at::Tensor& segments, const at::Tensor& out) {
+void gather_cast_cpu(const std::vector<at::Tensor>& sources, const at::Tensor& segments, const at::Tensor& out,
+                     bool stream_sources) {
   check_gather_cast_args(sources, segments, out);
   const int64_t nseg = segments.size(0);
   if (nseg == 0) return;
@@ -74,6 +100,7 @@ void gather_cast_cpu(const std::vector<at::Tensor>& sources, const at::Tensor& s
   const auto views = source_views(sources);
   const OutView out_view{static_cast<char*>(out.mutable_data_ptr()), static_cast<int64_t>(out.element_size()),
                          out.scalar_type()};
+  if (stream_sources) read_ahead(views, seg, nseg);
 
   at::parallel_for(0, total, kGrainElements, [&](int64_t begin, int64_t end) {
     int64_t k = std::upper_bound(ends.begin(), ends.end(), begin) - ends.begin();
@@ -82,7 +109,11 @@ void gather_cast_cpu(const std::vector<at::Tensor>& sources, const at::Tensor& s
       const int64_t seg_start = ends[k] - s[3];
       const int64_t skip = begin - seg_start;
       const int64_t n = std::min(end, ends[k]) - begin;
-      if (n > 0) copy_piece(views[s[0]], s[1] + skip, out_view, s[2] + skip, n);
+      if (n > 0) {
+        const SourceView& v = views[s[0]];
+        copy_piece(v, s[1] + skip, out_view, s[2] + skip, n);
+        if (stream_sources) advise(v.base + (s[1] + skip) * v.itemsize, n * v.itemsize, MADV_DONTNEED, true);
+      }
       begin += n;
       ++k;
     }
