@@ -1,0 +1,117 @@
+"""One benchmark measurement, run in a fresh process: ``python benchmarks/case.py CASE CKPT OUT``.
+
+Prints one JSON line: seconds after imports, bytes produced, peak RSS. The parent process adds
+the whole-process time. Cases that need DeepSpeed import it here, so zerofast's own cases never
+pay for it.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+def _nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def zf_eager(ckpt, out):
+    import zerofast
+
+    t0 = time.perf_counter()
+    sd = zerofast.reconstruct(ckpt)
+    return time.perf_counter() - t0, _nbytes(sd.values())
+
+
+def zf_lazy(ckpt, out):
+    import zerofast
+
+    t0 = time.perf_counter()
+    sd = zerofast.reconstruct(ckpt, lazy=True)
+    total = 0
+    for name in sd:
+        t = sd[name]  # built, then dropped: peak memory is one tensor
+        total += t.numel() * t.element_size()
+    return time.perf_counter() - t0, total
+
+
+def ds_eager(ckpt, out):
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    t0 = time.perf_counter()
+    sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+    # DeepSpeed leaves frozen weights in bf16; the same fp32 contract costs it this cast.
+    sd = {k: v.float() if v.is_floating_point() and v.dtype != torch.float32 else v for k, v in sd.items()}
+    return time.perf_counter() - t0, _nbytes(sd.values())
+
+
+def _export(ckpt, out, dtype):
+    import zerofast as zexport
+
+    t0 = time.perf_counter()
+    zexport.export(ckpt, out, dtype=dtype, max_shard_size="1GB", progress=False)
+    return time.perf_counter() - t0, _dir_bytes(out)
+
+
+def zf_export(ckpt, out):
+    import torch
+
+    return _export(ckpt, out, torch.float32)
+
+
+def zf_export_bf16(ckpt, out):
+    import torch
+
+    return _export(ckpt, out, torch.bfloat16)
+
+
+def ds_export(ckpt, out):
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    t0 = time.perf_counter()
+    convert_zero_checkpoint_to_fp32_state_dict(str(ckpt), str(out), safe_serialization=True, max_shard_size="1GB")
+    return time.perf_counter() - t0, _dir_bytes(out)
+
+
+def floor(ckpt, out):
+    """One plain copy of every byte the consolidation must read, into fresh buffers."""
+    import torch
+
+    from zerofast.reconstruct import prepare
+
+    prepared = prepare(ckpt)  # metadata only: the sources stay memory-mapped
+    t0 = time.perf_counter()
+    copies = [torch.empty_like(src).copy_(src) for src in prepared.sources]
+    return time.perf_counter() - t0, _nbytes(copies)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+CASES = {f.__name__: f for f in (zf_eager, zf_lazy, ds_eager, zf_export, zf_export_bf16, ds_export, floor)}
+
+
+def main() -> None:
+    case, ckpt, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    try:
+        seconds, nbytes = CASES[case](ckpt, out)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(json.dumps({"case": case, "seconds": seconds, "bytes": nbytes, "peak_rss": rss}), flush=True)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Benchmark workloads: large checkpoints in DeepSpeed 0.19.8's exact on-disk format.
+
+Two shapes, sized by --params (default about 500M) at world size 4, bf16 training:
+- ``zero3``: ZeRO-3, every parameter trainable;
+- ``zero2_frozen``: ZeRO-2 with a frozen bf16 base holding half the weights (the LoRA shape).
+They are written by zerofast's synthesizer, which writes what the engine writes (Adam moments
+included), so both tools read the same bytes they would read after real training.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from zerofast.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
+
+DIM = 2048
+
+
+def _layers(prefix: str, n_params: int) -> list[ParamSpec]:
+    """Transformer-like blocks of (4*DIM x DIM) weights plus biases, totalling about n_params."""
+    per_block = 2 * 4 * DIM * DIM + 4 * DIM + DIM
+    blocks = max(1, round(n_params / per_block))
+    specs = []
+    for i in range(blocks):
+        specs += [ParamSpec(f"{prefix}.{i}.up.weight", (4 * DIM, DIM)), ParamSpec(f"{prefix}.{i}.up.bias", (4 * DIM,)),
+                  ParamSpec(f"{prefix}.{i}.down.weight", (DIM, 4 * DIM)), ParamSpec(f"{prefix}.{i}.down.bias", (DIM,))]
+    return specs
+
+
+def workload(name: str, n_params: int, world_size: int) -> LayoutSpec:
+    buffers = [BufferSpec("position_ids", (4096,), torch.int64)]
+    if name == "zero3":
+        params = _layers("layers", n_params)
+        groups = [[p for p in params if p.name.endswith("weight")], [p for p in params if p.name.endswith("bias")]]
+        return LayoutSpec(stage=3, world_size=world_size, model_dtype=torch.bfloat16, groups=groups, buffers=buffers)
+    if name == "zero2_frozen":
+        trainable = _layers("adapters", n_params // 2)
+        frozen = _layers("base", n_params // 2)
+        return LayoutSpec(stage=2, world_size=world_size, model_dtype=torch.bfloat16, groups=[trainable],
+                          frozen=frozen, buffers=buffers)
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def ensure(root: Path, name: str, n_params: int, world_size: int) -> Path:
+    """Write workload ``name`` under ``root`` unless an identical one is already there."""
+    target = root / f"{name}-{n_params // 10**6}M-w{world_size}"
+    stamp = target / "workload.json"
+    want = {"name": name, "params": n_params, "world_size": world_size}
+    if stamp.is_file() and json.loads(stamp.read_text()) == want:
+        return target
+    t0 = time.perf_counter()
+    truth = synthesize(target, workload(name, n_params, world_size))
+    total = sum(t.numel() for d in (truth.trainable, truth.frozen) for t in d.values())
+    stamp.write_text(json.dumps(want))
+    print(f"wrote {target} ({total / 1e6:.0f}M parameters) in {time.perf_counter() - t0:.1f}s", flush=True)
+    return target
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--root", type=Path, default=Path(__file__).parent / "data")
+    ap.add_argument("--params", type=float, default=500e6)
+    ap.add_argument("--world-size", type=int, default=4)
+    args = ap.parse_args()
+    for name in ("zero3", "zero2_frozen"):
+        ensure(args.root, name, int(args.params), args.world_size)
+
+
+if __name__ == "__main__":
+    main()

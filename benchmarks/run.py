@@ -1,0 +1,137 @@
+"""zerofast against DeepSpeed 0.19.8 and against the copy floor, side by side in one run.
+
+Each measurement runs in a fresh process (benchmarks/case.py); the cases of one round alternate
+tools, and the table reports medians over the rounds. Warm runs read the files once first; cold
+runs drop the page cache before each measurement (needs root; skipped with a note otherwise).
+Results go to benchmarks/results/<timestamp>.json and a markdown table is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from benchmarks.generate import ensure  # noqa: E402
+
+EAGER = ["floor", "zf_eager", "ds_eager", "zf_lazy"]
+EXPORT = ["zf_export", "ds_export", "zf_export_bf16"]
+
+
+def drop_caches() -> bool:
+    try:
+        subprocess.run(["sync"], check=True)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def warm(ckpt: Path) -> None:
+    for p in ckpt.rglob("*.pt"):
+        with open(p, "rb") as f:
+            while f.read(1 << 24):
+                pass
+
+
+def measure(case: str, ckpt: Path, scratch: Path) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(HERE / "case.py"), case, str(ckpt), str(scratch / case)],
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{case} on {ckpt} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process_seconds"] = wall
+    return result
+
+
+def run_rounds(cases, ckpt, scratch, rounds, cold) -> dict[str, list[dict]]:
+    samples: dict[str, list[dict]] = {c: [] for c in cases}
+    for r in range(rounds):
+        order = cases if r % 2 == 0 else list(reversed(cases))  # alternate who goes first
+        for case in order:
+            if cold:
+                drop_caches()
+            else:
+                warm(ckpt)
+            samples[case].append(measure(case, ckpt, scratch))
+            s = samples[case][-1]
+            print(f"  round {r + 1} {'cold' if cold else 'warm'} {case:15s} {s['seconds']:7.2f}s "
+                  f"rss {s['peak_rss'] / 2**20:7.0f} MiB", flush=True)
+    return samples
+
+
+def median(samples, key) -> float:
+    return statistics.median(s[key] for s in samples)
+
+
+def summarize(samples: dict[str, list[dict]]) -> dict[str, dict]:
+    return {c: {"seconds": median(s, "seconds"), "process_seconds": median(s, "process_seconds"),
+                "peak_rss": median(s, "peak_rss"), "bytes": s[0]["bytes"],
+                "gb_per_s": s[0]["bytes"] / median(s, "seconds") / 1e9} for c, s in samples.items() if s}
+
+
+def table(results: dict) -> str:
+    lines = ["| workload | cache | case | s (after imports) | s (process) | GB/s | peak RSS MiB | vs floor | DeepSpeed / zerofast |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    rivals = {"zf_eager": "ds_eager", "zf_lazy": "ds_eager", "zf_export": "ds_export", "zf_export_bf16": "ds_export"}
+    for (workload, cache), cases in results.items():
+        floor = cases.get("floor", {}).get("seconds")
+        for case, m in cases.items():
+            vs_floor = f"{m['seconds'] / floor:.2f}x" if floor else ""
+            rival = cases.get(rivals.get(case, ""), {}).get("seconds")
+            speedup = f"{rival / m['seconds']:.2f}x" if rival else ""
+            lines.append(f"| {workload} | {cache} | {case} | {m['seconds']:.2f} | {m['process_seconds']:.2f} | "
+                         f"{m['gb_per_s']:.2f} | {m['peak_rss'] / 2**20:.0f} | {vs_floor} | {speedup} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--data", type=Path, default=HERE / "data")
+    ap.add_argument("--params", type=float, default=500e6)
+    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-cold", action="store_true")
+    ap.add_argument("--no-export", action="store_true")
+    args = ap.parse_args()
+    has_ds = importlib.util.find_spec("deepspeed") is not None
+    cases = EAGER + ([] if args.no_export else EXPORT)
+    if not has_ds:
+        cases = [c for c in cases if not c.startswith("ds_")]
+        print("DeepSpeed is not installed: its cases are skipped")
+    modes = [False] + ([] if args.no_cold else [True])
+    if not args.no_cold and not drop_caches():
+        print("cannot drop the page cache (needs root): cold runs skipped")
+        modes = [False]
+    results, notes = {}, []
+    with tempfile.TemporaryDirectory(dir=args.data.parent if args.data.parent.exists() else None) as scratch:
+        for workload in ("zero3", "zero2_frozen"):
+            ckpt = ensure(args.data, workload, int(args.params), args.world_size)
+            for cold in modes:
+                print(f"{workload} ({'cold' if cold else 'warm'} cache)", flush=True)
+                samples = run_rounds(cases, ckpt, Path(scratch), args.rounds, cold)
+                results[(workload, "cold" if cold else "warm")] = summarize(samples)
+    report = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+              "params": args.params, "world_size": args.world_size, "rounds": args.rounds, "notes": notes,
+              "results": {f"{w}/{c}": v for (w, c), v in results.items()}}
+    out = HERE / "results" / time.strftime("%Y%m%d-%H%M%S.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(table(results))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
