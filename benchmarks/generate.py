@@ -3,6 +3,7 @@
 Two shapes, sized by --params (default about 500M) at world size 4, bf16 training:
 - ``zero3``: ZeRO-3, every parameter trainable;
 - ``zero2_frozen``: ZeRO-2 with a frozen bf16 base holding half the weights (the LoRA shape).
+A third, ``many_small`` (ZeRO-3, 50k tensors, 50M parameters), measures per-tensor overhead.
 They are written by zerofast's synthesizer, which writes what the engine writes (Adam moments
 included), so both tools read the same bytes they would read after real training.
 """
@@ -42,6 +43,13 @@ def workload(name: str, n_params: int, world_size: int) -> LayoutSpec:
         frozen = _layers("base", n_params // 2)
         return LayoutSpec(stage=2, world_size=world_size, model_dtype=torch.bfloat16, groups=[trainable],
                           frozen=frozen, buffers=buffers)
+    if name == "many_small":
+        # Per-tensor overhead dominates here: 50k tensors of about 1k elements each.
+        count = 50_000
+        side = max(1, int((n_params / count) ** 0.5))
+        params = [ParamSpec(f"t.{i}.weight", (side, side + i % 3)) for i in range(count)]
+        return LayoutSpec(stage=3, world_size=world_size, model_dtype=torch.bfloat16, groups=[params],
+                          with_optimizer_states=False)
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -68,6 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     for name in ("zero3", "zero2_frozen"):
         ensure(args.root, name, int(args.params), args.world_size)
+    ensure(args.root, "many_small", 50_000_000, args.world_size)
 
 
 if __name__ == "__main__":

@@ -117,11 +117,13 @@ def main() -> None:
         modes = [False]
     results, notes = {}, []
     with tempfile.TemporaryDirectory(dir=args.data.parent if args.data.parent.exists() else None) as scratch:
-        for workload in ("zero3", "zero2_frozen"):
-            ckpt = ensure(args.data, workload, int(args.params), args.world_size)
-            for cold in modes:
+        for workload in ("zero3", "zero2_frozen", "many_small"):
+            size = 50_000_000 if workload == "many_small" else int(args.params)
+            ckpt = ensure(args.data, workload, size, args.world_size)
+            for cold in modes if workload != "many_small" else [False]:
                 print(f"{workload} ({'cold' if cold else 'warm'} cache)", flush=True)
-                samples = run_rounds(cases, ckpt, Path(scratch), args.rounds, cold)
+                wanted = cases if workload != "many_small" else [c for c in cases if c in EAGER]
+                samples = run_rounds(wanted, ckpt, Path(scratch), args.rounds, cold)
                 results[(workload, "cold" if cold else "warm")] = summarize(samples)
     report = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
               "params": args.params, "world_size": args.world_size, "rounds": args.rounds, "notes": notes,
