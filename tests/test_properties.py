@@ -72,7 +72,11 @@ def test_exclude_frozen_on_random_layouts(spec):
                 sd = zerofast.reconstruct(root, exclude_frozen=True)
             except zerofast.UnsupportedCheckpointError:
                 return
-            assert not truth.frozen and spec.with_optimizer_states
+            # Zero-element trainables count as frozen only where DeepSpeed records them so
+            # (stages 2-3); stage 0 records nothing, and they trained, so they stay.
+            assert all(v.numel() == 0 for v in truth.frozen.values()) and spec.with_optimizer_states
+            _check(sd, truth, torch.float32)
+            return
         else:
             sd = zerofast.reconstruct(root, exclude_frozen=True)
         _check(sd, truth, torch.float32, exclude_frozen=True)

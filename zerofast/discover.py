@@ -21,7 +21,10 @@ MODEL_FILE_STAGE012 = "mp_rank_00_model_states.pt"
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _TENSOR_PARALLEL = re.compile(r"mp_rank_(\d+)_")
-_UNSUPPORTED_PREFIXES = {"expert_": "mixture-of-experts", "layer_": "pipeline-parallel"}
+# DeepSpeed's names: MoE experts "[layer_<L>_]expert_<E>_mp_rank_XX_model_states.pt" and
+# "expp_rank_<R>_mp_rank_XX_optim_states.pt"; pipeline layers "layer_<NN>-model_states.pt".
+_UNSUPPORTED = ((re.compile(r"^(layer_\d+_)?expert_\d+_|^expp_rank_"), "mixture-of-experts"),
+                (re.compile(r"^layer_"), "pipeline-parallel"))
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,8 @@ def discover(ckpt_dir: str | os.PathLike, tag: str | None = None) -> CheckpointF
     """Resolve ``ckpt_dir`` (a checkpoint root or a tag folder) and list its rank files."""
     root = Path(ckpt_dir)
     if not root.is_dir():
-        raise CheckpointNotFoundError("expected a DeepSpeed checkpoint folder, found no such directory", root)
+        found = "a file" if root.exists() else "no such directory"
+        raise CheckpointNotFoundError(f"expected a DeepSpeed checkpoint folder, found {found}", root)
     if tag is None and _holds_model_states(root):
         return _list_files(root.parent, root.name, root)
     tag = tag if tag is not None else _pick_tag(root)
@@ -64,9 +68,19 @@ def _tag_folders(root: Path) -> list[str]:
 def _pick_tag(root: Path) -> str:
     latest = root / "latest"
     if latest.is_file():
-        tag = latest.read_text().strip()
+        with open(latest, "rb") as f:
+            data = f.read(4097)  # a tag is a folder name; never read a huge file whole
+        try:
+            tag = data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise CheckpointNotFoundError(f"expected a tag name in 'latest', found binary data {data[:20]!r}",
+                                          latest) from None
         if not tag:
             raise CheckpointNotFoundError("expected a tag name in 'latest', found an empty file", latest)
+        # 'latest' comes with the checkpoint; it must not send zerofast to another folder.
+        if len(data) > 4096 or Path(tag).is_absolute() or ".." in Path(tag).parts:
+            raise CheckpointNotFoundError(
+                f"expected a tag name in 'latest' (a folder under {root.name}), found {tag[:80]!r}", latest)
         return tag
     tags = _tag_folders(root)
     if len(tags) == 1:
@@ -88,6 +102,10 @@ def _list_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
         raise IncompleteCheckpointError(
             f"expected either {MODEL_FILE_STAGE012} (stages 0-2) or zero_pp_rank_*_model_states.pt (stage 3), "
             "found both: the folder mixes two saves", tag_dir)
+    if not zero3 and not has_plain and optim:
+        raise IncompleteCheckpointError(
+            f"expected {MODEL_FILE_STAGE012} or zero_pp_rank_*_mp_rank_00_model_states.pt next to {len(optim)} "
+            "optimizer files, found neither", tag_dir)
     if not zero3 and not has_plain:
         raise CheckpointNotFoundError(
             f"expected {MODEL_FILE_STAGE012} or zero_pp_rank_*_mp_rank_00_model_states.pt, found neither", tag_dir)
@@ -101,8 +119,8 @@ def _list_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
 
 def _reject_unsupported(tag_dir: Path, names: list[str]) -> None:
     for name in names:
-        for prefix, what in _UNSUPPORTED_PREFIXES.items():
-            if name.startswith(prefix) and name.endswith(".pt"):
+        for pattern, what in _UNSUPPORTED:
+            if pattern.match(name) and name.endswith(".pt"):
                 raise UnsupportedCheckpointError(f"{what} checkpoints are not supported yet (found {name})", tag_dir)
         m = _TENSOR_PARALLEL.search(name)
         if m and name.endswith(".pt") and int(m.group(1)) != 0:

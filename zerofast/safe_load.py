@@ -1,15 +1,16 @@
 """Step 2: read checkpoint files without running code and without importing DeepSpeed.
 
-Files are opened with torch's restricted (``weights_only``) unpickler. DeepSpeed's classes are
-resolved to the inert stand-ins in :mod:`zerofast.stand_ins`; any other global is refused while
-unpickling, before anything is built. Tensors are memory-mapped, so the large ones (fp32 masters,
-Adam moments) are not read here at all.
+Each file's zip directory is checked by :mod:`zerofast.archive`, then unpickled by
+:mod:`zerofast.unpickle`: the C unpickler, resolving only allowlisted globals (DeepSpeed's
+classes become the inert stand-ins of :mod:`zerofast.stand_ins`) and refusing every other one
+while unpickling, before anything is built. Tensors are memory-mapped, so the large ones (fp32
+masters, Adam moments) are not read here at all. The metadata planning relies on is
+type-checked here, with the file in hand.
 """
 from __future__ import annotations
 
 import pickle
-import threading
-import zipfile
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,42 +24,29 @@ from .errors import (
     InconsistentCheckpointError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
+    ZeroFastError,
 )
-from .stand_ins import STAND_INS
-
-# torch keeps user-allowed globals in one process-wide set; the lock stops one load's exit from
-# removing the stand-ins while another thread is still unpickling.
-_ALLOWLIST_LOCK = threading.Lock()
-_ALLOWLIST = [(obj, name) for name, obj in STAND_INS.items()]
-
+from .stand_ins import RefusedState
+from .unpickle import Refused, load_archive
 
 def load_file(path: Path) -> Any:
     """Unpickle one ``torch.save`` file with memory-mapped tensors and only allowlisted globals."""
-    _check_archive(path)
     try:
-        with _ALLOWLIST_LOCK, torch.serialization.safe_globals(_ALLOWLIST):
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise _classify_unpickling_error(path, e) from None
-    except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise CorruptCheckpointError(f"expected a readable torch.save archive, got: {_first_line(e)}", path) from e
-
-
-def _check_archive(path: Path) -> None:
-    if not zipfile.is_zipfile(path):
-        raise CorruptCheckpointError("expected a torch.save zip archive; the file is truncated or not one", path)
-
-
-def _classify_unpickling_error(path: Path, e: pickle.UnpicklingError) -> Exception:
-    text = str(e)
-    marker = "GLOBAL "
-    if marker in text:
-        refused = text.split(marker, 1)[1].split()[0]
-        return UnsafeCheckpointError(
-            f"refused pickle global {refused!r}: DeepSpeed checkpoints do not need it; nothing was executed", path)
-    if "reduce" in text or "new object" in text or "build" in text.lower() or "blocked" in text:
-        return UnsafeCheckpointError(f"refused pickle operation ({_first_line(e)}); nothing was executed", path)
-    return CorruptCheckpointError(f"expected a valid pickle, got: {_first_line(e)}", path)
+        return load_archive(path)
+    except Refused as e:
+        raise UnsafeCheckpointError(
+            f"refused pickle global {e.global_name!r}: DeepSpeed checkpoints do not need it; nothing was executed",
+            path) from None
+    except RefusedState as e:
+        raise UnsafeCheckpointError(
+            f"refused pickle global {e.global_name!r}: {e.reason}; nothing was executed", path) from None
+    except ZeroFastError:
+        raise
+    # A malformed pickle fails inside the unpickler or a rebuild function with any of these (bad
+    # opcodes, bad arguments, a storage too small for its tensor, ...).
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, TypeError, IndexError, KeyError,
+            AttributeError, AssertionError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
+        raise CorruptCheckpointError(f"expected a valid pickle in data.pkl, got: {_first_line(e)}", path) from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -115,8 +103,10 @@ def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
     """Read every file of one save and settle its stage and world size."""
     model_states = [_model_states(p) for p in files.model_files]
     optim_states = [_optim_states(p) for p in files.optim_files]
+    _check_parallelism(model_states[0])
     stage = _stage(files, model_states, optim_states)
     world_size = _world_size(files, stage, model_states, optim_states)
+    _check_flat_groups(stage, optim_states)
     return LoadedCheckpoint(files, stage, world_size, model_states, optim_states)
 
 
@@ -126,37 +116,77 @@ def _expect_dict(path: Path, obj: Any, what: str) -> dict:
     return obj
 
 
+# The pickle decides every type below. Each is checked here, where the file is known, so that
+# planning never meets a string where it expects an int (and never fails with a bare TypeError).
+
+def _expect_list(path: Path, obj: Any, what: str) -> list:
+    if not isinstance(obj, (list, tuple)):
+        raise CorruptCheckpointError(f"expected {what} to be a list, found {type(obj).__name__}", path)
+    return list(obj)
+
+
+def _expect_int(path: Path, obj: Any, what: str, minimum: int = 0) -> int:
+    if type(obj) is not int or obj < minimum:  # bool is an int to Python, never to DeepSpeed
+        raise CorruptCheckpointError(f"expected {what} to be an int >= {minimum}, found {obj!r:.80}", path)
+    return obj
+
+
+def _expect_names(path: Path, obj: Any, what: str) -> list[str]:
+    names = _expect_list(path, obj, what)
+    for n in names:
+        if not isinstance(n, str):
+            raise CorruptCheckpointError(f"expected {what} to hold names (str), found {type(n).__name__}", path)
+    return names
+
+
+def _expect_mapping(path: Path, obj: Any, what: str, value_type: type, value_what: str) -> dict:
+    mapping = _expect_dict(path, obj, what)
+    for k, v in mapping.items():
+        if not isinstance(k, str) or not isinstance(v, value_type):
+            raise CorruptCheckpointError(
+                f"expected {what} to map names (str) to {value_what}, found {type(k).__name__} -> "
+                f"{type(v).__name__} for {k!r:.80}", path)
+    return mapping
+
+
 def _shape(path: Path, name: str, value: Any) -> tuple[int, ...]:
-    try:
-        return tuple(int(d) for d in value)
-    except TypeError:
-        raise InconsistentCheckpointError(f"expected a shape for {name!r}, found {value!r}", path) from None
+    if not isinstance(value, (tuple, list)) or not all(type(d) is int and d >= 0 for d in value):
+        raise InconsistentCheckpointError(f"expected a shape (non-negative ints) for {name!r}, found {value!r:.80}",
+                                          path)
+    return tuple(value)
 
 
 def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:
-    return {name: _shape(path, name, s) for name, s in _expect_dict(path, mapping, what).items()}
+    return {name: _shape(path, name, s) for name, s in _expect_mapping(path, mapping, what, object, "shapes").items()}
 
 
 def _model_states(path: Path) -> ModelStates:
     raw = _expect_dict(path, load_file(path), "the model-states file")
     if "module" not in raw:
-        raise CorruptCheckpointError(f"expected a 'module' entry, found keys {sorted(raw)[:12]}", path)
-    module = _expect_dict(path, raw["module"], "'module'")
+        raise CorruptCheckpointError(f"expected a 'module' entry, found keys {sorted(map(str, raw))[:12]}", path)
+    module = _expect_mapping(path, raw["module"], "'module'", object, "tensors")
+    for name, value in module.items():
+        if not isinstance(value, torch.Tensor):
+            raise UnsupportedCheckpointError(
+                f"expected every 'module' entry to be a tensor, found a {type(value).__name__} for {name!r} "
+                "(non-tensor extra state is not supported yet)", path)
     shapes = raw.get("param_shapes")
     if shapes is not None:
         if isinstance(shapes, dict):  # very old DeepSpeed saved a single group unwrapped
             shapes = [shapes]
-        shapes = [_shapes(path, g, "a 'param_shapes' group") for g in shapes]
+        shapes = [_shapes(path, g, "a 'param_shapes' group") for g in _expect_list(path, shapes, "'param_shapes'")]
     frozen = raw.get("frozen_param_shapes")
+    dp_world_size = raw.get("dp_world_size")
     return ModelStates(
         path=path,
         module=module,
-        buffer_names=list(raw.get("buffer_names") or []),
+        buffer_names=_expect_names(path, raw.get("buffer_names") or [], "'buffer_names'"),
         param_shapes=shapes,
         frozen_param_shapes=None if frozen is None else _shapes(path, frozen, "'frozen_param_shapes'"),
-        frozen_param_fragments=dict(raw.get("frozen_param_fragments") or {}),
-        shared_params=dict(raw.get("shared_params") or {}),
-        dp_world_size=raw.get("dp_world_size"),
+        frozen_param_fragments=dict(_expect_mapping(path, raw.get("frozen_param_fragments") or {},
+                                                    "'frozen_param_fragments'", torch.Tensor, "tensors")),
+        shared_params=dict(_expect_mapping(path, raw.get("shared_params") or {}, "'shared_params'", str, "names")),
+        dp_world_size=None if dp_world_size is None else _expect_int(path, dp_world_size, "'dp_world_size'", 1),
         raw=raw,
     )
 
@@ -169,28 +199,55 @@ def _optim_states(path: Path) -> OptimStates:
         raise CorruptCheckpointError(
             "expected 'fp32_flat_groups' (stage 3) or 'single_partition_of_fp32_groups' (stages 1-2) in "
             f"'optimizer_state_dict', found keys {sorted(map(str, osd))[:12]}", path)
-    groups = list(osd[key])
+    groups = _expect_list(path, osd[key], f"{key!r}")
     for i, g in enumerate(groups):
-        if not isinstance(g, torch.Tensor) or g.dim() != 1:
-            raise CorruptCheckpointError(f"expected {key}[{i}] to be a 1-D tensor, found {type(g).__name__}", path)
+        if not isinstance(g, torch.Tensor) or g.dim() != 1 or not g.is_floating_point():
+            found = f"a {g.dim()}-D {g.dtype} tensor" if isinstance(g, torch.Tensor) else type(g).__name__
+            raise CorruptCheckpointError(f"expected {key}[{i}] to be a 1-D floating-point tensor, found {found}",
+                                         path)
     count = osd.get("partition_count")
     if isinstance(count, (list, tuple)):
-        # Expert groups may use another data-parallel size; the dense world is the largest.
-        count = max(int(c) for c in count) if count else None
+        counts = {_expect_int(path, c, "each 'partition_count'", 1) for c in count}
+        if len(counts) > 1:
+            # Expert (MoE) groups are partitioned over their own, smaller data-parallel group; the
+            # flat buffers of those groups do not follow the dense layout.
+            raise UnsupportedCheckpointError(
+                f"mixture-of-experts checkpoints are not supported yet (per-group partition_count {list(count)})",
+                path)
+        count = counts.pop() if counts else None
+    stage = osd.get("zero_stage")
+    pads = osd.get("param_alignment_paddings")
+    if pads is not None:
+        pads = [_expect_list(path, g, "a 'param_alignment_paddings' group")
+                for g in _expect_list(path, pads, "'param_alignment_paddings'")]
+        for g in pads:
+            for p in g:
+                _expect_int(path, p, "each 'param_alignment_paddings' entry")
     return OptimStates(
         path=path,
-        zero_stage=osd.get("zero_stage"),
-        partition_count=None if count is None else int(count),
+        zero_stage=None if stage is None else _expect_int(path, stage, "'zero_stage'"),
+        partition_count=None if count is None else _expect_int(path, count, "'partition_count'", 1),
         flat_groups=groups,
-        param_alignment_paddings=osd.get("param_alignment_paddings"),
+        param_alignment_paddings=pads,
         raw=raw,
     )
+
+
+_KNOWN_STAGES = (0, 1, 2, 3)
 
 
 def _stage(files: CheckpointFiles, models: list[ModelStates], optims: list[OptimStates]) -> int:
     if not optims:
         return 0
     recorded = optims[0].zero_stage
+    for o in optims[1:]:
+        if o.zero_stage != recorded:
+            raise InconsistentCheckpointError(
+                f"expected zero_stage {recorded} (as in {optims[0].path.name}), found {o.zero_stage}", o.path)
+    if recorded is not None and recorded not in _KNOWN_STAGES:
+        raise UnsupportedCheckpointError(
+            f"expected ZeRO stage 0, 1, 2 or 3, found zero_stage {recorded}: a stage zerofast does not know",
+            optims[0].path)
     if files.partitioned_model_states:
         if recorded not in (None, 3):
             raise InconsistentCheckpointError(
@@ -201,7 +258,9 @@ def _stage(files: CheckpointFiles, models: list[ModelStates], optims: list[Optim
         # its flat fp32 partitions follow the stage-1 layout.
         return 1
     if recorded not in (1, 2):
-        raise UnsupportedCheckpointError(f"expected zero_stage 1 or 2, found {recorded!r}", optims[0].path)
+        raise InconsistentCheckpointError(
+            f"expected zero_stage 1 or 2 next to a single {files.model_files[0].name}, found {recorded}",
+            optims[0].path)
     return recorded
 
 
@@ -209,6 +268,11 @@ def _world_size(files: CheckpointFiles, stage: int, models: list[ModelStates], o
     meta = models[0]
     if stage == 0:
         return int(meta.dp_world_size or 1)
+    for o in optims[1:]:
+        if o.partition_count != optims[0].partition_count:
+            raise InconsistentCheckpointError(
+                f"expected partition_count {optims[0].partition_count} (as in {optims[0].path.name}), found "
+                f"{o.partition_count}", o.path)
     recorded = optims[0].partition_count or meta.dp_world_size
     found = len(optims)
     if recorded is None:
@@ -224,3 +288,46 @@ def _world_size(files: CheckpointFiles, stage: int, models: list[ModelStates], o
             f"partition_count is {recorded} but only {found} optimizer rank files are present (ranks "
             f"{found}..{recorded - 1} missing)", files.tag_dir)
     return recorded
+
+
+def _check_parallelism(meta: ModelStates) -> None:
+    """Only the model-parallel rank 00 files are read; a save with tensor or pipeline parallelism
+    has more, and they may simply be missing from this folder (so discovery cannot see them)."""
+    dims = meta.raw.get("checkpoint_parallel_dimensions")
+    dims = dims if isinstance(dims, dict) else {}
+    for what, degree, kind in (("mp_world_size", meta.raw.get("mp_world_size"), "tensor-parallel"),
+                               ("tp_degree", dims.get("tp_degree"), "tensor-parallel"),
+                               ("pp_degree", dims.get("pp_degree"), "pipeline-parallel")):
+        if degree is not None and degree != 1:
+            raise UnsupportedCheckpointError(
+                f"{kind} checkpoints are not supported yet (expected {what} 1, found {degree!r:.40})", meta.path)
+
+
+def _check_flat_groups(stage: int, optims: list[OptimStates]) -> None:
+    """Every rank's flat groups share one dtype. At stages 1-2 a group's flat buffer is cut into
+    equal partitions, and DeepSpeed saves them without the group's end padding: so the ranks
+    hold [P, ..., P, p <= P, 0, ..., 0] elements. Any other shortfall would shift every later
+    parameter, so it is refused instead."""
+    if not optims or not optims[0].flat_groups:
+        return
+    first = optims[0]
+    dtype = first.flat_groups[0].dtype
+    for o in optims:
+        for i, g in enumerate(o.flat_groups):
+            if g.dtype != dtype:
+                raise InconsistentCheckpointError(
+                    f"expected every flat group in {dtype} (as {first.path.name}'s first), found {g.dtype} in group "
+                    f"{i}", o.path)
+        if stage in (1, 2) and len(o.flat_groups) != len(first.flat_groups):
+            raise InconsistentCheckpointError(
+                f"expected {len(first.flat_groups)} flat groups (as in {first.path.name}), found {len(o.flat_groups)}",
+                o.path)
+    if stage not in (1, 2):
+        return
+    for i, g0 in enumerate(first.flat_groups):
+        sizes = [o.flat_groups[i].numel() for o in optims]
+        for r, o in enumerate(optims):
+            if sizes[r] > g0.numel() or (sizes[r] < g0.numel() and any(sizes[r + 1:])):
+                raise InconsistentCheckpointError(
+                    f"expected group {i}'s partition to hold {g0.numel()} elements (as in {first.path.name}), found "
+                    f"{sizes[r]}; only the partitions at the end of a group may be shorter", o.path)

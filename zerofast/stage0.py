@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InconsistentCheckpointError, UnsupportedCheckpointError
+from .errors import CorruptCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
 from .plan import SourceTable, _Entry, tensor_identity
 from .safe_load import LoadedCheckpoint
 
@@ -81,33 +81,80 @@ def _slots(ckpt, table, opt, params, model_dtype) -> list[_Slot]:
     path = str(ckpt.meta.path)
     slots: list[_Slot] = []
     if "fp32_groups" in opt:
-        for g, group in enumerate(opt["fp32_groups"]):
-            for i, t in enumerate(group):
+        for g, group in enumerate(_masters(ckpt, opt["fp32_groups"], "optimizer.fp32_groups")):
+            for i, t in enumerate(_masters(ckpt, group, f"optimizer.fp32_groups[{g}]", tensors=True)):
                 where = f"optimizer.fp32_groups[{g}][{i}]"
                 slots.append(_Slot(table.add(path, where, t), 0, tuple(t.shape), where))
         return slots
-    for g, flat in enumerate(opt["fp32_groups_flat"]):
+    for g, flat in enumerate(_masters(ckpt, opt["fp32_groups_flat"], "optimizer.fp32_groups_flat", tensors=True)):
         where = f"optimizer.fp32_groups_flat[{g}]"
         slots += _walk_flat(ckpt, table.add(path, where, flat), flat.reshape(-1), params, model_dtype, where)
     return slots
 
 
+def _masters(ckpt, value, where: str, tensors: bool = False) -> list:
+    """``value`` as a list (of floating-point tensors with ``tensors``); the pickle decides its type."""
+    ok = isinstance(value, (list, tuple)) and (
+        not tensors or all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in value))
+    if not ok:
+        raise CorruptCheckpointError(
+            f"expected {where} to be a list{' of floating-point tensors' if tensors else ''}, found "
+            f"{type(value).__name__}{'' if not isinstance(value, (list, tuple)) else ' with other items'}",
+            ckpt.meta.path)
+    return list(value)
+
+
 def _walk_flat(ckpt, src, flat, params, model_dtype, where) -> list[_Slot]:
-    """Cut a flat master buffer into parameters by matching values from the front."""
-    slots, offset = [], 0
-    while offset < flat.numel():
-        shapes = {tuple(t.shape) for t in params.values()
-                  if offset + t.numel() <= flat.numel() and t.numel() > 0
-                  and torch.equal(flat[offset:offset + t.numel()].to(model_dtype), t.reshape(-1))}
-        if len(shapes) != 1:
-            raise InconsistentCheckpointError(
-                f"cannot map {where} at element {offset} to exactly one module parameter "
-                f"({'none' if not shapes else len(shapes)} candidates match master.to({model_dtype}))",
-                ckpt.meta.path)
-        shape = shapes.pop()
-        slots.append(_Slot(src, offset, shape, f"{where}[{offset}:]"))
+    """Cut a flat master buffer into parameters by matching values.
+
+    At an offset several parameters may match a prefix (a 1-element weight equal to the first
+    element of a longer one), so every way to tile the buffer with matching parameters is
+    followed; exactly one complete tiling must exist.
+    """
+    by_key: dict[tuple[int, bytes], set[tuple[int, ...]]] = {}
+    for t in params.values():
+        if t.numel() > 0:
+            by_key.setdefault((t.numel(), _digest(t.reshape(-1))), set()).add(tuple(t.shape))
+    numels = sorted({n for n, _ in by_key})
+    total = flat.numel()
+
+    def shapes_at(offset: int) -> set[tuple[int, ...]]:
+        found: set[tuple[int, ...]] = set()
+        for n in numels:
+            if offset + n > total:
+                break
+            found |= by_key.get((n, _digest(flat[offset:offset + n].to(model_dtype))), set())
+        return found
+
+    steps = _tilings(total, shapes_at)
+    if steps is None:
+        raise InconsistentCheckpointError(
+            f"cannot cut {where} into module parameters: no sequence of parameters whose values equal "
+            f"master.to({model_dtype}) covers it exactly, or more than one does", ckpt.meta.path)
+    return [_Slot(src, offset, shape, f"{where}[{offset}:]") for offset, shape in steps]
+
+
+def _tilings(total: int, shapes_at) -> list[tuple[int, tuple[int, ...]]] | None:
+    """The unique path of (offset, shape) steps from 0 to ``total``, or None if none or several."""
+    options: dict[int, list[tuple[int, ...]]] = {}
+    frontier = [0]
+    while frontier:  # every offset some sequence of matches can reach
+        offset = frontier.pop()
+        if offset in options or offset >= total:
+            continue
+        options[offset] = sorted(shapes_at(offset))
+        frontier += [offset + torch.Size(s).numel() for s in options[offset]]
+    ways = {total: 1}
+    for offset in sorted(options, reverse=True):  # complete tilings from each offset, capped at 2
+        ways[offset] = min(2, sum(ways.get(offset + torch.Size(s).numel(), 0) for s in options[offset]))
+    if ways.get(0, 0) != 1:
+        return None
+    steps, offset = [], 0
+    while offset < total:
+        shape = next(s for s in options[offset] if ways.get(offset + torch.Size(s).numel(), 0) == 1)
+        steps.append((offset, shape))
         offset += torch.Size(shape).numel()
-    return slots
+    return steps
 
 
 def _digest(t: torch.Tensor) -> bytes:
