@@ -69,6 +69,12 @@ LAYOUTS: dict[str, dict] = {
         "ds_config": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
                       "zero_force_ds_cpu_optimizer": False},
     },
+    "s2_fp32_w3_elastic": {
+        # elastic_checkpoint: base_optimizer_state is a list of per-group states with the last
+        # rank's group padding stripped, not the torch optimizer's state_dict().
+        "stage": 2, "world_size": 3, "dtype": "fp32", "n_groups": 2,
+        "ds_config": {"zero_optimization": {"elastic_checkpoint": True}},
+    },
     # -- stage 3 --
     "s3_bf16_w2_frozen_tied": {
         "stage": 3, "world_size": 2, "dtype": "bf16", "n_groups": 2,

@@ -17,6 +17,10 @@ lists, dicts, ints and strings, so ``torch.load(path, weights_only=True)`` reads
     tied             alias -> source name (the alias is in neither trainable nor frozen)
     empty_trainable  names of trainable zero-element params (recorded under "frozen")
     param_groups     list per optimizer group of trainable names (DeepSpeed's group order)
+    optimizer_states key -> name -> full fp32 optimizer state of each trainable parameter, from
+                     safe_get_full_optimizer_state, for the keys in OPTIMIZER_KEYS (stages 1-3;
+                     empty at stage 0, where DeepSpeed has no such accessor)
+    optimizer_step   the wrapped optimizer's per-parameter ``step`` (None at stage 0)
     model_dtype, stage, world_size, tag, spec, ds_version
 
 Spec keys: stage, world_size, dtype ("bf16"|"fp32"), n_groups, steps, tag, model (kwargs
@@ -34,7 +38,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
-from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 
 def _load_models():
@@ -47,6 +51,9 @@ def _load_models():
 
 
 models = _load_models()
+
+# Adam's per-element states, gathered for the ground truth of zerofast.optimizer_state.
+OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def read_spec(arg: str) -> dict:
@@ -172,6 +179,8 @@ def main():
 
     masters = stage0_fp32_masters(engine, stage)
     trainable, frozen = {}, {}
+    optimizer_states = {key: {} for key in OPTIMIZER_KEYS} if stage else {}
+    relink_optimizer_state(engine)
     # Every rank walks the same parameters in the same order: the gathers are collectives.
     for name, p in module.named_parameters():
         if p.requires_grad and full_numel(p) > 0:
@@ -182,6 +191,8 @@ def main():
                 if full is None:
                     raise RuntimeError(f"safe_get_full_fp32_param({name}) returned None at stage {stage}")
             trainable[name] = full.detach().float().cpu().clone().reshape(full_shape(p))
+            for key in optimizer_states:  # collective like the fp32 gather: same order on every rank
+                optimizer_states[key][name] = full_optimizer_state(p, key, name)
         else:
             if hasattr(p, "ds_id"):
                 with deepspeed.zero.GatheredParameters([p]):
@@ -209,6 +220,8 @@ def main():
             # groups and saves them with the frozen ones; they are listed under "frozen" too.
             "empty_trainable": [n for n, p in module.named_parameters() if p.requires_grad and full_numel(p) == 0],
             "param_groups": group_names,
+            "optimizer_states": optimizer_states,
+            "optimizer_step": inner_optimizer_step(engine, stage),
             "model_dtype": model_dtype,
             "stage": stage,
             "world_size": world,
@@ -221,6 +234,37 @@ def main():
         torch.load(tmp, weights_only=True)  # fail here, not in the tests, if it isn't plain
         os.replace(tmp, outdir / "ground_truth.pt")
     dist.barrier()
+
+
+def full_optimizer_state(p, key, name):
+    value = safe_get_full_optimizer_state(p, key)
+    if value is None:
+        raise RuntimeError(f"safe_get_full_optimizer_state({name}, {key!r}) returned None")
+    return value.detach().float().cpu().clone().reshape(full_shape(p))
+
+
+def relink_optimizer_state(engine):
+    """Point every parameter's optimizer-state fragments at the live state, for all groups.
+
+    DeepSpeed 0.19.8's ZeRO 1-2 optimizer links them once, right after it steps the first param
+    group, when later groups have no state yet; their parameters then fail
+    safe_get_full_optimizer_state with "exp_avg not found". Linking again after training reads
+    the same live state tensors through DeepSpeed's own accessor.
+    """
+    opt = engine.optimizer
+    if hasattr(opt, "_hp_optimizer_states_linked") and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+
+
+def inner_optimizer_step(engine, stage):
+    """The ``step`` the wrapped torch optimizer keeps per flat parameter; all of them agree."""
+    if stage == 0:
+        return None
+    steps = {float(s["step"]) for s in engine.optimizer.optimizer.state.values() if "step" in s}
+    if len(steps) != 1:
+        raise RuntimeError(f"expected one step value across the optimizer state, found {sorted(steps)}")
+    return steps.pop()
 
 
 def full_numel(p):

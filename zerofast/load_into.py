@@ -1,0 +1,125 @@
+"""``zerofast.load_into``: fill a model's parameters and buffers straight from a ZeRO checkpoint.
+
+Nothing like a state dict is built. Each tensor of the plan is gathered and cast by the native
+executor directly into the model's own memory when the model is on the CPU, contiguous, and the
+cast is one the executor does; otherwise it goes through a temporary of that one tensor. So the
+peak extra memory is one tensor, never a second copy of the model. Writing in place (rather than
+swapping in new tensors) is also what keeps tied parameters tied and optimizers pointing at them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import NamedTuple
+
+import torch
+
+from .errors import ZeroFastError
+from .execute import Executor
+from .plan import Plan, TensorPlan, out_dtype_for
+from .reconstruct import prepare
+
+# The dtypes the native op casts between; any other pair must match exactly.
+_CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+class IncompatibleKeys(NamedTuple):
+    """Names the model and the checkpoint do not share, as ``Module.load_state_dict`` reports them."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class LoadIntoError(ZeroFastError, RuntimeError):
+    """The model does not fit the checkpoint: missing or unexpected names (strict), or shapes."""
+
+
+def load_into(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, strict: bool = True, tag: str | None = None,
+              dtype: torch.dtype | None = None) -> IncompatibleKeys:
+    """Load a DeepSpeed ZeRO checkpoint into ``model`` in place, tensor by tensor.
+
+    Args:
+        model: any module whose ``state_dict()`` names match the checkpoint; its tensors may live
+            on the CPU or on a GPU and keep their device, dtype and identity.
+        ckpt_dir: the checkpoint root (holding ``latest``) or a tag folder.
+        strict: raise :class:`LoadIntoError` before writing anything if a name is missing on
+            either side. Otherwise the names in common are loaded and the rest reported.
+        tag: which save to read when the root holds several.
+        dtype: ``None`` (default) casts each tensor once, to the dtype of the model's own tensor.
+            A floating dtype first rounds the values to it, as loading
+            ``zerofast.reconstruct(ckpt_dir, dtype)`` would.
+
+    Returns:
+        ``IncompatibleKeys(missing_keys, unexpected_keys)``, by name, in model and checkpoint order.
+    """
+    prepared = prepare(ckpt_dir, None, tag=tag)
+    plan = prepared.plan
+    targets = model.state_dict(keep_vars=True)
+    result = _compare_names(plan, targets)
+    if strict and (result.missing_keys or result.unexpected_keys):
+        raise LoadIntoError(_describe(result), prepared.checkpoint.files.tag_dir)
+    missing = set(result.missing_keys)
+    pairs = [(name, _plan_of(plan, name)) for name in targets if name not in missing]
+    _check_shapes(pairs, targets, prepared.checkpoint.files.tag_dir)
+    executor = prepared.streaming_executor()
+    written: set[int] = set()
+    with torch.no_grad():
+        for name, tp in pairs:
+            target = targets[name]
+            if id(target) in written:  # a tied tensor: the model lists it under each of its names
+                continue
+            _load_one(executor, tp, target, dtype)
+            written.add(id(target))
+    return result
+
+
+def _plan_of(plan: Plan, name: str) -> TensorPlan:
+    return plan.tensors[plan.aliases.get(name, name)]
+
+
+def _compare_names(plan: Plan, targets: dict) -> IncompatibleKeys:
+    have = set(plan.order)
+    missing = [name for name in targets if name not in have]
+    unexpected = [name for name in plan.order if name not in targets]
+    return IncompatibleKeys(missing, unexpected)
+
+
+def _describe(result: IncompatibleKeys) -> str:
+    parts = []
+    if result.missing_keys:
+        parts.append(f"the checkpoint has no {_names(result.missing_keys)} of the model")
+    if result.unexpected_keys:
+        parts.append(f"the model has no {_names(result.unexpected_keys)} of the checkpoint")
+    return "; ".join(parts) + " (pass strict=False to load the names they share)"
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:8])
+    more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+    return f"{len(names)} name{'s' if len(names) != 1 else ''} ({shown}{more})"
+
+
+def _check_shapes(pairs, targets: dict, where) -> None:
+    wrong = [f"{name}: checkpoint {tuple(tp.shape)}, model {tuple(targets[name].shape)}"
+             for name, tp in pairs if tuple(tp.shape) != tuple(targets[name].shape)]
+    if wrong:
+        raise LoadIntoError(f"shapes differ for {len(wrong)} tensor(s): " + "; ".join(wrong[:8]), where)
+
+
+def _load_one(executor: Executor, tp: TensorPlan, target: torch.Tensor, dtype: torch.dtype | None) -> None:
+    value_dtype = target.dtype if dtype is None else out_dtype_for(tp.stored_dtype, dtype)
+    if not _castable(tp.stored_dtype, value_dtype):
+        value_dtype = tp.stored_dtype  # e.g. an int64 buffer into a float one: torch's copy_ casts
+    planned = tp if tp.out_dtype == value_dtype else dataclasses.replace(tp, out_dtype=value_dtype)
+    if _writable_in_place(target, value_dtype):
+        executor.run(planned, out=target.data)
+    else:
+        target.copy_(executor.run(planned))
+
+
+def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    return src == dst or (src in _CASTABLE and dst in _CASTABLE)
+
+
+def _writable_in_place(target: torch.Tensor, dtype: torch.dtype) -> bool:
+    return target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
