@@ -4,15 +4,13 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "../gather_cast_checks.h"
+#include "../page_advice.h"
 
 namespace zerofast {
 namespace {
@@ -58,20 +56,6 @@ void copy_piece(const SourceView& v, int64_t src_off, const OutView& out, int64_
   } else {
     cast_piece(src, v.dtype, dst, out.dtype, n);
   }
-}
-
-// Page advice on source mappings. madvise is advisory here: a failure costs memory or speed,
-// never correctness, so its result is ignored.
-const uintptr_t kPage = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-
-void advise(const char* begin, int64_t nbytes, int advice, bool whole_pages_only) {
-  uintptr_t lo = reinterpret_cast<uintptr_t>(begin);
-  uintptr_t hi = lo + static_cast<uintptr_t>(nbytes);
-  // Dropping must spare pages shared with a neighbouring range another thread may be reading;
-  // reading ahead may cover them.
-  lo = whole_pages_only ? (lo + kPage - 1) / kPage * kPage : lo / kPage * kPage;
-  hi = whole_pages_only ? hi / kPage * kPage : (hi + kPage - 1) / kPage * kPage;
-  if (hi > lo) (void)madvise(reinterpret_cast<void*>(lo), hi - lo, advice);
 }
 
 void read_ahead(const std::vector<SourceView>& views, const int64_t* seg, int64_t nseg) {
