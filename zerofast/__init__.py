@@ -7,6 +7,7 @@ from .errors import (
     OutputExistsError,
     IncompleteCheckpointError,
     InconsistentCheckpointError,
+    MissingOptimizerStateError,
     NativeExtensionError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
@@ -15,6 +16,9 @@ from .errors import (
 from .write_shards import ExportResult, export, load_exported
 from .reconstruct import reconstruct
 from .write import LazyStateDict, TensorMeta
+from .load_into import IncompatibleKeys, LoadIntoError, load_into
+from .optimizer_states import optimizer_state
+from . import compat
 
 __version__ = "0.1.0"
 
@@ -22,6 +26,12 @@ __all__ = [
     "reconstruct",
     "export",
     "load_exported",
+    "load_into",
+    "IncompatibleKeys",
+    "LoadIntoError",
+    "optimizer_state",
+    "MissingOptimizerStateError",
+    "compat",
     "ExportResult",
     "ExportError",
     "OutputExistsError",

@@ -70,7 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--overwrite", action="store_true",
                     help="write into a non-empty folder zerofast did not write (replaces only weight files)")
     ex.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    ex.add_argument("--optimizer-states", action="store_true",
+                    help="also write the optimizer's per-element states (Adam moments) to optimizer.safetensors "
+                         "as <param>.<key>, and their step and hyperparameters to optimizer_state.json")
     ex.set_defaults(run=_export)
+    _add_zero_to_fp32(sub)
 
     ins = sub.add_parser("inspect", parents=[common], help="describe a checkpoint without converting it")
     ins.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
@@ -98,14 +102,49 @@ def _export(args: argparse.Namespace) -> int:
     try:
         result = export(args.ckpt, args.out, dtype=DTYPES[args.dtype], format=args.format,
                         max_shard_size=args.max_shard_size, tag=args.tag, exclude_frozen=args.exclude_frozen,
-                        duplicate_tied=args.duplicate_tied, overwrite=args.overwrite, progress=bar)
+                        duplicate_tied=args.duplicate_tied, overwrite=args.overwrite,
+                        optimizer_states=args.optimizer_states, progress=bar)
     finally:
         bar.close()
     if not args.quiet:
-        count = len(result.files) + (1 if result.index else 0)
+        count = len(result.files) + (1 if result.index else 0) + len(result.optimizer_files)
         tied = f", {len(result.aliases)} tied" if result.aliases else ""
         print(f"wrote {count} file{'s' if count != 1 else ''} ({human_bytes(result.total_size)}, "
               f"{result.tensors} tensors{tied}) to {result.out_dir} in {result.seconds:.2f} s")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# zero-to-fp32: DeepSpeed's converter script, argument for argument
+
+def _add_zero_to_fp32(sub) -> None:
+    z = sub.add_parser("zero-to-fp32", help="what DeepSpeed's zero_to_fp32.py does, with the same arguments",
+                       description="Drop-in for DeepSpeed's zero_to_fp32.py: same arguments, same output file names "
+                                   "(pytorch_model.bin, or model.safetensors with --safe_serialization; sharded "
+                                   "with an index past --max_shard_size).")
+    z.add_argument("checkpoint_dir", help="path to the desired checkpoint folder, e.g. path/checkpoint-12")
+    z.add_argument("output_dir", help="folder for the fp32 state_dict files, e.g. path/checkpoint-12-output/")
+    z.add_argument("--max_shard_size", type=_size, default="5GB",
+                   help="largest file before sharding: bytes, or e.g. 500MB, 5GB (default: 5GB)")
+    z.add_argument("--safe_serialization", action="store_true", help="write safetensors instead of torch pickles")
+    z.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step1 (default: 'latest')")
+    z.add_argument("--exclude_frozen_parameters", action="store_true", help="exclude frozen parameters")
+    z.add_argument("-d", "--debug", action="store_true", help="show the traceback of an error")
+    z.set_defaults(run=_zero_to_fp32)
+
+
+def _zero_to_fp32(args: argparse.Namespace) -> int:
+    from .compat import export_like_deepspeed
+
+    bar = _ProgressBar(enabled=_is_tty(sys.stderr))
+    try:
+        result = export_like_deepspeed(args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
+                                       safe_serialization=args.safe_serialization, tag=args.tag,
+                                       exclude_frozen_parameters=args.exclude_frozen_parameters, progress=bar)
+    finally:
+        bar.close()
+    print(f"saved {', '.join(result.files)}{' and ' + result.index if result.index else ''} "
+          f"({human_bytes(result.total_size)}) to {result.out_dir}")
     return 0
 
 

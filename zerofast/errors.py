@@ -54,3 +54,10 @@ class ExportError(ZeroFastError):
 
 class OutputExistsError(ExportError, FileExistsError):
     """The output folder holds files zerofast did not write, or another export is writing there."""
+
+
+class MissingOptimizerStateError(ZeroFastError, KeyError):
+    """The optimizer keeps no per-element state under the requested key (``exp_avg``, ...).
+    A KeyError too, so that code probing for a state with ``except KeyError`` keeps working."""
+
+    __str__ = ZeroFastError.__str__  # KeyError's would quote the message

@@ -6,6 +6,7 @@ from typing import Sequence
 import torch
 
 from . import ops
+from .download import Download
 from .plan import TensorPlan
 
 
@@ -16,13 +17,19 @@ class Executor:
     the native op reads those sources ahead and drops their pages once read, so one pass over a
     checkpoint keeps only the output resident. Only callers that never hand a source view to
     the user may pass it; the lazy mapping does hand out views, so it does not.
+
+    ``compute`` (default: ``device``) is where the gather and cast run. A GPU computing results
+    for host memory (``export(..., device="cuda")``) builds each tensor on the GPU and copies it
+    back through pinned buffers.
     """
 
     def __init__(self, sources: Sequence[torch.Tensor], device: str | torch.device = "cpu",
-                 streamable: Sequence[bool] | None = None):
+                 streamable: Sequence[bool] | None = None, compute: str | torch.device | None = None):
         self.sources = sources
         self.device = torch.device(device)
+        self.compute = self.device if compute is None else torch.device(compute)
         self.streamable = streamable
+        self._download: Download | None = None
 
     def run(self, tp: TensorPlan, out: torch.Tensor | None = None) -> torch.Tensor:
         """Write ``tp`` into ``out`` (a fresh tensor when None) and return it in its shape."""
@@ -34,8 +41,22 @@ class Executor:
                              f"{flat.numel()} x {flat.dtype}")
         if tp.segments:
             sources, segments = self._local(tp)
-            ops.gather_cast(sources, segments, flat, stream_sources=self._streams(tp))
+            if self.compute.type == "cuda" and flat.device.type == "cpu":
+                self._gather_on_gpu(tp, sources, segments, flat)
+            else:
+                ops.gather_cast(sources, segments, flat, stream_sources=self._streams(tp))
         return out.view(tp.shape)
+
+    def _gather_on_gpu(self, tp: TensorPlan, sources: list[torch.Tensor], segments: torch.Tensor,
+                       flat: torch.Tensor) -> None:
+        with torch.cuda.device(self.compute):
+            # Elements no segment writes must keep what ``flat`` holds, as on the CPU.
+            covered = sum(s[3] for s in tp.segments) == tp.numel
+            scratch = torch.empty_like(flat, device=self.compute) if covered else flat.to(self.compute)
+            ops.gather_cast(sources, segments, scratch, stream_sources=self._streams(tp))
+            if self._download is None:
+                self._download = Download()
+            self._download(scratch, flat)
 
     def _streams(self, tp: TensorPlan) -> bool:
         return self.streamable is not None and all(self.streamable[s[0]] for s in tp.segments)

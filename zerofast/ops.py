@@ -39,6 +39,26 @@ def load_native() -> None:
     _loaded = True
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a place the executor can run, or an error that says what is missing."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise NotImplementedError(f"device={str(device)!r}: zerofast runs on 'cpu' or 'cuda'")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device={str(device)!r}: this torch ({torch.__version__}) sees no CUDA GPU")
+    if native_enabled():
+        load_native()
+        from . import _C
+
+        if not _C.cuda_built():
+            raise NativeExtensionError(
+                "zerofast's native extension was built without its CUDA kernels (torch without CUDA, or no nvcc "
+                "at build time); rebuild it with `FORCE_CUDA=1 pip install --no-build-isolation -e .`")
+    return device
+
+
 def gather_cast(sources: Sequence[torch.Tensor], segments: torch.Tensor, out: torch.Tensor,
                 stream_sources: bool = False) -> None:
     """See the schema in csrc/zerofast.cpp. ``stream_sources`` only changes memory behaviour."""

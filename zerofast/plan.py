@@ -137,6 +137,10 @@ class VirtualBuffer:
 
 Segments = list[tuple[int, int, int, int]]
 _Entry = tuple[tuple[int, ...], torch.dtype, Segments]
+# Per rank, per flat group: (where the tensor sits in its file's pickle, the 1-D tensor). The fp32
+# masters and every per-element optimizer state (Adam's moments) are partitioned alike, so one set
+# of builders lays out either; only the tensors they read differ.
+FlatGroups = list[list[tuple[str, torch.Tensor]]]
 
 
 def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
@@ -175,30 +179,38 @@ def _trainable_entries(ckpt: LoadedCheckpoint, table: SourceTable, exclude_froze
         from .stage0 import stage0_trainable_entries  # the only layout that needs value matching
 
         return stage0_trainable_entries(ckpt, table, exclude_frozen)
+    return partitioned_entries(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups")
+
+
+def master_flat_groups(ckpt: LoadedCheckpoint) -> FlatGroups:
+    key = "fp32_flat_groups" if ckpt.stage == 3 else "single_partition_of_fp32_groups"
+    return [[(f"optimizer_state_dict.{key}[{g}]", t) for g, t in enumerate(o.flat_groups)]
+            for o in ckpt.optim_states]
+
+
+def partitioned_entries(ckpt: LoadedCheckpoint, table: SourceTable, flats: FlatGroups,
+                        what: str) -> dict[str, _Entry]:
+    """Each trainable parameter of a stage 1-3 checkpoint, read from ``flats`` (laid out like the
+    fp32 masters; ``what`` names them in errors)."""
     shapes = ckpt.meta.param_shapes
     if shapes is None:
         raise InconsistentCheckpointError("expected 'param_shapes' for a ZeRO stage 1-3 checkpoint, found None",
                                           ckpt.meta.path)
-    for o in ckpt.optim_states:
-        if len(o.flat_groups) != len(shapes):
+    for o, groups in zip(ckpt.optim_states, flats):
+        if len(groups) != len(shapes):
             raise InconsistentCheckpointError(
-                f"expected {len(shapes)} flat fp32 groups (one per 'param_shapes' group), found {len(o.flat_groups)}",
-                o.path)
-    return _zero3_trainable(ckpt, table, shapes) if ckpt.stage == 3 else _zero12_trainable(ckpt, table, shapes)
+                f"expected {len(shapes)} {what} (one per 'param_shapes' group), found {len(groups)}", o.path)
+    build = _zero3_trainable if ckpt.stage == 3 else _zero12_trainable
+    return build(ckpt, table, shapes, flats)
 
 
-def _group_key(ckpt: LoadedCheckpoint) -> str:
-    return "fp32_flat_groups" if ckpt.stage == 3 else "single_partition_of_fp32_groups"
-
-
-def _zero12_trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes) -> dict[str, _Entry]:
+def _zero12_trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGroups) -> dict[str, _Entry]:
     """Group g's flat buffer is the ranks' partitions end to end; parameters follow in order."""
     out: dict[str, _Entry] = {}
-    key = _group_key(ckpt)
     for g, group in enumerate(shapes):
-        parts = [o.flat_groups[g] for o in ckpt.optim_states]
-        buf = VirtualBuffer([table.add(str(o.path), f"optimizer_state_dict.{key}[{g}]", p)
-                             for o, p in zip(ckpt.optim_states, parts)], [p.numel() for p in parts])
+        parts = [groups[g][1] for groups in flats]
+        buf = VirtualBuffer([table.add(str(o.path), groups[g][0], groups[g][1])
+                             for o, groups in zip(ckpt.optim_states, flats)], [p.numel() for p in parts])
         pads = _alignment_paddings(ckpt, g, len(group))
         offset = 0
         for i, (name, shape) in enumerate(group.items()):
@@ -224,14 +236,13 @@ def _alignment_paddings(ckpt: LoadedCheckpoint, group: int, count: int) -> list[
     return [int(p) for p in pads[group]]
 
 
-def _zero3_trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes) -> dict[str, _Entry]:
+def _zero3_trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGroups) -> dict[str, _Entry]:
     """Each rank holds ceil(n/W) elements of every parameter at one shared running offset."""
     W = ckpt.world_size
-    key = _group_key(ckpt)
-    rank_bufs = [VirtualBuffer([table.add(str(o.path), f"optimizer_state_dict.{key}[{g}]", t)
-                                for g, t in enumerate(o.flat_groups)], [t.numel() for t in o.flat_groups])
-                 for o in ckpt.optim_states]
-    dtype = ckpt.optim_states[0].flat_groups[0].dtype if ckpt.optim_states[0].flat_groups else torch.float32
+    rank_bufs = [VirtualBuffer([table.add(str(o.path), where, t) for where, t in groups],
+                               [t.numel() for _, t in groups])
+                 for o, groups in zip(ckpt.optim_states, flats)]
+    dtype = flats[0][0][1].dtype if flats and flats[0] else torch.float32
     out: dict[str, _Entry] = {}
     offset = 0
     for group in shapes:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .discover import discover
 from .execute import Executor
 from .plan import Plan, SourceTable, build_plan
@@ -24,9 +25,10 @@ class Prepared:
     sources: list[torch.Tensor]
     mapped: list[bool]  # per source: a view of a file mapping, not a copy
 
-    def streaming_executor(self, device: str | torch.device = "cpu") -> Executor:
+    def streaming_executor(self, device: str | torch.device = "cpu",
+                           compute: str | torch.device | None = None) -> Executor:
         """An executor for one pass that hands no source views out (eager dict, export)."""
-        return Executor(self.sources, device, streamable=self.mapped)
+        return Executor(self.sources, device, streamable=self.mapped, compute=compute)
 
 
 def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
@@ -52,15 +54,14 @@ def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.f
         tag: which save to read when the root holds several.
         lazy: return a read-only mapping that builds each tensor when it is looked up.
         exclude_frozen: leave out parameters with ``requires_grad=False`` (e.g. a LoRA base).
-        device: where the tensors are built.
+        device: where the tensors are built and returned: ``"cpu"``, or ``"cuda"``/``"cuda:N"``
+            (gathered and cast on the GPU; needs the extension built with CUDA).
 
     Returns:
         An ``OrderedDict`` in the model's own ``state_dict()`` order (tied parameters share
         storage), or a :class:`~zerofast.write.LazyStateDict` when ``lazy`` is set.
     """
-    device = torch.device(device)
-    if device.type != "cpu":
-        raise NotImplementedError(f"device={str(device)!r}: only the CPU executor is built so far")
+    device = ops.resolve_device(device)
     prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)
     if lazy:
         return LazyStateDict(prepared.plan, Executor(prepared.sources, device))

@@ -31,8 +31,9 @@ import torch
 
 from .errors import ExportError, OutputExistsError
 from .execute import Executor
+from .ops import resolve_device
 from .plan import Plan, TensorPlan
-from .reconstruct import prepare
+from .reconstruct import Prepared, prepare
 
 FORMATS = ("safetensors", "torch")
 TIED_KEY = "zerofast_tied"  # metadata key: JSON string {alias: source} of tied names written once
@@ -70,10 +71,12 @@ class ExportResult:
     tensors: int  # entries stored with their own data
     aliases: dict[str, str]  # tied names recorded as {alias: source} rather than stored again
     seconds: float
+    optimizer_files: tuple[str, ...] = ()  # optimizer-state shards, their index, the scalars' JSON
 
     @property
     def paths(self) -> list[Path]:
-        return [self.out_dir / n for n in (*self.files, *([self.index] if self.index else []))]
+        names = (*self.files, *([self.index] if self.index else []), *self.optimizer_files)
+        return [self.out_dir / n for n in names]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,7 +374,8 @@ def _write_marker(out_dir: Path, tmp: Path, files: Sequence[str]) -> None:
 def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32,
            format: str = "safetensors", max_shard_size: int | str = "5GB", tag: str | None = None,
            exclude_frozen: bool = False, duplicate_tied: bool = False, overwrite: bool = False,
-           progress: Progress | None = None) -> ExportResult:
+           optimizer_states: bool | Sequence[str] = False, progress: Progress | None = None,
+           device: str | torch.device = "cpu") -> ExportResult:
     """Write a DeepSpeed ZeRO checkpoint out as Hugging Face-layout weight files.
 
     Args:
@@ -386,17 +390,26 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         duplicate_tied: write tied weights as real copies instead of recording the aliases.
         overwrite: write into a non-empty folder that zerofast did not write; only model weight
             files (``model*.safetensors``, ``pytorch_model*.bin`` and their indexes) are replaced.
+        optimizer_states: also write the wrapped optimizer's per-element states (stages 1-3):
+            ``True`` for all of them, or a list of keys such as ``["exp_avg"]``. They go to
+            ``optimizer.safetensors`` (sharded like the weights) as ``<param>.<key>``, as stored
+            (fp32) whatever ``dtype`` is, and their scalars (``step``) and hyperparameters to
+            ``optimizer_state.json``.
         progress: called as ``progress(bytes_done, bytes_total)``, first with 0, then as data lands.
+        device: where the weights are gathered and cast: ``"cpu"``, or ``"cuda"``/``"cuda:N"``, which
+            builds each tensor on the GPU and copies it back through pinned buffers to the writer.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     limit = parse_size(max_shard_size)
+    compute = resolve_device(device)
     started = time.monotonic()
     prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)
     files, tied = layout(prepared.plan, format, limit, duplicate_tied)
     total = sum(tp.nbytes for f in files for tp in f.items)
-    advance = _counter(progress, total)
-    executor = prepared.streaming_executor()
+    optim = _optimizer_layout(prepared.checkpoint, optimizer_states, limit)
+    advance = _counter(progress, total + (optim.nbytes if optim else 0))
+    executor = prepared.streaming_executor(compute=compute)
     out = Path(out_dir)
     with _output_dir(out, overwrite) as (tmp, previous):
         for f in files:
@@ -407,9 +420,64 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         index = _NAMES[format][2] if len(files) > 1 else None
         if index:
             (tmp / index).write_text(json.dumps(_index(format, files, tied, total), indent=2, sort_keys=True) + "\n")
-        _commit(out, tmp, [f.name for f in files], index, previous)
+        extra = _write_optimizer_states(tmp, optim, advance) if optim else []
+        _commit(out, tmp, [f.name for f in files] + extra, index, previous)
     return ExportResult(out, format, dtype, tuple(f.name for f in files), index, total,
-                        sum(len(f.items) for f in files), tied, time.monotonic() - started)
+                        sum(len(f.items) for f in files), tied, time.monotonic() - started, tuple(extra))
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer states: the same shard layout and safetensors writer as the weights, under their own
+# names, next to them in the output folder.
+
+OPTIMIZER_NAMES = ("optimizer.safetensors", "optimizer-{:05d}-of-{:05d}.safetensors", "optimizer.safetensors.index.json")
+OPTIMIZER_JSON = "optimizer_state.json"
+
+
+@dataclass(frozen=True)
+class _OptimizerFiles:
+    prepared: Prepared
+    files: list[_File]
+    keys: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tp.nbytes for f in self.files for tp in f.items)
+
+
+def _optimizer_layout(ckpt, wanted: bool | Sequence[str], max_bytes: int) -> _OptimizerFiles | None:
+    from .optimizer_states import available_keys, plan_optimizer_states
+
+    if wanted is False or (not isinstance(wanted, bool) and not wanted):
+        return None
+    keys = available_keys(ckpt) if wanted is True else list(wanted)
+    if not keys:
+        raise ExportError("optimizer_states: the optimizer keeps no per-element state in this checkpoint",
+                          ckpt.files.tag_dir)
+    prepared = plan_optimizer_states(ckpt, keys, None, qualified=True)
+    files, _ = layout(prepared.plan, "safetensors", max_bytes)
+    single, pattern, _ = OPTIMIZER_NAMES
+    names = [single] if len(files) == 1 else [pattern.format(i + 1, len(files)) for i in range(len(files))]
+    return _OptimizerFiles(prepared, [dataclasses.replace(f, name=n) for f, n in zip(files, names)], keys)
+
+
+def _write_optimizer_states(tmp: Path, optim: _OptimizerFiles, advance: Callable[[int], None]) -> list[str]:
+    """Write the shards, their index when there are several, and the JSON; return the names."""
+    from .optimizer_states import scalar_states
+
+    executor = optim.prepared.streaming_executor()
+    for f in optim.files:
+        _write_safetensors(tmp / f.name, f, {"format": "pt"}, executor, advance)
+    names = [f.name for f in optim.files]
+    if len(optim.files) > 1:
+        index = _index("safetensors", optim.files, {}, optim.nbytes)
+        (tmp / OPTIMIZER_NAMES[2]).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        names.append(OPTIMIZER_NAMES[2])
+    ckpt = optim.prepared.checkpoint
+    doc = {"keys": optim.keys, "tensors": names[-1], "stage": ckpt.stage, "world_size": ckpt.world_size,
+           "tag": ckpt.files.tag, **scalar_states(ckpt)}
+    (tmp / OPTIMIZER_JSON).write_text(json.dumps(doc, indent=2) + "\n")
+    return [*names, OPTIMIZER_JSON]
 
 
 def _file_metadata(tied: dict[str, str], count: int) -> dict[str, str]:
