@@ -120,3 +120,23 @@ def test_does_not_import_deepspeed(real_ckpt):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("ok")
+
+
+def test_lazy_views_save_with_torch_and_safetensors(real_ckpt):
+    """Zero-copy lazy values are views of the file mapping; each must own its storage, or
+    torch.save (mixed dtypes on one storage) and safetensors (shared memory) refuse them."""
+    import io
+
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    _, root, truth = real_ckpt
+    lazy = zerofast.reconstruct(root, dtype=None, lazy=True)
+    values = {k: lazy[k] for k in lazy if k not in truth["tied"]}
+    buf = io.BytesIO()
+    torch.save(values, buf)
+    buf.seek(0)
+    for name, value in torch.load(buf, weights_only=True).items():
+        assert_bitwise_equal(value, values[name], name)
+    for name, value in st_load(st_save(values)).items():
+        assert_bitwise_equal(value, values[name], name)

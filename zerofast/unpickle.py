@@ -43,12 +43,36 @@ class _StorageType:
         self.dtype = dtype
 
 
+class _StorageRef:
+    """A storage as the rebuild functions see it: its bytes (a slice of the file mapping) and
+    dtype. Lighter than a TypedStorage, which the rebuild functions do not need."""
+
+    __slots__ = ("mapping", "dtype", "offset", "numel")
+
+    def __init__(self, mapping: torch.UntypedStorage, dtype: torch.dtype, offset: int, numel: int):
+        self.mapping, self.dtype, self.offset, self.numel = mapping, dtype, offset, numel
+
+
 def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> torch.Tensor:
-    if not isinstance(storage, torch.storage.TypedStorage):
+    if not isinstance(storage, _StorageRef):
         raise TypeError(f"expected a storage, got {type(storage).__name__}")
-    # set_ checks that size/stride/offset stay inside the storage.
-    t = torch.empty((0,), dtype=storage.dtype)
-    return t.set_(storage._untyped_storage, storage_offset, tuple(size), tuple(stride))
+    size, stride = _dims(size), _dims(stride)
+    if len(size) != len(stride) or type(storage_offset) is not int or storage_offset < 0:
+        raise ValueError(f"expected matching sizes and strides and an offset >= 0, got {size} {stride} "
+                         f"{storage_offset!r}")
+    extent = storage_offset + 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0
+    if extent > storage.numel:
+        # set_ only checks against the whole mapping; the tensor must stay inside its own entry.
+        raise ValueError(f"a tensor of size {size} and stride {stride} at offset {storage_offset} reaches element "
+                         f"{extent}, past the end of its {storage.numel}-element storage")
+    t = torch.empty(0, dtype=storage.dtype)
+    return t.set_(storage.mapping, storage.offset + storage_offset, size, stride)
+
+
+def _dims(value) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(type(d) is int and d >= 0 for d in value):
+        raise ValueError(f"expected a tuple of non-negative ints, got {value!r:.80}")
+    return tuple(value)
 
 
 def _rebuild_parameter(data, *_ignored) -> torch.Tensor:
@@ -87,7 +111,7 @@ ALLOWED: dict[str, Any] = {
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, load_storage: Callable[[object], torch.storage.TypedStorage]):
+    def __init__(self, data: bytes, load_storage: Callable[[object], _StorageRef]):
         self._stream = io.BytesIO(data)
         super().__init__(self._stream)
         self._load_storage = load_storage
@@ -107,39 +131,44 @@ class _Unpickler(pickle.Unpickler):
             raise Refused(full)
         return ALLOWED[full]
 
-    def persistent_load(self, pid: object) -> torch.storage.TypedStorage:
+    def persistent_load(self, pid: object) -> _StorageRef:
         return self._load_storage(pid)
 
 
 class _Storages:
-    """Storage views of one file mapping, made once per key (tied tensors share them)."""
+    """Resolves the pickle's storage references against one private mapping of the file."""
 
     def __init__(self, path: Path, index: ArchiveIndex):
         self.path = path
         self.index = index
         self.mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=index.file_size) \
             if index.file_size else torch.UntypedStorage(0)
-        self.made: dict[str, torch.storage.TypedStorage] = {}
+        self.made: dict[str, _StorageRef] = {}
         self.declared: dict[str, int] = {}
 
-    def __call__(self, pid: object) -> torch.storage.TypedStorage:
+    def __call__(self, pid: object) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
-                and isinstance(pid[2], str) and isinstance(pid[4], int) and pid[4] >= 0):
+                and isinstance(pid[2], str) and type(pid[4]) is int and pid[4] >= 0):
             raise CorruptCheckpointError(f"expected a torch storage reference in the pickle, found {pid!r:.80}",
                                          self.path)
         _, kind, key, _location, numel = pid
-        nbytes = numel * kind.dtype.itemsize
+        dtype = kind.dtype
+        nbytes = numel * dtype.itemsize
         if self.declared.setdefault(key, nbytes) != nbytes:
             raise CorruptCheckpointError(
                 f"the pickle declares storage {key!r} twice, with {self.declared[key]} and {nbytes} bytes", self.path)
-        if key not in self.made:
-            offset = self.index.storage_offset(key, nbytes)
-            untyped = self.mapping[offset:offset + nbytes]
-            self.made[key] = torch.storage.TypedStorage(wrap_storage=untyped, dtype=kind.dtype, _internal=True)
-        made = self.made[key]
-        if made.dtype != kind.dtype:
+        made = self.made.get(key)
+        if made is None:
+            made = self.made[key] = self._ref(key, dtype, numel, nbytes)
+        elif made.dtype != dtype:
             raise CorruptCheckpointError(f"storage {key!r} is referenced with two dtypes", self.path)
         return made
+
+    def _ref(self, key: str, dtype: torch.dtype, numel: int, nbytes: int) -> _StorageRef:
+        # One storage object per entry, not views of the whole mapping: tensors that share one
+        # storage cannot be saved together by torch.save (mixed dtypes) or safetensors.
+        offset = self.index.storage_offset(key, nbytes)
+        return _StorageRef(self.mapping[offset:offset + nbytes], dtype, 0, numel)
 
 
 def load_archive(path: Path) -> Any:
