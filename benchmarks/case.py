@@ -58,7 +58,7 @@ def _export(ckpt, out, dtype):
     import zerofast as zexport
 
     t0 = time.perf_counter()
-    zexport.export(ckpt, out, dtype=dtype, max_shard_size="1GB", progress=False)
+    zexport.export(ckpt, out, dtype=dtype, max_shard_size="1GB")
     return time.perf_counter() - t0, _dir_bytes(out)
 
 
