@@ -1,0 +1,306 @@
+"""One export written by several processes: the ranks of a torch.distributed job, or local workers.
+
+Every rank reads the checkpoint's metadata and computes the same layout (a pure function of the
+checkpoint and the options), so the ranks need not send each other any plan. Rank 0 opens the
+output folder as a plain export does (lock, ownership check, temporary folder); each rank writes
+the data files a deterministic byte-balanced assignment gives it into that temporary folder; rank
+0 then writes the indexes and commits. Every phase ends with an agreement, an all_gather of each
+rank's outcome, so one failing rank makes every rank fail, and nothing is committed unless every
+file was written.
+
+The output folder must be one folder that every rank sees (a shared filesystem across nodes).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from .errors import ExportError, ZeroFastError
+
+TIMEOUT_ENV = "ZEROFAST_DIST_TIMEOUT"
+# A collective waits for the slowest rank to finish its share of the files, so the timeout must
+# cover the imbalance between ranks (at most one file), not a whole export.
+DEFAULT_TIMEOUT_S = 1800
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def launched() -> bool:
+    """Whether a launcher (torchrun, ``--workers``) started this process as one of several ranks."""
+    return world_size() > 1
+
+
+def timeout_s() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def share(sizes: Sequence[int], ranks: int) -> list[int]:
+    """The rank that writes each item: largest first, each to the rank with the fewest bytes so
+    far (ties to the lower rank). Every rank computes it alone and gets the same answer; no rank
+    ends up more than one item's size above another."""
+    loads = [0] * ranks
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owner = min(range(ranks), key=lambda r: (loads[r], r))
+        owners[i] = owner
+        loads[owner] += sizes[i]
+    return owners
+
+
+def _fingerprint(writes: Sequence, tag: str) -> str:
+    h = hashlib.sha256(tag.encode())
+    for w in writes:
+        h.update(repr((w.file.name, w.nbytes, w.file.keys)).encode())
+    return h.hexdigest()
+
+
+def _describe(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if isinstance(e, ZeroFastError) else f"{type(e).__name__}: {text}"
+
+
+def _backend_reason(e: BaseException) -> str:
+    """What a gloo/NCCL error says, without its source location and its advice to read the logs."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(e).split()))
+    return text.split(". ")[0].rstrip(".")
+
+
+class Team:
+    """The ranks writing one export; what ``zerofast.export(team=...)`` takes.
+
+    ``gather(obj)`` returns every rank's ``obj`` in rank order (``all_gather_object``), and raises
+    RuntimeError when a rank is lost or the timeout passes.
+    """
+
+    def __init__(self, rank: int, size: int, gather: Callable[[object], list]):
+        self.rank = rank
+        self.size = size
+        self._gather_objects = gather
+        self.failing = False  # this rank is already on its way out: a SIGTERM must not cut the cleanup
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def share(self, writes: list, tag: str, where: Path) -> list:
+        """This rank's part of ``writes``, once every rank is found to have planned the same export.
+
+        Every rank reads the checkpoint for itself; one that resolved another tag (``latest``
+        moved while the job started) or saw other files would write shards of another export.
+        """
+        plans = self._gather(_fingerprint(writes, tag), "comparing the ranks' plans", where)
+        odd = [r for r, p in enumerate(plans) if p != plans[0]]
+        if odd:
+            raise ExportError(f"rank {odd[0]} of {self.size} planned another export than rank 0 (another tag, or "
+                              "other files): every rank must see the same checkpoint", where)
+        owners = share([w.nbytes for w in writes], self.size)
+        return [w for w, owner in zip(writes, owners) if owner == self.rank]
+
+    @contextlib.contextmanager
+    def step(self, what: str, where: Path) -> Iterator[None]:
+        """Run the body on every rank, then agree: if any rank failed, every rank raises."""
+        try:
+            yield
+        except Exception as e:
+            self.failing = True
+            with contextlib.suppress(ExportError):  # our own error says more than a lost peer
+                self._gather(_describe(e), what, where)
+            raise
+        except BaseException:
+            # Interrupted or stopped: leave at once; the others see the connection close.
+            self.failing = True
+            raise
+        failed = [(r, m) for r, m in enumerate(self._gather(None, what, where)) if m is not None]
+        if failed:
+            self.failing = True
+            r, message = failed[0]
+            more = f" (and {len(failed) - 1} other ranks)" if len(failed) > 1 else ""
+            raise ExportError(f"rank {r} of {self.size}{more} failed while {what}: {message}", where)
+
+    def _gather(self, mine: str | None, what: str, where: Path) -> list:
+        """Every rank's ``mine``, in rank order."""
+        try:
+            return self._gather_objects(mine)
+        except RuntimeError as e:  # gloo/NCCL errors, timeouts included, derive from it
+            self.failing = True
+            raise ExportError(f"lost contact with the other ranks while {what} (one crashed, was killed, or "
+                              f"outlasted the timeout, {TIMEOUT_ENV}; see its output): {_backend_reason(e)}",
+                              where) from None
+
+    @contextlib.contextmanager
+    def output_dir(self, out: Path, overwrite: bool) -> Iterator[tuple[Path, list[str]]]:
+        """Rank 0's output folder and temporary folder (see ``write_shards._output_dir``), shared."""
+        from .write_shards import _output_dir
+
+        with contextlib.ExitStack() as stack:
+            tmp, previous = None, []
+            with self.step("opening the output folder", out):
+                if self.leader:
+                    tmp, previous = stack.enter_context(_output_dir(out, overwrite))
+            tmp = Path(self._gather(str(tmp) if self.leader else None, "opening the output folder", out)[0])
+            with self.step("opening the output folder", out):
+                if not tmp.is_dir():
+                    raise ExportError(f"cannot see rank 0's temporary folder {tmp.name} here: every rank must "
+                                      "write to the same folder, on a filesystem all the nodes share", out)
+            yield tmp, previous
+
+
+def _local_device(device: str | torch.device) -> torch.device:
+    """``cuda`` without an index means this rank's own GPU, as torchrun numbers them."""
+    device = torch.device(device)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    visible = torch.cuda.device_count()
+    if 0 < visible <= local:  # with none at all, resolve_device says so
+        # NCCL refuses two ranks on one GPU, so a rank without a GPU of its own cannot share one.
+        raise ExportError(f"device='cuda': this rank (LOCAL_RANK {local}) has no GPU of its own, {visible} visible; "
+                          "start at most one rank per GPU on each node")
+    return torch.device("cuda", local)
+
+
+@contextlib.contextmanager
+def joined(device: torch.device) -> Iterator[Team]:
+    """A Team of this process's job: the default group if the caller set one up, else one joined
+    from the launcher's environment (gloo, or NCCL for a GPU export) and left at the end."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield _team_of_default_group()
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s()))
+    try:
+        yield _team_of_default_group()
+    finally:
+        dist.destroy_process_group()
+
+
+def _team_of_default_group() -> Team:
+    import torch.distributed as dist
+
+    def gather(obj: object) -> list:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    return Team(dist.get_rank(), dist.get_world_size(), gather)
+
+
+@contextlib.contextmanager
+def _sigterm_raises(team: Team) -> Iterator[None]:
+    """torchrun stops every rank with SIGTERM once one fails; raising instead of dying lets this
+    rank remove the temporary folder. A rank already failing ignores it and finishes its cleanup."""
+    def stop(signum, frame):
+        if not team.failing:
+            team.failing = True
+            raise ExportError("stopped by SIGTERM: the launcher stops every rank once one of them fails")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: signals stay as they are
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def export(ckpt_dir, out_dir, *, device: str | torch.device = "cpu", **options):
+    """:func:`zerofast.export` shared among the ranks of a torch.distributed job; call it on every rank.
+
+    Takes the same arguments and returns the same :class:`~zerofast.ExportResult` on every rank. It
+    joins the job from torchrun's environment unless the default process group already exists.
+    ``device="cuda"`` gives each rank the GPU of its ``LOCAL_RANK``.
+    """
+    from .ops import resolve_device
+    from .write_shards import export as export_files
+
+    device = resolve_device(_local_device(device))  # before NCCL needs the GPU
+    with joined(device) as team, _sigterm_raises(team):
+        return export_files(ckpt_dir, out_dir, device=device, team=team, **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# --workers: torchrun --standalone, run from this process.
+
+def launch_local(workers: int, argv: Sequence[str]) -> None:
+    """Run ``python -m zerofast *argv`` as ``workers`` ranks of one job on this machine, over
+    loopback, as ``torchrun --standalone --nproc-per-node workers`` would; raise if any rank fails."""
+    if launched():
+        raise ExportError("--workers starts ranks of its own; under torchrun, leave it out and set the ranks with "
+                          "--nproc-per-node")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, run_id=f"zerofast-{os.getpid()}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
+                          max_restarts=0)
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+    with _environ(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads)), _quiet_launcher():
+        try:
+            elastic_launch(config, sys.executable)("-m", "zerofast", *argv)
+        except ChildFailedError as e:
+            exits = ", ".join(f"rank {r} {_exit(f.exitcode, f.signal_name())}" for r, f in sorted(e.failures.items()))
+            raise ExportError(f"the export on {workers} workers failed: {exits} (the ranks' errors are above)") from None
+        except SignalException:  # the launcher's own name for Ctrl-C (and SIGTERM); it stops the ranks first
+            raise KeyboardInterrupt from None
+
+
+def _exit(code: int, signal_name: str) -> str:
+    return f"exited with code {code}" if code >= 0 else f"was killed by {signal_name}"
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _quiet_launcher() -> Iterator[None]:
+    """The launcher logs each rank's exit and a traceback of its own; the ranks' own one-line
+    errors, and ours, say what went wrong."""
+    import logging
+
+    log = logging.getLogger("torch.distributed.elastic")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
