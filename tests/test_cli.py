@@ -6,6 +6,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from zerofast.cli import main
 from zerofast.write_shards import MARKER, load_exported
 
 from tests.dsgen.catalog import LAYOUTS, ensure_checkpoint
+from tests.planting import ZERO_STAGE_ENUM, Call, copy_checkpoint, rewrite
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -204,3 +206,95 @@ def test_python_dash_m_runs_the_same_command():
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["stage"] == _truth(SMALL)["stage"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile and broken checkpoints through the command: one line naming the file, exit 1, nothing
+# run and nothing written.
+
+OPTIM = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+def _planted(tmp_path: Path, marker: Path) -> tuple[Path, Path]:
+    """A copy of SMALL with ``os.system("touch marker")`` planted in an Adam moment, a part of the
+    file zerofast never uses."""
+    root, tag_dir = copy_checkpoint(_root(SMALL), tmp_path / "ckpt")
+    victim = tag_dir / OPTIM
+    payload = Call(f"{os.system.__module__}.system", f"touch '{marker}'")
+    rewrite(victim, lambda o: o["optimizer_state_dict"]["base_optimizer_state"]["state"][0].__setitem__("exp_avg",
+                                                                                                         payload))
+    return root, victim
+
+
+def _commands(root: Path, out: Path) -> dict[str, list[str]]:
+    return {"inspect": ["inspect", str(root)], "export": ["export", str(root), str(out)],
+            "zero-to-fp32": ["zero-to-fp32", str(root), str(out)]}
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("command", ["inspect", "export", "zero-to-fp32"])
+def test_planted_payload_is_one_line_and_nothing_runs(tmp_path, capsys, command):
+    marker = tmp_path / "marker"
+    root, victim = _planted(tmp_path, marker)
+    out = tmp_path / "out"
+    rc = main(_commands(root, out)[command])
+    captured = capsys.readouterr()
+    assert rc == 1 and captured.out == ""
+    _assert_one_error_line(captured.err, f"{victim}: refused pickle ", f"'{os.system.__module__}.system'",
+                           "nothing was executed")
+    assert not marker.exists()
+    assert not out.exists()
+
+
+@needs_deepspeed
+def test_planted_payload_in_a_fresh_process(tmp_path):
+    """The real command, as a user runs it: exit code 1, one line and no traceback, and with
+    --debug the traceback too. Nothing runs either way."""
+    marker = tmp_path / "marker"
+    root, victim = _planted(tmp_path, marker)
+    argv = [sys.executable, "-m", "zerofast", "export", str(root), str(tmp_path / "out")]
+    plain = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=120)
+    debug = subprocess.run([*argv, "--debug"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert plain.returncode == debug.returncode == 1
+    _assert_one_error_line(plain.stderr, str(victim), "refused pickle")
+    assert "Traceback" in debug.stderr and "UnsafeCheckpointError" in debug.stderr
+    assert debug.stderr.splitlines()[-1] == plain.stderr.strip()
+    assert not marker.exists()
+
+
+def _truncate(root: Path, tag_dir: Path) -> tuple[Path, str]:
+    victim = tag_dir / OPTIM
+    victim.write_bytes(victim.read_bytes()[:-30])
+    return victim, "expected a torch.save zip archive; the file is truncated or not one"
+
+
+def _remove_rank(root: Path, tag_dir: Path) -> tuple[Path, str]:
+    (tag_dir / OPTIM).unlink()
+    return tag_dir, "partition_count is 2 but only 1 optimizer rank files are present"
+
+
+def _unknown_stage(root: Path, tag_dir: Path) -> tuple[Path, str]:
+    for rank in (0, 1):
+        rewrite(tag_dir / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                lambda o: o["optimizer_state_dict"].__setitem__("zero_stage", Call(ZERO_STAGE_ENUM, 7)))
+    return tag_dir / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "found zero_stage 7"
+
+
+def _several_tags(root: Path, tag_dir: Path) -> tuple[Path, str]:
+    (root / "latest").unlink()
+    shutil.copytree(tag_dir, root / "global_step99")
+    return root, "no 'latest' file and 2 tags"
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("command", ["inspect", "export"])
+@pytest.mark.parametrize("damage", [_truncate, _remove_rank, _unknown_stage, _several_tags],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_broken_checkpoint_is_one_line_naming_the_file(tmp_path, capsys, damage, command):
+    root, tag_dir = copy_checkpoint(_root(SMALL), tmp_path / "ckpt")
+    where, expected = damage(root, tag_dir)
+    out = tmp_path / "out"
+    rc = main(_commands(root, out)[command])
+    assert rc == 1
+    _assert_one_error_line(capsys.readouterr().err, f"zerofast: error: {where}: ", expected)
+    assert not out.exists()

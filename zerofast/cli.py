@@ -23,7 +23,9 @@ KINDS = ("trainable", "frozen", "buffer")
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
@@ -32,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ZeroFastError as e:
         if args.debug:
             traceback.print_exc()
-        print(f"zerofast: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"zerofast: error: {_rank_prefix()}{' '.join(str(e).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("zerofast: interrupted", file=sys.stderr)
@@ -73,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--optimizer-states", action="store_true",
                     help="also write the optimizer's per-element states (Adam moments) to optimizer.safetensors "
                          "as <param>.<key>, and their step and hyperparameters to optimizer_state.json")
+    ex.add_argument("--device", default="cpu",
+                    help="where to gather and cast: cpu, or cuda (each rank its LOCAL_RANK's GPU) / cuda:N")
+    ex.add_argument("--workers", type=_positive, default=1, metavar="N",
+                    help="share the export among N processes on this machine (under torchrun, the ranks "
+                         "share it without this)")
     ex.set_defaults(run=_export)
     _add_zero_to_fp32(sub)
 
@@ -81,6 +88,16 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.set_defaults(run=_inspect)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of workers, got {text!r}")
+    return value
 
 
 def _size(text: str) -> int:
@@ -96,22 +113,48 @@ def _size(text: str) -> int:
 # export
 
 def _export(args: argparse.Namespace) -> int:
+    from . import distributed
+    from .ops import resolve_device
     from .write_shards import export
 
-    bar = _ProgressBar(enabled=not args.quiet and _is_tty(sys.stderr))
     try:
-        result = export(args.ckpt, args.out, dtype=DTYPES[args.dtype], format=args.format,
-                        max_shard_size=args.max_shard_size, tag=args.tag, exclude_frozen=args.exclude_frozen,
-                        duplicate_tied=args.duplicate_tied, overwrite=args.overwrite,
-                        optimizer_states=args.optimizer_states, progress=bar)
+        resolve_device(args.device)  # here, so that --workers starts no ranks for a device that is not there
+    except (RuntimeError, NotImplementedError) as e:
+        raise ZeroFastError(str(e)) from None
+    if args.workers > 1:
+        distributed.launch_local(args.workers, _as_one_rank(args.argv))
+        return 0
+    run = distributed.export if distributed.launched() else export
+    leader = distributed.rank() == 0
+    bar = _ProgressBar(enabled=leader and not args.quiet and _is_tty(sys.stderr))
+    try:
+        result = run(args.ckpt, args.out, dtype=DTYPES[args.dtype], format=args.format,
+                     max_shard_size=args.max_shard_size, tag=args.tag, exclude_frozen=args.exclude_frozen,
+                     duplicate_tied=args.duplicate_tied, overwrite=args.overwrite,
+                     optimizer_states=args.optimizer_states, progress=bar, device=args.device)
     finally:
         bar.close()
-    if not args.quiet:
+    if leader and not args.quiet:
         count = len(result.files) + (1 if result.index else 0) + len(result.optimizer_files)
         tied = f", {len(result.aliases)} tied" if result.aliases else ""
+        ranks = f" by {distributed.world_size()} ranks" if distributed.launched() else ""
         print(f"wrote {count} file{'s' if count != 1 else ''} ({human_bytes(result.total_size)}, "
-              f"{result.tensors} tensors{tied}) to {result.out_dir} in {result.seconds:.2f} s")
+              f"{result.tensors} tensors{tied}) to {result.out_dir}{ranks} in {result.seconds:.2f} s")
     return 0
+
+
+def _as_one_rank(argv: Sequence[str]) -> list[str]:
+    """The command line each worker runs: the same, with a later ``--workers 1`` overriding the
+    count (before any ``--``, after which it would be read as a path)."""
+    argv = list(argv)
+    end = argv.index("--") if "--" in argv else len(argv)
+    return argv[:end] + ["--workers", "1"] + argv[end:]
+
+
+def _rank_prefix() -> str:
+    from .distributed import launched, rank, world_size
+
+    return f"[rank {rank()} of {world_size()}] " if launched() else ""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,11 +6,18 @@ file: the data is written once, and only one window (``_WINDOW_BYTES``) is mappe
 memory stays flat whatever the model size. The torch format cannot stream (see ``_write_torch``).
 
 Everything is written into a temporary folder inside the output folder and moved to its final
-name only once every file is complete, the index last, so an interrupted export never leaves a
-file under a final name.
+name only once every file is complete, the index last. An export that fails or is killed while
+writing leaves no file under a final name (a write error is an ExportError naming the file and
+the OS error); one killed during the moves, a few renames, may leave some complete files there,
+never an index listing a missing one. A rerun cleans up either way.
+
+The export runs as a sequence of steps (read, open the folder, write the data files, commit) led
+by a ``team``: one process alone, or the ranks of ``zerofast.distributed``, which share the data
+files out and agree after each step.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -25,15 +32,18 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from .errors import ExportError, OutputExistsError
+from .errors import ExportError, OutputExistsError, ZeroFastError
 from .execute import Executor
 from .ops import resolve_device
 from .plan import Plan, TensorPlan
 from .reconstruct import Prepared, prepare
+
+if TYPE_CHECKING:
+    from .distributed import Team
 
 FORMATS = ("safetensors", "torch")
 TIED_KEY = "zerofast_tied"  # metadata key: JSON string {alias: source} of tied names written once
@@ -214,25 +224,26 @@ def safetensors_header(items: Sequence[TensorPlan], metadata: dict[str, str]) ->
 def _write_safetensors(path: Path, file: _File, metadata: dict[str, str], executor: Executor,
                        advance: Callable[[int], None]) -> None:
     head, placed = safetensors_header(file.items, metadata)
-    with open(path, "w+b") as f:
+    with _writing(path), open(path, "w+b") as f:
         f.write(head)
         f.flush()
-        _reserve(f.fileno(), len(head) + sum(tp.nbytes for tp, _ in placed), path)
+        _reserve(f.fileno(), len(head) + sum(tp.nbytes for tp, _ in placed))
         for start, end, batch in _windows(_pieces(placed, len(head))):
             _fill(f.fileno(), start, end, batch, executor)
             advance(end - start)
 
 
-def _reserve(fd: int, size: int, path: Path) -> None:
-    """Allocate the file's blocks up front: a full disk then fails here, as an error, rather than
-    killing the process with SIGBUS when a mapped page finds no room."""
+def _reserve(fd: int, size: int) -> None:
+    """Allocate the file's blocks up front: a full disk (ENOSPC) or a file-size limit (EFBIG) then
+    fails here, as an OSError, rather than killing the process with SIGBUS when a mapped page finds
+    no room."""
     try:
         os.posix_fallocate(fd, 0, size)
     except AttributeError:  # no posix_fallocate on this platform
         os.ftruncate(fd, size)
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise ExportError(f"cannot reserve {size} bytes for the output file: {e.strerror}", path) from e
+            raise
         os.ftruncate(fd, size)
 
 
@@ -280,7 +291,64 @@ def _write_torch(path: Path, file: _File, executor: Executor, advance: Callable[
         advance(tp.nbytes)
     for alias, source in file.aliases:
         made[alias] = made[source]
-    torch.save(OrderedDict((k, made[k]) for k in file.keys), path)
+    with _writing(path), open(path, "wb") as f:
+        sink = _Sink(f)
+        try:
+            torch.save(OrderedDict((k, made[k]) for k in file.keys), sink)
+        except RuntimeError:
+            if sink.error is None:
+                raise
+            raise sink.error from None
+
+
+class _Sink:
+    """The file object torch.save writes through. torch turns a failed write into a RuntimeError
+    about stream positions; holding on to the OSError lets the export say what failed (EFBIG, ENOSPC).
+    (Given a path instead, torch writes from C++ and the OS error is lost entirely.)"""
+
+    def __init__(self, f):
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Report an OS error while writing ``path`` (a full disk, a file-size limit, an I/O error) as
+    an ExportError naming the file under its final name, and the error. Nothing written so far has
+    left the temporary folder, which goes as the error unwinds the export."""
+    try:
+        yield
+    except ZeroFastError:
+        raise
+    except OSError as e:
+        raise ExportError(f"could not write this file: {_os_error(e)}; the export stopped and put no file in place",
+                          _final_name(path)) from e
+
+
+def _write_text(path: Path, text: str) -> None:
+    with _writing(path):
+        path.write_text(text)
+
+
+def _final_name(path: Path) -> Path:
+    return path.parent.parent / path.name if _TMP_DIR.match(path.parent.name) else path
+
+
+def _os_error(e: OSError) -> str:
+    if e.strerror is None:
+        return str(e)
+    code = errno.errorcode.get(e.errno) if isinstance(e.errno, int) else None
+    return f"{e.strerror} ({code})" if code else e.strerror
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +367,10 @@ def _output_dir(out_dir: Path, overwrite: bool) -> Iterator[tuple[Path, list[str
             if _TMP_DIR.match(name):  # the lock says no export is alive to own it
                 shutil.rmtree(out_dir / name, ignore_errors=True)
         tmp = out_dir / f".zerofast-tmp-{os.getpid()}"
-        tmp.mkdir()
+        try:
+            tmp.mkdir()
+        except OSError as e:
+            raise ExportError(f"cannot create the temporary folder: {_os_error(e)}", tmp) from e
         try:
             yield tmp, previous
         finally:
@@ -353,19 +424,26 @@ def _commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | No
     """
     final = [*data_files, *([index] if index else [])]
     _write_marker(out_dir, tmp, sorted(set(previous) | set(final)))
-    stale = set(previous) | {n for n in os.listdir(out_dir) if _WEIGHT_FILE.match(n)}
-    for name in sorted(stale, key=lambda n: not n.endswith(".index.json")):
-        path = out_dir / name
-        if name not in data_files and path.is_file():
-            path.unlink()
-    for name in final:
-        os.replace(tmp / name, out_dir / name)
-    _write_marker(out_dir, tmp, final)
+    try:
+        stale = set(previous) | {n for n in os.listdir(out_dir) if _WEIGHT_FILE.match(n)}
+        for name in sorted(stale, key=lambda n: not n.endswith(".index.json")):
+            path = out_dir / name
+            if name not in data_files and path.is_file():
+                path.unlink()
+        for name in final:
+            os.replace(tmp / name, out_dir / name)
+    except OSError as e:
+        raise ExportError(f"stopped while moving the new files into place: {_os_error(e)}; the folder may hold "
+                          "only some of them: run the export again", out_dir) from e
+    # Every file is in place. The marker still lists the replaced names too, which only ever tells
+    # a rerun what it may remove, so failing to shrink it (on a full disk) must not fail the export.
+    with contextlib.suppress(OSError, ExportError):
+        _write_marker(out_dir, tmp, final)
 
 
 def _write_marker(out_dir: Path, tmp: Path, files: Sequence[str]) -> None:
     staged = tmp / MARKER
-    staged.write_text(json.dumps({"written_by": "zerofast", "files": list(files)}, indent=2) + "\n")
+    _write_text(staged, json.dumps({"written_by": "zerofast", "files": list(files)}, indent=2) + "\n")
     os.replace(staged, out_dir / MARKER)
 
 
@@ -375,7 +453,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
            format: str = "safetensors", max_shard_size: int | str = "5GB", tag: str | None = None,
            exclude_frozen: bool = False, duplicate_tied: bool = False, overwrite: bool = False,
            optimizer_states: bool | Sequence[str] = False, progress: Progress | None = None,
-           device: str | torch.device = "cpu") -> ExportResult:
+           device: str | torch.device = "cpu", team: Team | None = None) -> ExportResult:
     """Write a DeepSpeed ZeRO checkpoint out as Hugging Face-layout weight files.
 
     Args:
@@ -398,32 +476,94 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         progress: called as ``progress(bytes_done, bytes_total)``, first with 0, then as data lands.
         device: where the weights are gathered and cast: ``"cpu"``, or ``"cuda"``/``"cuda:N"``, which
             builds each tensor on the GPU and copies it back through pinned buffers to the writer.
+        team: the ranks sharing this export (:class:`zerofast.distributed.Team`); None writes every
+            file here. Use :func:`zerofast.distributed.export` rather than passing one.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     limit = parse_size(max_shard_size)
     compute = resolve_device(device)
     started = time.monotonic()
-    prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)
-    files, tied = layout(prepared.plan, format, limit, duplicate_tied)
-    total = sum(tp.nbytes for f in files for tp in f.items)
-    optim = _optimizer_layout(prepared.checkpoint, optimizer_states, limit)
-    advance = _counter(progress, total + (optim.nbytes if optim else 0))
-    executor = prepared.streaming_executor(compute=compute)
+    team = team or _ALONE
     out = Path(out_dir)
-    with _output_dir(out, overwrite) as (tmp, previous):
-        for f in files:
-            if format == "torch":
-                _write_torch(tmp / f.name, f, executor, advance)
-            else:
-                _write_safetensors(tmp / f.name, f, _file_metadata(tied, len(files)), executor, advance)
-        index = _NAMES[format][2] if len(files) > 1 else None
-        if index:
-            (tmp / index).write_text(json.dumps(_index(format, files, tied, total), indent=2, sort_keys=True) + "\n")
-        extra = _write_optimizer_states(tmp, optim, advance) if optim else []
-        _commit(out, tmp, [f.name for f in files] + extra, index, previous)
+    with team.step("reading the checkpoint", out):
+        prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)
+        files, tied = layout(prepared.plan, format, limit, duplicate_tied)
+        optim = _optimizer_layout(prepared.checkpoint, optimizer_states, limit)
+        writes = _data_writes(files, tied, format, prepared.streaming_executor(compute=compute), optim)
+    index = _NAMES[format][2] if len(files) > 1 else None
+    extra = _optimizer_names(optim) if optim else []
+    with team.output_dir(out, overwrite) as (tmp, previous):
+        mine = team.share(writes, prepared.checkpoint.files.tag, out)
+        advance = _counter(progress, sum(w.nbytes for w in mine))
+        with team.step("writing the files", out):
+            for w in mine:
+                w.write(tmp, advance)
+        with team.step("committing the export", out):
+            if team.leader:
+                _write_indexes(tmp, format, files, tied, index, optim)
+                _commit(out, tmp, [f.name for f in files] + extra, index, previous)
+    total = sum(tp.nbytes for f in files for tp in f.items)
     return ExportResult(out, format, dtype, tuple(f.name for f in files), index, total,
                         sum(len(f.items) for f in files), tied, time.monotonic() - started, tuple(extra))
+
+
+@dataclass(frozen=True)
+class _Write:
+    """One data file to write: the unit the ranks of a distributed export share out."""
+
+    file: _File
+    executor: Executor
+    metadata: dict[str, str] | None  # the safetensors header's; None for a torch file
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tp.nbytes for tp in self.file.items)
+
+    def write(self, tmp: Path, advance: Callable[[int], None]) -> None:
+        if self.metadata is None:
+            _write_torch(tmp / self.file.name, self.file, self.executor, advance)
+        else:
+            _write_safetensors(tmp / self.file.name, self.file, self.metadata, self.executor, advance)
+
+
+def _data_writes(files: Sequence[_File], tied: dict[str, str], fmt: str, executor: Executor,
+                 optim: _OptimizerFiles | None) -> list[_Write]:
+    metadata = None if fmt == "torch" else _file_metadata(tied, len(files))
+    writes = [_Write(f, executor, metadata) for f in files]
+    if optim:
+        states = optim.prepared.streaming_executor()
+        writes += [_Write(f, states, {"format": "pt"}) for f in optim.files]
+    return writes
+
+
+def _write_indexes(tmp: Path, fmt: str, files: Sequence[_File], tied: dict[str, str], index: str | None,
+                   optim: _OptimizerFiles | None) -> None:
+    """What only rank 0 writes, once every data file is in: the indexes and the optimizer's JSON."""
+    if index:
+        total = sum(tp.nbytes for f in files for tp in f.items)
+        _write_text(tmp / index, json.dumps(_index(fmt, files, tied, total), indent=2, sort_keys=True) + "\n")
+    if optim:
+        _write_optimizer_index(tmp, optim)
+
+
+class _Alone:
+    """The one process of a plain export: it writes every file, and steps need no agreement.
+    ``zerofast.distributed.Team`` stands in for it when several processes share the work."""
+
+    leader = True
+
+    def step(self, what: str, where: Path) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def output_dir(self, out: Path, overwrite: bool):
+        return _output_dir(out, overwrite)
+
+    def share(self, writes: list[_Write], tag: str, where: Path) -> list[_Write]:
+        return writes
+
+
+_ALONE = _Alone()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,23 +601,26 @@ def _optimizer_layout(ckpt, wanted: bool | Sequence[str], max_bytes: int) -> _Op
     return _OptimizerFiles(prepared, [dataclasses.replace(f, name=n) for f, n in zip(files, names)], keys)
 
 
-def _write_optimizer_states(tmp: Path, optim: _OptimizerFiles, advance: Callable[[int], None]) -> list[str]:
-    """Write the shards, their index when there are several, and the JSON; return the names."""
-    from .optimizer_states import scalar_states
-
-    executor = optim.prepared.streaming_executor()
-    for f in optim.files:
-        _write_safetensors(tmp / f.name, f, {"format": "pt"}, executor, advance)
+def _optimizer_names(optim: _OptimizerFiles) -> list[str]:
+    """The files the optimizer states take: shards, their index when there are several, the JSON."""
     names = [f.name for f in optim.files]
     if len(optim.files) > 1:
-        index = _index("safetensors", optim.files, {}, optim.nbytes)
-        (tmp / OPTIMIZER_NAMES[2]).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         names.append(OPTIMIZER_NAMES[2])
-    ckpt = optim.prepared.checkpoint
-    doc = {"keys": optim.keys, "tensors": names[-1], "stage": ckpt.stage, "world_size": ckpt.world_size,
-           "tag": ckpt.files.tag, **scalar_states(ckpt)}
-    (tmp / OPTIMIZER_JSON).write_text(json.dumps(doc, indent=2) + "\n")
     return [*names, OPTIMIZER_JSON]
+
+
+def _write_optimizer_index(tmp: Path, optim: _OptimizerFiles) -> None:
+    """Everything but the shards: the index when there are several, and the JSON."""
+    from .optimizer_states import scalar_states
+
+    names = _optimizer_names(optim)
+    if len(optim.files) > 1:
+        index = _index("safetensors", optim.files, {}, optim.nbytes)
+        _write_text(tmp / OPTIMIZER_NAMES[2], json.dumps(index, indent=2, sort_keys=True) + "\n")
+    ckpt = optim.prepared.checkpoint
+    doc = {"keys": optim.keys, "tensors": names[-2], "stage": ckpt.stage, "world_size": ckpt.world_size,
+           "tag": ckpt.files.tag, **scalar_states(ckpt)}
+    _write_text(tmp / OPTIMIZER_JSON, json.dumps(doc, indent=2) + "\n")
 
 
 def _file_metadata(tied: dict[str, str], count: int) -> dict[str, str]:
