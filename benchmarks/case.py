@@ -74,6 +74,21 @@ def zf_export_bf16(ckpt, out):
     return _export(ckpt, out, torch.bfloat16)
 
 
+def zf_export_2workers(ckpt, out):
+    """zf_export shared by two ranks on this machine (``--workers 2``): the 1-vs-2 worker figure."""
+    import re
+    import subprocess
+
+    cmd = [sys.executable, "-m", "zerofast", "export", str(ckpt), str(out), "--max-shard-size", "1GB", "--workers", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    # Rank 0 times its export call up to the commit, the wait for the other rank included, but
+    # not the ranks' start and imports, as zf_export's time leaves out this process's imports.
+    seconds = float(re.search(r" in ([\d.]+) s$", proc.stdout.strip()).group(1))
+    return seconds, _dir_bytes(out)
+
+
 def ds_export(ckpt, out):
     from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 
@@ -98,7 +113,8 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-CASES = {f.__name__: f for f in (zf_eager, zf_lazy, ds_eager, zf_export, zf_export_bf16, ds_export, floor)}
+CASES = {f.__name__: f for f in (zf_eager, zf_lazy, ds_eager, zf_export, zf_export_bf16, zf_export_2workers,
+                                  ds_export, floor)}
 
 
 def main() -> None:
@@ -107,7 +123,8 @@ def main() -> None:
     out.mkdir(parents=True)
     try:
         seconds, nbytes = CASES[case](ckpt, out)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # The largest process: this one, or a worker it launched (zf_export_2workers).
+        rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024
         print(json.dumps({"case": case, "seconds": seconds, "bytes": nbytes, "peak_rss": rss}), flush=True)
     finally:
         shutil.rmtree(out, ignore_errors=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import _compat_pickle
 import collections
 import io
+import math
 import pickle
 from pathlib import Path
 from typing import Any, Callable
@@ -61,6 +62,10 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> torch.T
         raise ValueError(f"expected matching sizes and strides and an offset >= 0, got {size} {stride} "
                          f"{storage_offset!r}")
     extent = storage_offset + 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0
+    if math.prod(size) > storage.numel:
+        # Overlapping strides would let an 18 KB file demand terabytes once anything copies it;
+        # saved parameters and buffers never repeat elements.
+        raise ValueError(f"a tensor of size {size} has more elements than its {storage.numel}-element storage")
     if extent > storage.numel:
         # set_ only checks against the whole mapping; the tensor must stay inside its own entry.
         raise ValueError(f"a tensor of size {size} and stride {stride} at offset {storage_offset} reaches element "
