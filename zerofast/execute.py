@@ -15,8 +15,8 @@ class Executor:
 
     With ``streamable`` (one flag per source: is it a private file mapping nobody else holds?),
     the native op reads those sources ahead and drops their pages once read, so one pass over a
-    checkpoint keeps only the output resident. Only callers that never hand a source view to
-    the user may pass it; the lazy mapping does hand out views, so it does not.
+    checkpoint keeps only the output resident. A source that may be handed to the user as a view
+    must not be marked streamable (see ``Prepared.lazy_executor``).
 
     ``compute`` (default: ``device``) is where the gather and cast run. A GPU computing results
     for host memory (``export(..., device="cuda")``) builds each tensor on the GPU and copies it
@@ -61,13 +61,20 @@ class Executor:
     def _streams(self, tp: TensorPlan) -> bool:
         return self.streamable is not None and all(self.streamable[s[0]] for s in tp.segments)
 
+    @staticmethod
+    def may_view(tp: TensorPlan) -> bool:
+        """Whether ``tp`` is one whole range of one source, already in the requested dtype."""
+        if len(tp.segments) != 1 or tp.stored_dtype != tp.out_dtype:
+            return False
+        _, _, dst_off, length = tp.segments[0]
+        return dst_off == 0 and length == tp.numel
+
     def view_or_run(self, tp: TensorPlan) -> torch.Tensor:
         """Like :meth:`run`, but a tensor stored whole in the requested dtype comes back as a view
         of its (memory-mapped) source: casting to the dtype a tensor already has copies nothing."""
-        if self.device.type == "cpu" and len(tp.segments) == 1 and tp.stored_dtype == tp.out_dtype:
-            src, src_off, dst_off, length = tp.segments[0]
-            if dst_off == 0 and length == tp.numel:
-                return self.sources[src][src_off:src_off + length].view(tp.shape)
+        if self.device.type == "cpu" and self.may_view(tp):
+            src, src_off, _, length = tp.segments[0]
+            return self.sources[src][src_off:src_off + length].view(tp.shape)
         return self.run(tp)
 
     def _local(self, tp: TensorPlan) -> tuple[list[torch.Tensor], torch.Tensor]:

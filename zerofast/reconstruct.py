@@ -25,6 +25,13 @@ class Prepared:
     sources: list[torch.Tensor]
     mapped: list[bool]  # per source: a view of a file mapping, not a copy
 
+    def lazy_executor(self, device: str | torch.device = "cpu") -> Executor:
+        """An executor for the lazy mapping: sources it may hand out as views are never dropped;
+        the rest are streamed, so reading every tensor once keeps one tensor resident."""
+        viewable = {tp.segments[0][0] for tp in self.plan.tensors.values() if Executor.may_view(tp)}
+        streamable = [m and i not in viewable for i, m in enumerate(self.mapped)]
+        return Executor(self.sources, device, streamable=streamable)
+
     def streaming_executor(self, device: str | torch.device = "cpu",
                            compute: str | torch.device | None = None) -> Executor:
         """An executor for one pass that hands no source views out (eager dict, export)."""
@@ -64,5 +71,5 @@ def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.f
     device = ops.resolve_device(device)
     prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)
     if lazy:
-        return LazyStateDict(prepared.plan, Executor(prepared.sources, device))
+        return LazyStateDict(prepared.plan, prepared.lazy_executor(device))
     return eager_state_dict(prepared.plan, prepared.streaming_executor(device))
