@@ -1,6 +1,9 @@
 """Comparisons shared by the tests. Everything is bit for bit: zerofast only copies and casts."""
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -25,3 +28,22 @@ def expected_value(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tens
     if dtype is None or not value.is_floating_point():
         return value
     return value.to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def real_root(name: str) -> Path:
+    """The cached real DeepSpeed checkpoint of layout ``name`` (made on first use)."""
+    from tests.dsgen.catalog import ensure_checkpoint
+
+    return ensure_checkpoint(name)
+
+
+@functools.lru_cache(maxsize=None)
+def real_truth(name: str) -> dict:
+    """DeepSpeed's own ground truth saved next to that checkpoint."""
+    return torch.load(real_root(name) / "ground_truth.pt", weights_only=True)
+
+
+def stored_values(truth: dict) -> dict:
+    """Every tensor the checkpoint holds, by name, in its stored dtype."""
+    return {**truth["trainable"], **truth["frozen"], **truth["buffers"]}

@@ -1,7 +1,6 @@
 """The ``zerofast`` command: export, inspect, progress bar, and its one-line errors."""
 from __future__ import annotations
 
-import functools
 import importlib.util
 import io
 import json
@@ -18,8 +17,9 @@ import zerofast
 from zerofast.cli import main
 from zerofast.write_shards import MARKER, load_exported
 
-from tests.dsgen.catalog import LAYOUTS, ensure_checkpoint
+from tests.dsgen.catalog import LAYOUTS
 from tests.planting import ZERO_STAGE_ENUM, Call, copy_checkpoint, rewrite
+from tests.helpers import real_root as _root, real_truth as _truth
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,16 +31,6 @@ def needs_deepspeed(test):
     skip = pytest.mark.skipif(_NO_DEEPSPEED, reason="real checkpoints are made by DeepSpeed 0.19.8, "
                                                     "which is not installed (pip install deepspeed==0.19.8)")
     return pytest.mark.deepspeed(skip(test))
-
-
-@functools.lru_cache(maxsize=None)
-def _root(name: str) -> Path:
-    return ensure_checkpoint(name)
-
-
-@functools.lru_cache(maxsize=None)
-def _truth(name: str) -> dict:
-    return torch.load(_root(name) / "ground_truth.pt", weights_only=True)
 
 
 class _Tty(io.StringIO):

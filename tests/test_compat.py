@@ -3,7 +3,6 @@ file names, and values judged against the live engine's ground truth. DeepSpeed 
 subprocesses, so this process never imports it."""
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 import os
@@ -21,29 +20,15 @@ from zerofast.execute import Executor
 from zerofast.write_shards import load_exported
 
 from tests.conftest import needs_deepspeed
-from tests.dsgen.catalog import ensure_checkpoint
 from tests.dsgen.models import build_model
 from tests.helpers import assert_bitwise_equal, expected_value
+from tests.helpers import real_root as _root, real_truth as _truth, stored_values as _stored
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = "s2_bf16_w2_frozen_tied"  # frozen bf16 weights, ties, int and bool buffers
 TINY = 2000  # bytes: several shards for every test model
 FUNCTIONS = ["get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
              "convert_zero_checkpoint_to_state_dict", "load_state_dict_from_zero_checkpoint"]
-
-
-@functools.lru_cache(maxsize=None)
-def _root(name):
-    return ensure_checkpoint(name)
-
-
-@functools.lru_cache(maxsize=None)
-def _truth(name):
-    return torch.load(_root(name) / "ground_truth.pt", weights_only=True)
-
-
-def _stored(truth) -> dict:
-    return {**truth["trainable"], **truth["frozen"], **truth["buffers"]}
 
 
 def _check(sd, truth, dtype=torch.float32, keys=None) -> None:

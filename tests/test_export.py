@@ -29,8 +29,9 @@ from zerofast.errors import ExportError, OutputExistsError
 from zerofast.execute import Executor
 from zerofast.write_shards import MARKER, TIED_KEY, export, load_exported, parse_size, plan_shards
 
-from tests.dsgen.catalog import LAYOUTS, ensure_checkpoint
+from tests.dsgen.catalog import LAYOUTS
 from tests.helpers import assert_bitwise_equal, expected_value
+from tests.helpers import real_root as _root, real_truth as _truth
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,16 +49,6 @@ SAFE = "safetensors"
 CASES = [(SAFE, TINY, torch.float32), (SAFE, "5GB", torch.bfloat16), ("torch", TINY, torch.bfloat16),
          ("torch", "5GB", torch.float32), (SAFE, TINY, None)]
 SMALL = "s2_bf16_w2_frozen_tied"  # tied, frozen and mixed dtypes: the layout for the folder tests
-
-
-@functools.lru_cache(maxsize=None)
-def _root(name: str) -> Path:
-    return ensure_checkpoint(name)
-
-
-@functools.lru_cache(maxsize=None)
-def _truth(name: str) -> dict:
-    return torch.load(_root(name) / "ground_truth.pt", weights_only=True)
 
 
 @functools.lru_cache(maxsize=None)

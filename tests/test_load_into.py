@@ -1,7 +1,6 @@
 """zerofast.load_into on real DeepSpeed 0.19.8 checkpoints, judged against the live engine's ground truth."""
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -11,25 +10,11 @@ import zerofast
 from zerofast.execute import Executor
 
 from tests.conftest import needs_deepspeed
-from tests.dsgen.catalog import ensure_checkpoint
 from tests.dsgen.models import build_model
 from tests.helpers import assert_bitwise_equal
+from tests.helpers import real_root as _root, real_truth as _truth, stored_values as _stored
 
 SMALL = "s3_bf16_w2_frozen_tied"  # frozen bf16 weights, fp32 masters, ties, int and bool buffers
-
-
-@functools.lru_cache(maxsize=None)
-def _root(name):
-    return ensure_checkpoint(name)
-
-
-@functools.lru_cache(maxsize=None)
-def _truth(name):
-    return torch.load(_root(name) / "ground_truth.pt", weights_only=True)
-
-
-def _stored(truth) -> dict:
-    return {**truth["trainable"], **truth["frozen"], **truth["buffers"]}
 
 
 def _model(truth) -> nn.Module:

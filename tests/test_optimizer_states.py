@@ -2,7 +2,6 @@
 judged against DeepSpeed's own safe_get_full_optimizer_state, saved by the live engine."""
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
@@ -14,21 +13,11 @@ from zerofast.cli import main
 from zerofast.write_shards import OPTIMIZER_JSON
 
 from tests.conftest import needs_deepspeed
-from tests.dsgen.catalog import ensure_checkpoint
 from tests.helpers import assert_bitwise_equal, expected_value
+from tests.helpers import real_root as _root, real_truth as _truth
 
 KEYS = ["exp_avg", "exp_avg_sq"]
 SMALL = "s2_bf16_w2_frozen_tied"
-
-
-@functools.lru_cache(maxsize=None)
-def _root(name):
-    return ensure_checkpoint(name)
-
-
-@functools.lru_cache(maxsize=None)
-def _truth(name):
-    return torch.load(_root(name) / "ground_truth.pt", weights_only=True)
 
 
 def _partitioned(truth) -> bool:
