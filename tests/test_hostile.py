@@ -454,3 +454,40 @@ def test_oversized_storage_would_read_the_next_entries_without_the_check(sources
     assert torch.equal(loaded[:original.numel()], original)
     with pytest.raises(zerofast.CorruptCheckpointError):
         zerofast.reconstruct(root)
+
+
+class _ResizedOnBuild:
+    """Pickles as a real tensor rebuild followed by BUILD, whose state re-points the tensor:
+    Tensor.__setstate__ would make a 2**40-element view of a 1-element storage."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __reduce_ex__(self, protocol):
+        import collections
+
+        storage = torch.storage.TypedStorage(wrap_storage=self.base.untyped_storage(), dtype=torch.float32,
+                                             _internal=True)
+        args = (storage, 0, (1,), (1,), False, collections.OrderedDict())
+        return (torch._utils._rebuild_tensor_v2, args, (self.base, 0, (2 ** 40,), (0,)))
+
+
+def test_build_on_a_tensor_is_refused(sources, tmp_path):
+    root, tag_dir = copy_checkpoint(sources[STAGE2], tmp_path / "ckpt")
+    victim = tag_dir / MODEL2
+    state = torch.load(victim, weights_only=False, mmap=False)
+    state["module"]["scale"] = _ResizedOnBuild(torch.zeros(1))
+    torch.save(state, victim)
+    with pytest.raises(zerofast.UnsafeCheckpointError, match="altered after building it") as e:
+        zerofast.reconstruct(root)
+    assert e.value.path == str(victim)
+
+
+def test_torch_tensor_name_cannot_construct_tensors(sources, tmp_path):
+    """``torch.Tensor`` is allowed only as a type tag; calling it would allocate any size."""
+    root, tag_dir = copy_checkpoint(sources[STAGE2], tmp_path / "ckpt")
+    victim = tag_dir / MODEL2
+    replace_member(victim, "/data.pkl", b"\x80\x02ctorch\nTensor\nJ\x00\x00\x00\x40\x85R.")
+    with pytest.raises(zerofast.CorruptCheckpointError) as e:
+        zerofast.reconstruct(root)
+    assert e.value.path == str(victim)

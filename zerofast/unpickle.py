@@ -27,8 +27,8 @@ from typing import Any, Callable
 import torch
 
 from .archive import ArchiveIndex, index_archive
-from .errors import CorruptCheckpointError
-from .stand_ins import STAND_INS
+from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .stand_ins import STAND_INS, DeepSpeedRecord
 
 
 class Refused(pickle.UnpicklingError):
@@ -48,10 +48,12 @@ class _StorageRef:
     """A storage as the rebuild functions see it: its bytes (a slice of the file mapping) and
     dtype. Lighter than a TypedStorage, which the rebuild functions do not need."""
 
-    __slots__ = ("mapping", "dtype", "offset", "numel")
+    __slots__ = ("mapping", "dtype", "offset", "numel", "built")
 
-    def __init__(self, mapping: torch.UntypedStorage, dtype: torch.dtype, offset: int, numel: int):
+    def __init__(self, mapping: torch.UntypedStorage, dtype: torch.dtype, offset: int, numel: int,
+                 built: list):
         self.mapping, self.dtype, self.offset, self.numel = mapping, dtype, offset, numel
+        self.built = built  # every tensor rebuilt in this file, shared by its storages
 
 
 def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> torch.Tensor:
@@ -71,7 +73,9 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> torch.T
         raise ValueError(f"a tensor of size {size} and stride {stride} at offset {storage_offset} reaches element "
                          f"{extent}, past the end of its {storage.numel}-element storage")
     t = torch.empty(0, dtype=storage.dtype)
-    return t.set_(storage.mapping, storage.offset + storage_offset, size, stride)
+    t.set_(storage.mapping, storage.offset + storage_offset, size, stride)
+    storage.built.append((t, t.data_ptr(), t.shape, t.stride()))
+    return t
 
 
 def _dims(value) -> tuple[int, ...]:
@@ -89,9 +93,12 @@ def _rebuild_parameter(data, *_ignored) -> torch.Tensor:
 def _rebuild_from_type_v2(func, new_type, args, state) -> torch.Tensor:
     # DeepSpeed's stage-3 flat groups carry a ``ds_id`` attribute, saved this way; only the
     # tensor matters here. ``func`` is an allowlisted rebuild function resolved by find_class.
-    if func not in (_rebuild_tensor, _rebuild_parameter) or new_type is not torch.Tensor:
+    if func not in (_rebuild_tensor, _rebuild_parameter) or new_type is not _TENSOR_TYPE:
         raise TypeError("expected a plain tensor rebuild")
     return func(*args)
+
+
+_TENSOR_TYPE = object()  # what the name ``torch.Tensor`` resolves to
 
 
 def _storage_types() -> dict[str, _StorageType]:
@@ -104,7 +111,8 @@ ALLOWED: dict[str, Any] = {
     "builtins.set": set,
     "torch.Size": torch.Size,
     "torch.device": torch.device,
-    "torch.Tensor": torch.Tensor,
+    # Only ever compared against: the real class is callable and would build tensors of any size.
+    "torch.Tensor": _TENSOR_TYPE,
     "torch._utils._rebuild_tensor": _rebuild_tensor,
     "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
     "torch._utils._rebuild_parameter": _rebuild_parameter,
@@ -150,6 +158,7 @@ class _Storages:
             if index.file_size else torch.UntypedStorage(0)
         self.made: dict[str, _StorageRef] = {}
         self.declared: dict[str, int] = {}
+        self.built: list[tuple] = []
 
     def __call__(self, pid: object) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
@@ -173,16 +182,54 @@ class _Storages:
         # One storage object per entry, not views of the whole mapping: tensors that share one
         # storage cannot be saved together by torch.save (mixed dtypes) or safetensors.
         offset = self.index.storage_offset(key, nbytes)
-        return _StorageRef(self.mapping[offset:offset + nbytes], dtype, 0, numel)
+        return _StorageRef(self.mapping[offset:offset + nbytes], dtype, 0, numel, self.built)
 
 
 def load_archive(path: Path) -> Any:
     """Unpickle one ``torch.save`` archive with only allowlisted globals and mapped storages."""
     index = index_archive(path)
-    unpickler = _Unpickler(index.pickle_bytes, _Storages(path, index))
+    storages = _Storages(path, index)
+    unpickler = _Unpickler(index.pickle_bytes, storages)
     result = unpickler.load()
+    _check_tensors(path, result, storages.built)
     left = len(index.pickle_bytes) - unpickler.consumed()
     if left:
         # Another reader could parse the tail differently; torch.save writes nothing after STOP.
         raise CorruptCheckpointError(f"expected data.pkl to end with its pickle, found {left} more bytes", path)
     return result
+
+
+def _check_tensors(path: Path, result: Any, built: list[tuple]) -> None:
+    """Every tensor in ``result`` must be one ``_rebuild_tensor`` made, still as it made it.
+
+    The C unpickler's BUILD opcode calls ``__setstate__`` on whatever is on its stack without
+    asking ``find_class``; on a tensor that is ``Tensor.set_`` with pickle-supplied sizes, which
+    would undo the bounds checks above. There is no hook for BUILD, so the result is checked.
+    """
+    made = {id(t): (ptr, shape, stride) for t, ptr, shape, stride in built}
+    for t in _tensors(result):
+        expected = made.get(id(t))
+        if expected is None or expected != (t.data_ptr(), t.shape, t.stride()) or t.requires_grad \
+                or t._backward_hooks:
+            raise UnsafeCheckpointError(
+                "refused a tensor the pickle altered after building it (BUILD on a tensor); nothing was executed",
+                path)
+
+
+def _tensors(root: Any):
+    """Every tensor reachable from ``root``, however deep; the memo can make cycles."""
+    stack, seen = [root], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, DeepSpeedRecord):
+            stack.append(vars(obj))
