@@ -20,11 +20,17 @@ def want_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
+def cxx_standard() -> str:
+    # torch 2.14's headers need C++20; older ones are built and tested here as C++17.
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return "c++20" if (major, minor) >= (2, 14) else "c++17"
+
+
 def extension():
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
     sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
     macros = [("ZEROFAST_TORCH_VERSION", f'"{torch.__version__}"')]
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    cxx = ["-O3", f"-std={cxx_standard()}", "-fopenmp"]
     cuda_sources = rel("csrc/cuda/*.cu") + rel("csrc/cuda/*.cpp")
     if want_cuda() and cuda_sources:
         macros.append(("ZEROFAST_WITH_CUDA", None))
