@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, first_line
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
 
@@ -75,7 +75,7 @@ def index_archive(path: Path) -> ArchiveIndex:
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error,
             NotImplementedError) as e:
         raise CorruptCheckpointError(
-            f"expected a torch.save zip archive; the file is truncated or not one ({_first_line(e)})", path) from None
+            f"expected a torch.save zip archive; the file is truncated or not one ({first_line(e)})", path) from None
     return ArchiveIndex(path, size, prefix, entries, data)
 
 
@@ -126,8 +126,3 @@ def _find(path: Path, entries: dict[str, _Entry], name: str) -> _Entry:
         shown = sorted(e.name for e in entries.values())[:8]
         raise CorruptCheckpointError(f"expected zip entry {name!r}, found only {shown}", path)
     return entry
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__

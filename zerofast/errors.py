@@ -8,6 +8,12 @@ from __future__ import annotations
 import os
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an underlying error, for one-line messages that name our file."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
 class ZeroFastError(Exception):
     """Base class of every error zerofast raises about its input or its build."""
 

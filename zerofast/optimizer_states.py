@@ -21,9 +21,9 @@ import torch
 
 from .discover import discover
 from .errors import InconsistentCheckpointError, MissingOptimizerStateError, UnsupportedCheckpointError
-from .execute import Executor
-from .plan import FlatGroups, Plan, SourceTable, TensorPlan, master_flat_groups, out_dtype_for, partitioned_entries
-from .reconstruct import _ALLOWED_DTYPES, Prepared
+from .plan import (FlatGroups, Plan, SourceTable, TensorPlan, check_dtype, master_flat_groups, out_dtype_for,
+                   partitioned_entries)
+from .reconstruct import Prepared
 from .safe_load import LoadedCheckpoint, OptimStates, load_checkpoint
 from .write import LazyStateDict, eager_state_dict
 
@@ -50,7 +50,7 @@ def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype
     """
     prepared = prepare_optimizer_states(ckpt_dir, [key], dtype, tag=tag)
     if lazy:
-        return LazyStateDict(prepared.plan, Executor(prepared.sources))
+        return LazyStateDict(prepared.plan, prepared.lazy_executor())
     return eager_state_dict(prepared.plan, prepared.streaming_executor())
 
 
@@ -64,8 +64,7 @@ def plan_optimizer_states(ckpt: LoadedCheckpoint, keys: Sequence[str], dtype: to
                           qualified: bool) -> Prepared:
     """Plan ``keys`` of every trainable parameter. Outputs are named ``<param>.<key>`` when
     ``qualified`` (several keys in one plan), else by the parameter name alone (one key)."""
-    if dtype not in _ALLOWED_DTYPES:
-        raise ValueError(f"dtype must be one of torch.float32, torch.bfloat16, torch.float16 or None, got {dtype!r}")
+    check_dtype(dtype)
     if not keys or (not qualified and len(keys) != 1):
         raise ValueError(f"expected {'one key' if not qualified else 'at least one key'}, got {list(keys)}")
     states = _checked_states(ckpt)

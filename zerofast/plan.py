@@ -70,6 +70,15 @@ class Plan:
     metadata: dict = field(default_factory=dict)
 
 
+OUTPUT_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_dtype(dtype: torch.dtype | None) -> None:
+    """Refuse a requested dtype the policy has no meaning for."""
+    if dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"dtype must be one of torch.float32, torch.bfloat16, torch.float16 or None, got {dtype!r}")
+
+
 def out_dtype_for(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype policy: floating tensors take ``dtype``; ``None`` and non-floating keep their own."""
     if dtype is None or not stored.is_floating_point:

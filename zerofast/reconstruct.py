@@ -9,11 +9,10 @@ import torch
 from . import ops
 from .discover import discover
 from .execute import Executor
-from .plan import Plan, SourceTable, build_plan
+from .plan import Plan, SourceTable, build_plan, check_dtype
 from .safe_load import LoadedCheckpoint, load_checkpoint
 from .write import LazyStateDict, eager_state_dict
 
-_ALLOWED_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -40,8 +39,7 @@ class Prepared:
 
 def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
             exclude_frozen: bool = False) -> Prepared:
-    if dtype not in _ALLOWED_DTYPES:
-        raise ValueError(f"dtype must be one of torch.float32, torch.bfloat16, torch.float16 or None, got {dtype!r}")
+    check_dtype(dtype)
     ckpt = load_checkpoint(discover(ckpt_dir, tag))
     table = SourceTable()
     plan = build_plan(ckpt, table, dtype, exclude_frozen=exclude_frozen)

@@ -25,6 +25,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
     ZeroFastError,
+    first_line,
 )
 from .stand_ins import RefusedState
 from .unpickle import Refused, load_archive
@@ -46,12 +47,7 @@ def load_file(path: Path) -> Any:
     # opcodes, bad arguments, a storage too small for its tensor, ...).
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, TypeError, IndexError, KeyError,
             AttributeError, AssertionError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
-        raise CorruptCheckpointError(f"expected a valid pickle in data.pkl, got: {_first_line(e)}", path) from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
+        raise CorruptCheckpointError(f"expected a valid pickle in data.pkl, got: {first_line(e)}", path) from None
 
 
 # ---------------------------------------------------------------------------------------------
