@@ -20,6 +20,21 @@ TORCH_LIBRARY(zerofast, m) {
   // the pages it has read from this process, so a pass over a large checkpoint does not keep
   // the input resident next to the output.
   m.def("gather_cast(Tensor[] sources, Tensor segments, Tensor(a!) out, bool stream_sources=False) -> ()");
+
+  // A whole batch of outputs in one call, read from the checkpoint files rather than through
+  // their mappings. `segments` rows are (output index, source index, source offset, output
+  // offset, length), counted in elements. Source i is read with pread from file descriptor
+  // `source_fds[i]` at byte `source_offsets[i]` onwards, where its bytes are the same as the
+  // tensor's; with a negative fd it is copied from the tensor. Casts are those of Tensor.to.
+  // Outputs not covered by a row keep what they held.
+  m.def("read_cast(Tensor[] sources, int[] source_fds, Tensor source_offsets, Tensor segments, "
+        "Tensor(a!)[] outs) -> ()");
+
+  // The same, into a file: output i is `out_numels[i]` elements of `out_dtype` at byte
+  // `out_offsets[i]` of `out_fd`, written with pwrite (or copy_file_range where no cast is
+  // needed and the file systems allow it).
+  m.def("read_cast_to_file(Tensor[] sources, int[] source_fds, Tensor source_offsets, Tensor segments, "
+        "int out_fd, Tensor out_offsets, Tensor out_numels, ScalarType out_dtype) -> ()");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,13 +1,16 @@
 """Step 4: run a plan's tensors through the native gather-and-cast op."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from . import ops
 from .download import Download
 from .plan import TensorPlan
+
+if TYPE_CHECKING:
+    from .read_batch import BatchReader
 
 
 class Executor:
@@ -21,15 +24,26 @@ class Executor:
     ``compute`` (default: ``device``) is where the gather and cast run. A GPU computing results
     for host memory (``export(..., device="cuda")``) builds each tensor on the GPU and copies it
     back through pinned buffers.
+
+    ``batch`` (a :class:`~zerofast.read_batch.BatchReader`) lets whole passes on the CPU run as
+    one native call that reads the checkpoint files instead of their mappings.
     """
 
     def __init__(self, sources: Sequence[torch.Tensor], device: str | torch.device = "cpu",
-                 streamable: Sequence[bool] | None = None, compute: str | torch.device | None = None):
+                 streamable: Sequence[bool] | None = None, compute: str | torch.device | None = None,
+                 batch: BatchReader | None = None):
         self.sources = sources
         self.device = torch.device(device)
         self.compute = self.device if compute is None else torch.device(compute)
         self.streamable = streamable
+        self.batch = batch if self.device.type == "cpu" and self.compute.type == "cpu" else None
         self._download: Download | None = None
+
+    def run_all(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
+        """Every tensor of ``tps`` in fresh memory, in its shape."""
+        if self.batch is not None:
+            return self.batch.read(tps)
+        return [self.run(tp) for tp in tps]
 
     def run(self, tp: TensorPlan, out: torch.Tensor | None = None) -> torch.Tensor:
         """Write ``tp`` into ``out`` (a fresh tensor when None) and return it in its shape."""

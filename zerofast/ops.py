@@ -7,6 +7,8 @@ first reconstruct does, with a :class:`NativeExtensionError` that says how to bu
 from __future__ import annotations
 
 import os
+import re
+from contextlib import contextmanager
 from typing import Sequence
 
 import torch
@@ -67,3 +69,44 @@ def gather_cast(sources: Sequence[torch.Tensor], segments: torch.Tensor, out: to
         return
     load_native()
     torch.ops.zerofast.gather_cast(list(sources), segments, out, stream_sources)
+
+
+def read_cast(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
+              segments: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+    """See the schema in csrc/zerofast.cpp."""
+    if not native_enabled():
+        reference.read_cast(sources, source_fds, source_offsets, segments, outs)
+        return
+    load_native()
+    with _os_errors():
+        torch.ops.zerofast.read_cast(list(sources), list(source_fds), source_offsets, segments, list(outs))
+
+
+def read_cast_to_file(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
+                      segments: torch.Tensor, out_fd: int, out_offsets: torch.Tensor, out_numels: torch.Tensor,
+                      out_dtype: torch.dtype) -> None:
+    """See the schema in csrc/zerofast.cpp. A failed read or write raises OSError, as Python's would."""
+    if not native_enabled():
+        reference.read_cast_to_file(sources, source_fds, source_offsets, segments, out_fd, out_offsets, out_numels,
+                                    out_dtype)
+        return
+    load_native()
+    with _os_errors():
+        torch.ops.zerofast.read_cast_to_file(list(sources), list(source_fds), source_offsets, segments, out_fd,
+                                             out_offsets, out_numels, out_dtype)
+
+
+_ERRNO = re.compile(r"^zerofast: (.*) \[errno (\d+)\]$", re.M)
+
+
+@contextmanager
+def _os_errors():
+    # The kernels tag I/O failures with their errno, so callers can handle a full disk or a
+    # file-size limit as they would from os.write.
+    try:
+        yield
+    except RuntimeError as e:
+        m = _ERRNO.search(str(e))
+        if m is None:
+            raise
+        raise OSError(int(m.group(2)), m.group(1)) from None

@@ -10,6 +10,7 @@ from . import ops
 from .discover import discover
 from .execute import Executor
 from .plan import Plan, SourceTable, build_plan, check_dtype
+from .read_batch import BatchReader, locate
 from .safe_load import LoadedCheckpoint, load_checkpoint
 from .write import LazyStateDict, eager_state_dict
 
@@ -34,7 +35,8 @@ class Prepared:
     def streaming_executor(self, device: str | torch.device = "cpu",
                            compute: str | torch.device | None = None) -> Executor:
         """An executor for one pass that hands no source views out (eager dict, export)."""
-        return Executor(self.sources, device, streamable=self.mapped, compute=compute)
+        batch = BatchReader(self.plan.sources, self.sources, locate(self.plan.sources, self.sources))
+        return Executor(self.sources, device, streamable=self.mapped, compute=compute, batch=batch)
 
 
 def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,

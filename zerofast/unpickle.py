@@ -20,7 +20,9 @@ import _compat_pickle
 import collections
 import io
 import math
+import os
 import pickle
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -156,6 +158,7 @@ class _Storages:
         self.index = index
         self.mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=index.file_size) \
             if index.file_size else torch.UntypedStorage(0)
+        _remember_mapping(path, self.mapping)
         self.made: dict[str, _StorageRef] = {}
         self.declared: dict[str, int] = {}
         self.built: list[tuple] = []
@@ -183,6 +186,37 @@ class _Storages:
         # storage cannot be saved together by torch.save (mixed dtypes) or safetensors.
         offset = self.index.storage_offset(key, nbytes)
         return _StorageRef(self.mapping[offset:offset + nbytes], dtype, 0, numel, self.built)
+
+
+# The latest mapping of each file, so that the executor can read a mapped tensor's bytes from the
+# file itself (csrc/cpu/read_cast.cpp) rather than through the mapping. Weak: this table never
+# keeps a mapping alive; the tensors cut out of it do.
+_MAPPINGS: dict[str, tuple[weakref.ref, tuple[int, int, int, int]]] = {}
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What must not change between mapping a file and reading it again by name."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _remember_mapping(path: Path, mapping: torch.UntypedStorage) -> None:
+    try:
+        _MAPPINGS[str(path)] = (weakref.ref(mapping), file_identity(os.stat(path)))
+    except (OSError, TypeError):
+        _MAPPINGS.pop(str(path), None)
+
+
+def file_location(path: str, tensor: torch.Tensor) -> tuple[int, tuple[int, int, int, int]] | None:
+    """``(byte offset in the file, file identity)`` of a contiguous ``tensor`` that is a view of
+    the live mapping of ``path``; None for anything else (a copy, an older mapping of the file)."""
+    entry = _MAPPINGS.get(str(path))
+    mapping = entry[0]() if entry else None
+    if mapping is None or not tensor.is_contiguous():
+        return None
+    offset = tensor.data_ptr() - mapping.data_ptr()
+    if offset < 0 or offset + tensor.numel() * tensor.element_size() > mapping.nbytes():
+        return None
+    return offset, entry[1]
 
 
 def load_archive(path: Path) -> Any:

@@ -14,7 +14,7 @@ from .plan import Plan
 
 def eager_state_dict(plan: Plan, executor: Executor) -> "OrderedDict[str, torch.Tensor]":
     """Every tensor materialized into fresh memory, in the model's key order; ties share storage."""
-    made = {name: executor.run(tp) for name, tp in plan.tensors.items()}
+    made = dict(zip(plan.tensors, executor.run_all(list(plan.tensors.values()))))
     return OrderedDict((name, made[plan.aliases.get(name, name)]) for name in plan.order)
 
 

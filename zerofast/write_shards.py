@@ -50,6 +50,7 @@ TIED_KEY = "zerofast_tied"  # metadata key: JSON string {alias: source} of tied 
 MARKER = ".zerofast-export.json"  # lists the files the last export put in the folder
 _TMP_DIR = re.compile(r"^\.zerofast-tmp-\d+$")
 _WINDOW_BYTES = 64 << 20
+_BATCH_BYTES = 256 << 20
 
 # format -> (single file, shard pattern, index): the names transformers and huggingface_hub use
 _NAMES = {
@@ -228,6 +229,11 @@ def _write_safetensors(path: Path, file: _File, metadata: dict[str, str], execut
         f.write(head)
         f.flush()
         _reserve(f.fileno(), len(head) + sum(tp.nbytes for tp, _ in placed))
+        if executor.batch is not None:  # read and written by the native op, no mapping on either side
+            for batch in _batches(placed, len(head)):
+                executor.batch.write(f.fileno(), batch)
+                advance(sum(tp.nbytes for tp, _ in batch))
+            return
         for start, end, batch in _windows(_pieces(placed, len(head))):
             _fill(f.fileno(), start, end, batch, executor)
             advance(end - start)
@@ -245,6 +251,21 @@ def _reserve(fd: int, size: int) -> None:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
         os.ftruncate(fd, size)
+
+
+def _batches(placed: Sequence[tuple[TensorPlan, int]], base: int) -> Iterator[list[tuple[TensorPlan, int]]]:
+    """(tensor, file offset) in groups of about ``_BATCH_BYTES``: one native call each, and a
+    progress report in between."""
+    batch: list[tuple[TensorPlan, int]] = []
+    size = 0
+    for tp, off in placed:
+        batch.append((tp, base + off))
+        size += tp.nbytes
+        if size >= _BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def _pieces(placed: Iterable[tuple[TensorPlan, int]], base: int) -> Iterator[tuple[TensorPlan, int]]:

@@ -1,0 +1,389 @@
+// CPU kernels of zerofast::read_cast and zerofast::read_cast_to_file: a whole batch of output
+// tensors gathered from checkpoint files with pread on a pool of reader threads.
+//
+// Why not the mapped sources: copying out of a file mapping takes a page fault per few pages of
+// input, and dropping those pages again (madvise) costs TLB shootdowns across the threads. pread
+// copies from the page cache with neither, straight into the output when the dtypes match, and a
+// cold read keeps one request in flight per reader thread. Casts go through a small per-thread
+// bounce buffer and ATen's own copy kernel (see cast_piece), so they stay Tensor.to bit for bit.
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../gather_cast_checks.h"
+
+namespace zerofast {
+namespace {
+
+// One row of `segments`: (out index, source index, source offset, output offset, length), in
+// elements of the source and of the output.
+constexpr int kRow = 5;
+
+struct Source {
+  const char* mem;  // the tensor's data: read when there is no file to read from
+  int fd;           // -1: copy from `mem`
+  int64_t file_off;
+  int64_t itemsize;
+  at::ScalarType dtype;
+};
+
+struct Dest {
+  char* mem;        // null when writing to a file
+  int64_t file_off;
+  int64_t itemsize;
+  at::ScalarType dtype;
+};
+
+// A piece of one segment small enough for one bounce buffer. Items are sorted by where they
+// read, so each file is read front to back whichever thread takes the next item.
+struct Item {
+  int64_t seg;
+  int64_t skip;  // elements into the segment
+  int64_t n;
+};
+
+// Source elements per item: 1 MiB of fp32. Below ATen's grain size (32768) per cast call, a
+// copy_ never starts its own threads inside a reader thread.
+constexpr int64_t kItemBytes = 1 << 20;
+constexpr int64_t kCastElems = 32768;
+
+[[noreturn]] void io_error(const char* what, int err, int64_t offset, int64_t nbytes) {
+  // "[errno N]" lets the Python side turn this back into an OSError (ENOSPC, EFBIG, EIO).
+  TORCH_CHECK(false, "zerofast: ", what, " of ", nbytes, " bytes at offset ", offset, " failed: ",
+              std::strerror(err), " [errno ", err, "]");
+}
+
+void pread_all(int fd, char* dst, int64_t nbytes, int64_t offset) {
+  while (nbytes > 0) {
+    const ssize_t got = ::pread(fd, dst, static_cast<size_t>(nbytes), offset);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) io_error("read", errno, offset, nbytes);
+    // The loader checked each storage against the file's size; a file that shrank since is an
+    // error here, where a mapping would have died of SIGBUS.
+    TORCH_CHECK(got > 0, "zerofast: a checkpoint file ended at offset ", offset,
+                " while reading it: it was truncated after it was opened [errno ", EIO, "]");
+    dst += got;
+    offset += got;
+    nbytes -= got;
+  }
+}
+
+void pwrite_all(int fd, const char* src, int64_t nbytes, int64_t offset) {
+  while (nbytes > 0) {
+    const ssize_t put = ::pwrite(fd, src, static_cast<size_t>(nbytes), offset);
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0) io_error("write", put < 0 ? errno : EIO, offset, nbytes);
+    src += put;
+    offset += put;
+    nbytes -= put;
+  }
+}
+
+// In-kernel copy between the two files, no user-space buffer. False when the kernel or the
+// file systems cannot do it (nothing was written then), so the caller falls back to pread/pwrite.
+bool copy_range(int in_fd, int64_t in_off, int out_fd, int64_t out_off, int64_t nbytes) {
+  bool first = true;
+  while (nbytes > 0) {
+    loff_t in = in_off, out = out_off;
+    const ssize_t done = ::copy_file_range(in_fd, &in, out_fd, &out, static_cast<size_t>(nbytes), 0);
+    if (done < 0 && errno == EINTR) continue;
+    if (done < 0 && first && (errno == EXDEV || errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP ||
+                              errno == EBADF)) {
+      return false;
+    }
+    if (done < 0) io_error("copy_file_range", errno, out_off, nbytes);
+    TORCH_CHECK(done > 0, "zerofast: a checkpoint file ended at offset ", in_off,
+                " while reading it: it was truncated after it was opened [errno ", EIO, "]");
+    first = false;
+    in_off += done;
+    out_off += done;
+    nbytes -= done;
+  }
+  return true;
+}
+
+// Tensor.to is defined by ATen's copy kernel (how each CPU's vector units round, which NaN they
+// emit), so casts borrow it on raw memory rather than reimplementing it.
+void cast_piece(const char* src, at::ScalarType src_dtype, char* dst, at::ScalarType dst_dtype, int64_t n) {
+  const auto cpu = at::TensorOptions().device(at::kCPU);
+  at::Tensor s = at::from_blob(const_cast<char*>(src), {n}, cpu.dtype(src_dtype));
+  at::Tensor d = at::from_blob(dst, {n}, cpu.dtype(dst_dtype));
+  d.copy_(s);
+}
+
+bool env_flag(const char* name, bool fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? fallback : std::strcmp(v, "0") != 0;
+}
+
+int reader_threads(size_t items) {
+  // More readers than cores keeps several requests in flight on a cold read; warm, the extra
+  // threads mostly wait their turn for a core.
+  int n = at::get_num_threads();
+  if (const char* v = std::getenv("ZEROFAST_READERS")) n = std::max(1, std::atoi(v));
+  return static_cast<int>(std::min<size_t>(static_cast<size_t>(n), std::max<size_t>(items, 1)));
+}
+
+class Batch {
+ public:
+  Batch(std::vector<Source> sources, std::vector<Dest> dests, const int64_t* seg, int64_t nseg, int out_fd)
+      : sources_(std::move(sources)), dests_(std::move(dests)), seg_(seg), out_fd_(out_fd) {
+    copy_file_range_ = out_fd >= 0 && env_flag("ZEROFAST_COPY_FILE_RANGE", true);
+    split(nseg);
+  }
+
+  void run() {
+    const int nthreads = reader_threads(items_.size());
+    if (nthreads <= 1) {
+      worker();
+    } else {
+      std::vector<std::thread> pool;
+      pool.reserve(nthreads - 1);
+      for (int t = 1; t < nthreads; ++t) pool.emplace_back([this] { worker(); });
+      worker();
+      for (auto& th : pool) th.join();
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  const int64_t* row(int64_t seg) const { return seg_ + kRow * seg; }
+
+  void split(int64_t nseg) {
+    for (int64_t i = 0; i < nseg; ++i) {
+      const int64_t* r = row(i);
+      const int64_t width = std::max(sources_[r[1]].itemsize, dests_[r[0]].itemsize);
+      const int64_t step = std::max<int64_t>(1, kItemBytes / width);
+      for (int64_t skip = 0; skip < r[4]; skip += step) items_.push_back({i, skip, std::min(step, r[4] - skip)});
+    }
+    std::sort(items_.begin(), items_.end(), [this](const Item& a, const Item& b) {
+      const Source& sa = sources_[row(a.seg)[1]];
+      const Source& sb = sources_[row(b.seg)[1]];
+      if (sa.fd != sb.fd) return sa.fd < sb.fd;
+      return read_offset(a) < read_offset(b);
+    });
+  }
+
+  int64_t read_offset(const Item& it) const {
+    const int64_t* r = row(it.seg);
+    const Source& s = sources_[r[1]];
+    return (s.fd >= 0 ? s.file_off : reinterpret_cast<int64_t>(s.mem)) + (r[2] + it.skip) * s.itemsize;
+  }
+
+  void worker() {
+    std::vector<char> in, out;  // this thread's bounce buffers, grown on first need
+    try {
+      for (size_t i = next_.fetch_add(1); i < items_.size() && !failed_.load(); i = next_.fetch_add(1)) {
+        move(items_[i], in, out);
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_) error_ = std::current_exception();
+      failed_.store(true);
+    }
+  }
+
+  void move(const Item& it, std::vector<char>& in, std::vector<char>& out) {
+    const int64_t* r = row(it.seg);
+    const Source& s = sources_[r[1]];
+    const Dest& d = dests_[r[0]];
+    const int64_t src_byte = (r[2] + it.skip) * s.itemsize;
+    const int64_t dst_byte = (r[3] + it.skip) * d.itemsize;
+    if (s.dtype == d.dtype) {
+      copy_same(s, src_byte, d, dst_byte, it.n * s.itemsize, in);
+      return;
+    }
+    for (int64_t done = 0; done < it.n; done += kCastElems) {
+      const int64_t n = std::min(kCastElems, it.n - done);
+      const char* from = s.mem + src_byte + done * s.itemsize;
+      if (s.fd >= 0) {
+        in.resize(static_cast<size_t>(kCastElems * s.itemsize));
+        pread_all(s.fd, in.data(), n * s.itemsize, s.file_off + src_byte + done * s.itemsize);
+        from = in.data();
+      }
+      char* to = d.mem == nullptr ? nullptr : d.mem + dst_byte + done * d.itemsize;
+      if (to == nullptr) {
+        out.resize(static_cast<size_t>(kCastElems * d.itemsize));
+        to = out.data();
+      }
+      cast_piece(from, s.dtype, to, d.dtype, n);
+      if (d.mem == nullptr) pwrite_all(out_fd_, to, n * d.itemsize, d.file_off + dst_byte + done * d.itemsize);
+    }
+  }
+
+  void copy_same(const Source& s, int64_t src_byte, const Dest& d, int64_t dst_byte, int64_t nbytes,
+                 std::vector<char>& in) {
+    if (d.mem != nullptr) {
+      if (s.fd >= 0) {
+        pread_all(s.fd, d.mem + dst_byte, nbytes, s.file_off + src_byte);
+      } else {
+        std::memcpy(d.mem + dst_byte, s.mem + src_byte, static_cast<size_t>(nbytes));
+      }
+      return;
+    }
+    const int64_t out_off = d.file_off + dst_byte;
+    if (s.fd < 0) {
+      pwrite_all(out_fd_, s.mem + src_byte, nbytes, out_off);
+      return;
+    }
+    if (copy_file_range_ && copy_range(s.fd, s.file_off + src_byte, out_fd_, out_off, nbytes)) return;
+    in.resize(static_cast<size_t>(kItemBytes));
+    for (int64_t done = 0; done < nbytes; done += kItemBytes) {
+      const int64_t n = std::min(kItemBytes, nbytes - done);
+      pread_all(s.fd, in.data(), n, s.file_off + src_byte + done);
+      pwrite_all(out_fd_, in.data(), n, out_off + done);
+    }
+  }
+
+  std::vector<Source> sources_;
+  std::vector<Dest> dests_;
+  const int64_t* seg_;
+  int out_fd_;
+  bool copy_file_range_ = false;
+  std::vector<Item> items_;
+  std::atomic<size_t> next_{0};
+  std::atomic<bool> failed_{false};
+  std::mutex mutex_;
+  std::exception_ptr error_;
+};
+
+void check_castable(at::ScalarType from, at::ScalarType to, int64_t src, int64_t out) {
+  TORCH_CHECK(from == to || (is_castable_float(from) && is_castable_float(to)), "read_cast: cannot cast `sources[",
+              src, "]` of dtype ", from, " to `outs[", out, "]` dtype ", to,
+              "; only float64/float32/float16/bfloat16 are cast, other dtypes must match");
+}
+
+std::vector<Source> make_sources(const std::vector<at::Tensor>& sources, c10::IntArrayRef fds,
+                                 const at::Tensor& file_offsets) {
+  const auto n = static_cast<int64_t>(sources.size());
+  TORCH_CHECK(static_cast<int64_t>(fds.size()) == n, "read_cast: `source_fds` must hold one entry per source (",
+              n, "), got ", fds.size());
+  TORCH_CHECK(file_offsets.device().is_cpu() && file_offsets.scalar_type() == at::kLong && file_offsets.dim() == 1 &&
+                  file_offsets.size(0) == n && file_offsets.is_contiguous(),
+              "read_cast: `source_offsets` must be a contiguous CPU int64 tensor of shape [", n, "], got ",
+              file_offsets.scalar_type(), " ", file_offsets.sizes());
+  const int64_t* off = file_offsets.const_data_ptr<int64_t>();
+  std::vector<Source> out;
+  out.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& s = sources[i];
+    TORCH_CHECK(s.device().is_cpu() && s.is_contiguous(), "read_cast: `sources[", i,
+                "]` must be a contiguous CPU tensor");
+    TORCH_CHECK(fds[i] < 0 || off[i] >= 0, "read_cast: `source_offsets[", i, "]` is negative");
+    out.push_back({static_cast<const char*>(s.const_data_ptr()), static_cast<int>(fds[i]), off[i],
+                   static_cast<int64_t>(s.element_size()), s.scalar_type()});
+  }
+  return out;
+}
+
+// Every row is checked before any byte moves, so a bad plan fails without touching an output.
+const int64_t* check_rows(const at::Tensor& segments, const std::vector<at::Tensor>& sources,
+                          const std::vector<int64_t>& out_numel, const std::vector<at::ScalarType>& out_dtype) {
+  TORCH_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
+                  segments.size(1) == kRow && segments.is_contiguous(),
+              "read_cast: `segments` must be a contiguous CPU int64 tensor of shape [N, 5], got ",
+              segments.scalar_type(), " ", segments.sizes(), " on ", segments.device());
+  const int64_t* seg = segments.const_data_ptr<int64_t>();
+  const auto nsrc = static_cast<int64_t>(sources.size());
+  const auto nout = static_cast<int64_t>(out_numel.size());
+  for (int64_t i = 0; i < segments.size(0); ++i) {
+    const int64_t* r = seg + kRow * i;
+    const int64_t out = r[0], src = r[1], src_off = r[2], dst_off = r[3], len = r[4];
+    TORCH_CHECK(out >= 0 && out < nout, "read_cast: `segments[", i, "]` names output ", out, " but there are ",
+                nout, " outputs");
+    TORCH_CHECK(src >= 0 && src < nsrc, "read_cast: `segments[", i, "]` names source ", src, " but there are ",
+                nsrc, " sources");
+    TORCH_CHECK(src_off >= 0 && dst_off >= 0 && len >= 0, "read_cast: `segments[", i,
+                "]` has a negative offset or length");
+    TORCH_CHECK(len <= sources[src].numel() - src_off, "read_cast: `segments[", i, "]` reads [", src_off, ", ",
+                src_off, "+", len, ") past the end of `sources[", src, "]` (numel ", sources[src].numel(), ")");
+    TORCH_CHECK(len <= out_numel[out] - dst_off, "read_cast: `segments[", i, "]` writes [", dst_off, ", ", dst_off,
+                "+", len, ") past the end of output ", out, " (numel ", out_numel[out], ")");
+    check_castable(sources[src].scalar_type(), out_dtype[out], src, out);
+  }
+  return seg;
+}
+
+// Asks for transparent huge pages on the outputs' whole 2 MiB blocks: a quarter of a percent of
+// the page faults when the readers first touch them. Off unless ZEROFAST_HUGEPAGES=1 (measured:
+// see the README's performance section).
+void advise_huge(const std::vector<at::Tensor>& outs) {
+  if (!env_flag("ZEROFAST_HUGEPAGES", false)) return;
+  constexpr uintptr_t kHuge = 2u << 20;
+  for (const auto& o : outs) {
+    const auto lo = (reinterpret_cast<uintptr_t>(o.data_ptr()) + kHuge - 1) / kHuge * kHuge;
+    const auto hi = (reinterpret_cast<uintptr_t>(o.data_ptr()) + o.nbytes()) / kHuge * kHuge;
+    if (hi > lo) (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  }
+}
+
+void read_cast_cpu(const std::vector<at::Tensor>& sources, c10::IntArrayRef source_fds,
+                   const at::Tensor& source_offsets, const at::Tensor& segments, const std::vector<at::Tensor>& outs) {
+  std::vector<Dest> dests;
+  std::vector<int64_t> numel;
+  std::vector<at::ScalarType> dtypes;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const auto& o = outs[i];
+    TORCH_CHECK(o.device().is_cpu() && o.is_contiguous(), "read_cast: `outs[", i, "]` must be a contiguous CPU tensor");
+    dests.push_back({static_cast<char*>(o.data_ptr()), 0, static_cast<int64_t>(o.element_size()), o.scalar_type()});
+    numel.push_back(o.numel());
+    dtypes.push_back(o.scalar_type());
+  }
+  auto srcs = make_sources(sources, source_fds, source_offsets);
+  const int64_t* seg = check_rows(segments, sources, numel, dtypes);
+  advise_huge(outs);
+  Batch(std::move(srcs), std::move(dests), seg, segments.size(0), -1).run();
+}
+
+void read_cast_to_file_cpu(const std::vector<at::Tensor>& sources, c10::IntArrayRef source_fds,
+                           const at::Tensor& source_offsets, const at::Tensor& segments, int64_t out_fd,
+                           const at::Tensor& out_offsets, const at::Tensor& out_numels, at::ScalarType out_dtype) {
+  TORCH_CHECK(out_fd >= 0, "read_cast_to_file: `out_fd` must be an open file descriptor, got ", out_fd);
+  for (const auto* t : {&out_offsets, &out_numels}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous() &&
+                    t->size(0) == out_offsets.size(0),
+                "read_cast_to_file: `out_offsets` and `out_numels` must be contiguous CPU int64 tensors of one "
+                "length, got ", out_offsets.sizes(), " and ", out_numels.sizes());
+  }
+  const int64_t* off = out_offsets.const_data_ptr<int64_t>();
+  const int64_t* cnt = out_numels.const_data_ptr<int64_t>();
+  const int64_t itemsize = static_cast<int64_t>(c10::elementSize(out_dtype));
+  std::vector<Dest> dests;
+  std::vector<int64_t> numel;
+  for (int64_t i = 0; i < out_offsets.size(0); ++i) {
+    TORCH_CHECK(off[i] >= 0 && cnt[i] >= 0, "read_cast_to_file: output ", i, " has a negative offset or numel");
+    dests.push_back({nullptr, off[i], itemsize, out_dtype});
+    numel.push_back(cnt[i]);
+  }
+  auto srcs = make_sources(sources, source_fds, source_offsets);
+  const int64_t* seg = check_rows(segments, sources, numel, std::vector<at::ScalarType>(numel.size(), out_dtype));
+  Batch(std::move(srcs), std::move(dests), seg, segments.size(0), static_cast<int>(out_fd)).run();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
+  m.impl("read_cast", &read_cast_cpu);
+  m.impl("read_cast_to_file", &read_cast_to_file_cpu);
+}
+
+}  // namespace zerofast

@@ -1,0 +1,194 @@
+"""The batched file-reading ops (read_cast, read_cast_to_file) against their pure-torch references.
+
+Each source's bytes are written into a scratch file at an arbitrary (unaligned) offset; the
+native op reads them from there with pread while the reference copies the in-memory tensor, so
+agreement means the op read the right bytes and cast them as Tensor.to does.
+"""
+import errno
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import assert_bitwise_equal
+from tests.test_ops import FLOATS, _source
+from zerofast import ops, reference
+
+DTYPES = FLOATS + [torch.int64]
+
+
+@st.composite
+def batch_problems(draw):
+    n_sources = draw(st.integers(1, 4))
+    sizes = [draw(st.integers(0, 3000)) for _ in range(n_sources)]
+    dtypes = [draw(st.sampled_from(DTYPES)) for _ in range(n_sources)]
+    sources = [_source(n, d, seed=i) for i, (n, d) in enumerate(zip(sizes, dtypes))]
+    gaps = [draw(st.integers(0, 9)) for _ in range(n_sources)]
+    in_file = [draw(st.booleans()) for _ in range(n_sources)]  # False: copied from memory (fd -1)
+    n_outs = draw(st.integers(1, 4))
+    out_dtypes = [draw(st.sampled_from(DTYPES)) for _ in range(n_outs)]
+    rows, out_len = [], [0] * n_outs
+    for _ in range(draw(st.integers(0, 12))):
+        out = draw(st.integers(0, n_outs - 1))
+        castable = [i for i in range(n_sources)
+                    if dtypes[i] == out_dtypes[out] or (dtypes[i].is_floating_point and out_dtypes[out].is_floating_point)]
+        if not castable:
+            continue
+        src = draw(st.sampled_from(castable))
+        off = draw(st.integers(0, sizes[src]))
+        length = draw(st.integers(0, sizes[src] - off))
+        rows.append((out, src, off, out_len[out], length))
+        out_len[out] += length + draw(st.integers(0, 3))
+    order = draw(st.permutations(range(len(rows))))
+    segments = torch.tensor([rows[i] for i in order], dtype=torch.int64).reshape(-1, 5)
+    return sources, gaps, in_file, segments, list(zip(out_len, out_dtypes))
+
+
+def _source_file(tmp_path, sources, gaps, in_file):
+    """Every source's bytes in one file, each after a gap of junk: (fd, fds, offsets)."""
+    path = tmp_path / "sources.bin"
+    offsets, blob = [], bytearray()
+    for src, gap in zip(sources, gaps):
+        blob += os.urandom(gap)
+        offsets.append(len(blob))
+        blob += src.view(torch.uint8).numpy().tobytes() if src.numel() else b""
+    path.write_bytes(bytes(blob))
+    fd = os.open(path, os.O_RDONLY)
+    fds = [fd if f else -1 for f in in_file]
+    return fd, fds, torch.tensor(offsets, dtype=torch.int64)
+
+
+@pytest.fixture(params=["1", "3"], ids=["1 reader", "3 readers"])
+def readers(request, monkeypatch):
+    monkeypatch.setenv("ZEROFAST_READERS", request.param)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch_problems())
+def test_read_cast_matches_reference(tmp_path_factory, readers, problem):
+    sources, gaps, in_file, segments, outs = problem
+    fd, fds, offsets = _source_file(tmp_path_factory.mktemp("rc"), sources, gaps, in_file)
+    try:
+        fill = [torch.full((n,), 7, dtype=d) for n, d in outs]  # what no row writes must stay as it was
+        native, ref = [f.clone() for f in fill], [f.clone() for f in fill]
+        ops.load_native()
+        torch.ops.zerofast.read_cast(sources, fds, offsets, segments, native)
+        reference.read_cast(sources, fds, offsets, segments, ref)
+    finally:
+        os.close(fd)
+    for a, b in zip(native, ref):
+        assert_bitwise_equal(a, b)
+
+
+@pytest.fixture(params=["1", "0"], ids=["copy_file_range", "pread+pwrite"])
+def copy_mode(request, monkeypatch):
+    monkeypatch.setenv("ZEROFAST_COPY_FILE_RANGE", request.param)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch_problems(), st.data())
+def test_read_cast_to_file_matches_reference(tmp_path_factory, readers, copy_mode, problem, data):
+    sources, gaps, in_file, segments, outs = problem
+    tmp = tmp_path_factory.mktemp("rcf")
+    fd, fds, offsets = _source_file(tmp, sources, gaps, in_file)
+    # One output dtype per call, as the export makes them: rows of other outputs are dropped.
+    out_dtype = outs[0][1]
+    keep = [i for i, (out, src, *_rest) in enumerate(segments.tolist()) if outs[out][1] == out_dtype]
+    segments = segments[keep] if keep else segments[:0]
+    out_offsets, pos = [], data.draw(st.integers(0, 5))
+    for n, _ in outs:
+        out_offsets.append(pos)
+        pos += n * out_dtype.itemsize + data.draw(st.integers(0, 5))
+    junk = os.urandom(pos)
+    paths = [tmp / "native.bin", tmp / "reference.bin"]
+    for p in paths:
+        p.write_bytes(junk)
+    out_fds = [os.open(p, os.O_RDWR) for p in paths]
+    try:
+        args = (torch.tensor(out_offsets, dtype=torch.int64), torch.tensor([n for n, _ in outs], dtype=torch.int64),
+                out_dtype)
+        ops.load_native()
+        torch.ops.zerofast.read_cast_to_file(sources, fds, offsets, segments, out_fds[0], *args)
+        reference.read_cast_to_file(sources, fds, offsets, segments, out_fds[1], *args)
+    finally:
+        for f in (fd, *out_fds):
+            os.close(f)
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16], ids=str)
+def test_large_read_equals_tensor_to(tmp_path, src_dtype, out_dtype):
+    # Many items and bounce-buffer refills per thread, every special value, unaligned in the file.
+    src = _source(1_500_001, src_dtype, seed=3)
+    fd, fds, offsets = _source_file(tmp_path, [src], [3], [True])
+    out = torch.empty(1_500_000, dtype=out_dtype)
+    try:
+        ops.read_cast([src], fds, offsets, torch.tensor([[0, 0, 1, 0, 1_500_000]]), [out])
+    finally:
+        os.close(fd)
+    assert_bitwise_equal(out, src[1:].to(out_dtype))
+
+
+def test_file_shorter_than_the_plan_is_an_os_error(tmp_path):
+    # A file truncated after it was loaded: an error, where reading its mapping would be SIGBUS.
+    src = torch.arange(100, dtype=torch.float32)
+    fd, fds, offsets = _source_file(tmp_path, [src], [0], [True])
+    os.truncate(tmp_path / "sources.bin", 200)
+    try:
+        with pytest.raises(OSError, match="truncated") as info:
+            ops.read_cast([src], fds, offsets, torch.tensor([[0, 0, 0, 0, 100]]), [torch.empty(100)])
+    finally:
+        os.close(fd)
+    assert info.value.errno == errno.EIO
+
+
+def test_write_error_is_an_os_error(tmp_path):
+    src = torch.arange(100, dtype=torch.float32)
+    read_only = os.open(tmp_path / "out.bin", os.O_RDONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError) as info:
+            ops.read_cast_to_file([src], [-1], torch.zeros(1, dtype=torch.int64), torch.tensor([[0, 0, 0, 0, 100]]),
+                                  read_only, torch.tensor([0]), torch.tensor([100]), torch.float32)
+    finally:
+        os.close(read_only)
+    assert info.value.errno == errno.EBADF
+
+
+@pytest.mark.parametrize("segments, message", [
+    ([[1, 0, 0, 0, 1]], "names output 1 but there are 1 outputs"),
+    ([[0, 1, 0, 0, 1]], "names source 1 but there are 1 sources"),
+    ([[0, 0, 5, 0, 10]], "past the end of `sources\\[0\\]`"),
+    ([[0, 0, 0, 5, 10]], "past the end of output 0"),
+    ([[0, 0, -1, 0, 1]], "negative offset or length"),
+])
+def test_bad_rows_name_the_argument(segments, message):
+    ops.load_native()
+    out = torch.full((10,), 3.0)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.zerofast.read_cast([torch.zeros(10)], [-1], torch.zeros(1, dtype=torch.int64),
+                                     torch.tensor(segments), [out])
+    assert (out == 3.0).all()  # checked before anything moved
+
+
+def test_bad_arguments_name_the_argument():
+    ops.load_native()
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="`source_fds` must hold one entry per source"):
+        torch.ops.zerofast.read_cast([torch.zeros(4)], [], one, torch.zeros(0, 5, dtype=torch.int64), [])
+    with pytest.raises(RuntimeError, match="cannot cast `sources\\[0\\]` of dtype Long"):
+        torch.ops.zerofast.read_cast([torch.zeros(4, dtype=torch.int64)], [-1], one,
+                                     torch.tensor([[0, 0, 0, 0, 4]]), [torch.zeros(4)])
+    with pytest.raises(RuntimeError, match="`segments` must be a contiguous CPU int64 tensor of shape \\[N, 5\\]"):
+        torch.ops.zerofast.read_cast([torch.zeros(4)], [-1], one, torch.zeros(1, 4, dtype=torch.int64), [])
+
+
+def test_reference_path_selected_by_env(monkeypatch):
+    monkeypatch.setenv("ZEROFAST_NATIVE", "0")
+    calls = []
+    monkeypatch.setattr(reference, "read_cast", lambda *a: calls.append(a))
+    ops.read_cast([torch.zeros(2)], [-1], torch.zeros(1, dtype=torch.int64), torch.tensor([[0, 0, 0, 0, 2]]),
+                  [torch.zeros(2)])
+    assert len(calls) == 1
