@@ -24,7 +24,9 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.generate import ensure  # noqa: E402
 
 EAGER = ["floor", "zf_eager", "ds_eager", "zf_lazy"]
-EXPORT = ["zf_export", "ds_export", "zf_export_bf16", "zf_export_2workers"]
+EXPORT = ["zf_export", "ds_export", "zf_export_bf16", "zf_export_2workers", "disk_write"]
+# With --baseline: the same zerofast cases run on another checkout, in the same rounds.
+BASELINE = {"base_eager": "zf_eager", "base_export": "zf_export"}
 
 
 def drop_caches() -> bool:
@@ -45,10 +47,13 @@ def warm(ckpt: Path) -> None:
                 pass
 
 
-def measure(case: str, ckpt: Path, scratch: Path) -> dict:
+def measure(case: str, ckpt: Path, scratch: Path, baseline: Path | None = None) -> dict:
+    # The zerofast measured is the checkout this script is in (or --baseline's), not whatever
+    # the environment has installed.
+    env = dict(os.environ, PYTHONPATH=str(baseline if case in BASELINE else HERE.parent))
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(HERE / "case.py"), case, str(ckpt), str(scratch / case)],
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(HERE / "case.py"), BASELINE.get(case, case), str(ckpt),
+                           str(scratch / case)], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{case} on {ckpt} failed:\n{proc.stderr[-3000:]}")
@@ -57,7 +62,7 @@ def measure(case: str, ckpt: Path, scratch: Path) -> dict:
     return result
 
 
-def run_rounds(cases, ckpt, scratch, rounds, cold) -> dict[str, list[dict]]:
+def run_rounds(cases, ckpt, scratch, rounds, cold, baseline=None) -> dict[str, list[dict]]:
     samples: dict[str, list[dict]] = {c: [] for c in cases}
     if not cold:
         warm(ckpt)  # once: 24 GB holds the checkpoint and the outputs, so it stays cached
@@ -66,11 +71,24 @@ def run_rounds(cases, ckpt, scratch, rounds, cold) -> dict[str, list[dict]]:
         for case in order:
             if cold:
                 drop_caches()
-            samples[case].append(measure(case, ckpt, scratch))
+            samples[case].append(measure(case, ckpt, scratch, baseline))
             s = samples[case][-1]
             print(f"  round {r + 1} {'cold' if cold else 'warm'} {case:15s} {s['seconds']:7.2f}s "
                   f"rss {s['peak_rss'] / 2**20:7.0f} MiB", flush=True)
     return samples
+
+
+def startup(rounds: int) -> str:
+    """Process start: ``import zerofast`` against ``import torch``, fresh processes, alternating."""
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    times: dict[str, list[float]] = {"torch": [], "zerofast": []}
+    for _ in range(rounds):
+        for module in times:
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-c", f"import {module}"], check=True, env=env)
+            times[module].append(time.perf_counter() - t0)
+    t, z = statistics.median(times["torch"]), statistics.median(times["zerofast"])
+    return f"process start (median of {rounds}): import torch {t:.2f} s, import zerofast {z:.2f} s ({z / t:.2f}x)"
 
 
 def median(samples, key) -> float:
@@ -89,7 +107,8 @@ def table(results: dict) -> str:
     # The last column is the rival's time over the case's: DeepSpeed against zerofast, and one
     # worker against two (the 1-vs-2 worker scaling of the export).
     rivals = {"zf_eager": "ds_eager", "zf_lazy": "ds_eager", "zf_export": "ds_export", "zf_export_bf16": "ds_export",
-              "zf_export_2workers": "zf_export"}
+              "zf_export_2workers": "zf_export", "base_eager": "zf_eager", "base_export": "zf_export",
+              "disk_write": "zf_export"}
     for (workload, cache), cases in results.items():
         floor = cases.get("floor", {}).get("seconds")
         for case, m in cases.items():
@@ -109,9 +128,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--no-export", action="store_true")
+    ap.add_argument("--baseline", type=Path, help="another zerofast checkout (built) to time in the same rounds")
+    ap.add_argument("--workloads", default="zero3,zero2_frozen,many_small")
     args = ap.parse_args()
     has_ds = importlib.util.find_spec("deepspeed") is not None
     cases = EAGER + ([] if args.no_export else EXPORT)
+    if args.baseline:
+        cases += [b for b, c in BASELINE.items() if c in cases]
     if not has_ds:
         cases = [c for c in cases if not c.startswith("ds_")]
         print("DeepSpeed is not installed: its cases are skipped")
@@ -121,14 +144,16 @@ def main() -> None:
         modes = [False]
     results, notes = {}, []
     with tempfile.TemporaryDirectory(dir=args.data.parent if args.data.parent.exists() else None) as scratch:
-        for workload in ("zero3", "zero2_frozen", "many_small"):
+        for workload in args.workloads.split(","):
             size = 50_000_000 if workload == "many_small" else int(args.params)
             ckpt = ensure(args.data, workload, size, args.world_size)
             for cold in modes if workload != "many_small" else [False]:
                 print(f"{workload} ({'cold' if cold else 'warm'} cache)", flush=True)
-                wanted = cases if workload != "many_small" else [c for c in cases if c in EAGER]
-                samples = run_rounds(wanted, ckpt, Path(scratch), args.rounds, cold)
+                wanted = cases if workload != "many_small" else [c for c in cases if c in EAGER or c == "base_eager"]
+                samples = run_rounds(wanted, ckpt, Path(scratch), args.rounds, cold, args.baseline)
                 results[(workload, "cold" if cold else "warm")] = summarize(samples)
+    notes.append(startup(args.rounds + 2))
+    print(notes[-1], flush=True)
     report = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
               "params": args.params, "world_size": args.world_size, "rounds": args.rounds, "notes": notes,
               "results": {f"{w}/{c}": v for (w, c), v in results.items()}}

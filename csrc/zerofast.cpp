@@ -30,6 +30,11 @@ TORCH_LIBRARY(zerofast, m) {
   m.def("read_cast(Tensor[] sources, int[] source_fds, Tensor source_offsets, Tensor segments, "
         "Tensor(a!)[] outs) -> ()");
 
+  // The same into fresh outputs of one dtype, made here: output i has the shape
+  // `dims[sum(ranks[:i]) : sum(ranks[:i + 1])]`. Elements no row writes are uninitialized.
+  m.def("read_cast_new(Tensor[] sources, int[] source_fds, Tensor source_offsets, Tensor segments, Tensor dims, "
+        "Tensor ranks, ScalarType dtype) -> Tensor[]");
+
   // The same, into a file: output i is `out_numels[i]` elements of `out_dtype` at byte
   // `out_offsets[i]` of `out_fd`, written with pwrite (or copy_file_range where no cast is
   // needed and the file systems allow it).

@@ -27,6 +27,7 @@ import zerofast
 from zerofast import write_shards as export_mod
 from zerofast.errors import ExportError, OutputExistsError
 from zerofast.execute import Executor
+from zerofast.read_batch import BatchReader
 from zerofast.write_shards import MARKER, TIED_KEY, export, load_exported, parse_size, plan_shards
 
 from tests.dsgen.catalog import LAYOUTS
@@ -287,11 +288,30 @@ def _failing_run(after: int):
     return run
 
 
+def _failing_write(after: int):
+    """The same for the safetensors writer, which hands the executor's batch reader whole groups."""
+    real = BatchReader.write
+    calls = []
+
+    def write(self, fd, placed):
+        calls.extend(tp.name for tp, _ in placed)
+        if len(calls) > after:
+            raise RuntimeError("simulated failure in the middle of the export")
+        return real(self, fd, placed)
+
+    return write
+
+
+def _fail_after(monkeypatch, after: int) -> None:
+    monkeypatch.setattr(Executor, "run", _failing_run(after))
+    monkeypatch.setattr(BatchReader, "write", _failing_write(after))
+
+
 @needs_deepspeed
 @pytest.mark.parametrize("fmt", [SAFE, "torch"])
 def test_failure_leaves_no_final_name_and_keeps_the_previous_export(tmp_path, monkeypatch, fmt):
     fresh = tmp_path / "fresh"
-    monkeypatch.setattr(Executor, "run", _failing_run(after=12))
+    _fail_after(monkeypatch, 12)
     with pytest.raises(RuntimeError, match="simulated"):
         export(_root(SMALL), fresh, format=fmt, max_shard_size=TINY)
     assert os.listdir(fresh) == []
@@ -300,7 +320,7 @@ def test_failure_leaves_no_final_name_and_keeps_the_previous_export(tmp_path, mo
     monkeypatch.undo()
     export(_root(SMALL), kept, format=fmt, max_shard_size=TINY)
     before = {n: (kept / n).read_bytes() for n in os.listdir(kept)}
-    monkeypatch.setattr(Executor, "run", _failing_run(after=12))
+    _fail_after(monkeypatch, 12)
     with pytest.raises(RuntimeError, match="simulated"):
         export(_root(SMALL), kept, format=fmt)
     assert {n: (kept / n).read_bytes() for n in os.listdir(kept)} == before
@@ -334,13 +354,14 @@ _KILL_SCRIPT = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGKILL)
 
     if sys.argv[3] == "writing":
-        real_run, seen = Executor.run, []
-        def run(self, tp, out=None):
-            seen.append(1)
+        from zerofast.read_batch import BatchReader
+        real_write, seen = BatchReader.write, []
+        def write(self, fd, placed):
+            seen.extend(placed)
             if len(seen) > 10:
                 die()
-            return real_run(self, tp, out)
-        Executor.run = run
+            return real_write(self, fd, placed)
+        BatchReader.write = write
     else:  # killed between moving the first shard and the rest
         real_replace = os.replace
         def replace(src, dst):

@@ -192,3 +192,54 @@ def test_reference_path_selected_by_env(monkeypatch):
     ops.read_cast([torch.zeros(2)], [-1], torch.zeros(1, dtype=torch.int64), torch.tensor([[0, 0, 0, 0, 2]]),
                   [torch.zeros(2)])
     assert len(calls) == 1
+
+
+@st.composite
+def covering_problems(draw):
+    """Outputs of one dtype, every element written by some row (read_cast_new leaves the rest
+    uninitialized), with shapes of any rank."""
+    out_dtype = draw(st.sampled_from(DTYPES))
+    src_dtypes = [d for d in DTYPES if d == out_dtype or (d.is_floating_point and out_dtype.is_floating_point)]
+    sources = [_source(4000, draw(st.sampled_from(src_dtypes)), seed=i) for i in range(draw(st.integers(1, 3)))]
+    shapes, rows = [], []
+    for out in range(draw(st.integers(0, 5))):
+        shape = draw(st.lists(st.integers(0, 6), max_size=3))
+        shapes.append(shape)
+        numel, pos = int(torch.Size(shape).numel()), 0
+        while pos < numel:
+            length = draw(st.integers(1, numel - pos))
+            src = draw(st.integers(0, len(sources) - 1))
+            rows.append((out, src, draw(st.integers(0, 4000 - length)), pos, length))
+            pos += length
+    return sources, torch.tensor(rows, dtype=torch.int64).reshape(-1, 5), shapes, out_dtype
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(covering_problems())
+def test_read_cast_new_matches_reference(tmp_path_factory, readers, problem):
+    sources, segments, shapes, dtype = problem
+    fd, fds, offsets = _source_file(tmp_path_factory.mktemp("rcn"), sources, [1] * len(sources), [True] * len(sources))
+    dims = torch.tensor([d for s in shapes for d in s], dtype=torch.int64)
+    ranks = torch.tensor([len(s) for s in shapes], dtype=torch.int64)
+    try:
+        ops.load_native()
+        native = torch.ops.zerofast.read_cast_new(sources, fds, offsets, segments, dims, ranks, dtype)
+        ref = reference.read_cast_new(sources, fds, offsets, segments, dims, ranks, dtype)
+    finally:
+        os.close(fd)
+    assert [tuple(t.shape) for t in native] == [tuple(s) for s in shapes]
+    for a, b in zip(native, ref):
+        assert a.dtype == dtype and a.is_contiguous()
+        assert_bitwise_equal(a, b)
+    assert len({t.data_ptr() for t in native if t.numel()}) == sum(1 for t in native if t.numel())  # independent
+
+
+def test_read_cast_new_checks_shapes():
+    ops.load_native()
+    args = ([torch.zeros(4)], [-1], torch.zeros(1, dtype=torch.int64), torch.zeros(0, 5, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="reaches past the end of `dims`"):
+        torch.ops.zerofast.read_cast_new(*args, torch.tensor([2]), torch.tensor([2]), torch.float32)
+    with pytest.raises(RuntimeError, match="sizes past the last output"):
+        torch.ops.zerofast.read_cast_new(*args, torch.tensor([2, 3]), torch.tensor([1]), torch.float32)
+    with pytest.raises(RuntimeError, match="negative size"):
+        torch.ops.zerofast.read_cast_new(*args, torch.tensor([-2]), torch.tensor([1]), torch.float32)

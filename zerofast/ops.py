@@ -82,6 +82,18 @@ def read_cast(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source
         torch.ops.zerofast.read_cast(list(sources), list(source_fds), source_offsets, segments, list(outs))
 
 
+def read_cast_new(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
+                  segments: torch.Tensor, dims: torch.Tensor, ranks: torch.Tensor,
+                  dtype: torch.dtype) -> list[torch.Tensor]:
+    """See the schema in csrc/zerofast.cpp."""
+    if not native_enabled():
+        return reference.read_cast_new(sources, source_fds, source_offsets, segments, dims, ranks, dtype)
+    load_native()
+    with _os_errors():
+        return torch.ops.zerofast.read_cast_new(list(sources), list(source_fds), source_offsets, segments, dims,
+                                                ranks, dtype)
+
+
 def read_cast_to_file(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
                       segments: torch.Tensor, out_fd: int, out_offsets: torch.Tensor, out_numels: torch.Tensor,
                       out_dtype: torch.dtype) -> None:

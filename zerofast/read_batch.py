@@ -38,23 +38,27 @@ class BatchReader:
         self.locations = locations
 
     def read(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
-        """Each of ``tps`` in fresh memory, in its shape."""
-        outs = [torch.empty(tp.numel, dtype=tp.out_dtype) for tp in tps]
+        """Each of ``tps`` in fresh memory, in its shape: one call per output dtype, which makes
+        the tensors too."""
+        made: list[torch.Tensor | None] = [None] * len(tps)
         with self._files() as (fds, offsets):
-            ops.read_cast(self.sources, fds, offsets, _rows(tps), outs)
-        return [o.view(tp.shape) for o, tp in zip(outs, tps)]
+            for dtype, (where, group) in _by_dtype(tps).items():
+                dims = [d for tp in group for d in tp.shape]
+                ranks = [len(tp.shape) for tp in group]
+                outs = ops.read_cast_new(self.sources, fds, offsets, _rows(group),
+                                         torch.tensor(dims, dtype=torch.int64),
+                                         torch.tensor(ranks, dtype=torch.int64), dtype)
+                for i, out in zip(where, outs):
+                    made[i] = out
+        return made
 
     def write(self, fd: int, placed: Sequence[tuple[TensorPlan, int]]) -> None:
         """Each ``(tp, byte offset)`` into file ``fd``, one call per output dtype."""
-        by_dtype: dict[torch.dtype, list[tuple[TensorPlan, int]]] = {}
-        for tp, off in placed:
-            by_dtype.setdefault(tp.out_dtype, []).append((tp, off))
         with self._files() as (fds, offsets):
-            for dtype, group in by_dtype.items():
-                tps = [tp for tp, _ in group]
-                ops.read_cast_to_file(self.sources, fds, offsets, _rows(tps), fd,
-                                      torch.tensor([off for _, off in group], dtype=torch.int64),
-                                      torch.tensor([tp.numel for tp in tps], dtype=torch.int64), dtype)
+            for dtype, (where, group) in _by_dtype([tp for tp, _ in placed]).items():
+                ops.read_cast_to_file(self.sources, fds, offsets, _rows(group), fd,
+                                      torch.tensor([placed[i][1] for i in where], dtype=torch.int64),
+                                      torch.tensor([tp.numel for tp in group], dtype=torch.int64), dtype)
 
     @contextmanager
     def _files(self) -> Iterator[tuple[list[int], torch.Tensor]]:
@@ -90,6 +94,16 @@ def _open_same(path: str, identity: tuple[int, int, int, int]) -> int:
         os.close(fd)
         return -1
     return fd
+
+
+def _by_dtype(tps: Sequence[TensorPlan]) -> dict[torch.dtype, tuple[list[int], list[TensorPlan]]]:
+    """``tps`` grouped by output dtype: (their positions in ``tps``, the plans)."""
+    groups: dict[torch.dtype, tuple[list[int], list[TensorPlan]]] = {}
+    for i, tp in enumerate(tps):
+        where, group = groups.setdefault(tp.out_dtype, ([], []))
+        where.append(i)
+        group.append(tp)
+    return groups
 
 
 def _rows(tps: Sequence[TensorPlan]) -> torch.Tensor:

@@ -36,3 +36,17 @@ def read_cast_to_file(sources: Sequence[torch.Tensor], source_fds: Sequence[int]
         out = torch.frombuffer(held, dtype=torch.uint8).view(out_dtype) if nbytes else torch.empty(0, dtype=out_dtype)
         read_cast(sources, source_fds, source_offsets, torch.tensor(mine, dtype=torch.int64), [out])
         os.pwrite(out_fd, bytes(held), offset)
+
+
+def read_cast_new(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
+                  segments: torch.Tensor, dims: torch.Tensor, ranks: torch.Tensor,
+                  dtype: torch.dtype) -> list[torch.Tensor]:
+    """Reference for ``torch.ops.zerofast.read_cast_new``."""
+    shapes, pos = [], 0
+    flat = dims.tolist()
+    for r in ranks.tolist():
+        shapes.append(flat[pos:pos + r])
+        pos += r
+    outs = [torch.empty(s, dtype=dtype) for s in shapes]
+    read_cast(sources, source_fds, source_offsets, segments, [o.view(-1) for o in outs])
+    return outs
