@@ -130,11 +130,13 @@ def main() -> None:
     ap.add_argument("--no-export", action="store_true")
     ap.add_argument("--baseline", type=Path, help="another zerofast checkout (built) to time in the same rounds")
     ap.add_argument("--workloads", default="zero3,zero2_frozen,many_small")
+    ap.add_argument("--skip", default="", help="cases to leave out, comma-separated")
     args = ap.parse_args()
     has_ds = importlib.util.find_spec("deepspeed") is not None
     cases = EAGER + ([] if args.no_export else EXPORT)
     if args.baseline:
         cases += [b for b, c in BASELINE.items() if c in cases]
+    cases = [c for c in cases if c not in args.skip.split(",")]
     if not has_ds:
         cases = [c for c in cases if not c.startswith("ds_")]
         print("DeepSpeed is not installed: its cases are skipped")
