@@ -21,10 +21,15 @@ MODEL_FILE_STAGE012 = "mp_rank_00_model_states.pt"
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _TENSOR_PARALLEL = re.compile(r"mp_rank_(\d+)_")
-# DeepSpeed's names: MoE experts "[layer_<L>_]expert_<E>_mp_rank_XX_model_states.pt" and
-# "expp_rank_<R>_mp_rank_XX_optim_states.pt"; pipeline layers "layer_<NN>-model_states.pt".
-_UNSUPPORTED = ((re.compile(r"^(layer_\d+_)?expert_\d+_|^expp_rank_"), "mixture-of-experts"),
-                (re.compile(r"^layer_"), "pipeline-parallel"))
+# DeepSpeed's names: MoE experts "layer_<L>_expert_<E>_mp_rank_00_model_states.pt" and (ZeRO off)
+# "expp_rank_<R>_mp_rank_00_optim_states.pt"; pipeline layers "layer_<NN>-model_states.pt" next to
+# one "mp_rank_<SS>_model_states.pt" per stage. Experts saved before DeepSpeed 0.6 had no layer id.
+MOE_EXPERT = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
+MOE_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+PIPE_LAYER = re.compile(r"^layer_(\d+)-model_states\.pt$")
+PIPE_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+PIPE_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_UNSUPPORTED = ((re.compile(r"^expert_\d+_"), "mixture-of-experts checkpoints without layer ids (DeepSpeed < 0.6)"),)
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,10 @@ class CheckpointFiles:
     tag_dir: Path
     model_files: tuple[Path, ...]
     optim_files: tuple[Path, ...]
+    # "zero" (plain data parallelism), "moe" or "pipeline"; the families' extra files:
+    family: str = "zero"
+    expert_files: tuple[Path, ...] = ()  # MoE: one per (layer, global expert id), in that order
+    layer_files: tuple[Path, ...] = ()  # pipeline: one per saved layer, in layer order
 
     @property
     def partitioned_model_states(self) -> bool:
@@ -95,6 +104,11 @@ def _pick_tag(root: Path) -> str:
 def _list_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
     names = sorted(os.listdir(tag_dir))
     _reject_unsupported(tag_dir, names)
+    if any(PIPE_LAYER.match(n) for n in names):
+        return _pipeline_files(root, tag, tag_dir, names)
+    _reject_model_parallel(tag_dir, names)
+    if any(MOE_EXPERT.match(n) or MOE_OPTIM.match(n) for n in names):
+        return _moe_files(root, tag, tag_dir, names)
     zero3 = _ranked(tag_dir, names, _ZERO3_MODEL, group=1)
     optim = _ranked(tag_dir, names, _OPTIM, group=2)
     has_plain = MODEL_FILE_STAGE012 in names
@@ -121,7 +135,11 @@ def _reject_unsupported(tag_dir: Path, names: list[str]) -> None:
     for name in names:
         for pattern, what in _UNSUPPORTED:
             if pattern.match(name) and name.endswith(".pt"):
-                raise UnsupportedCheckpointError(f"{what} checkpoints are not supported yet (found {name})", tag_dir)
+                raise UnsupportedCheckpointError(f"{what} are not supported (found {name})", tag_dir)
+
+
+def _reject_model_parallel(tag_dir: Path, names: list[str]) -> None:
+    for name in names:
         m = _TENSOR_PARALLEL.search(name)
         if m and name.endswith(".pt") and int(m.group(1)) != 0:
             raise UnsupportedCheckpointError(
@@ -147,3 +165,48 @@ def _ranked(tag_dir: Path, names: list[str], pattern: re.Pattern, group: int) ->
             f"expected rank files 0..{max(by_rank)}, rank(s) {missing} missing (e.g. {example.replace(chr(92), '')})",
             tag_dir)
     return [tag_dir / by_rank[r][0] for r in sorted(by_rank)]
+
+
+def _moe_files(root: Path, tag: str, tag_dir: Path, names: list[str]) -> CheckpointFiles:
+    """ZeRO 1/2: the usual files plus the experts'. ZeRO off: the model file, one ``expp_rank``
+    optimizer file per expert-parallel rank, and the experts'."""
+    experts = sorted((int(m.group(1)), int(m.group(2)), n) for n in names if (m := MOE_EXPERT.match(n)))
+    expp = _ranked(tag_dir, names, MOE_OPTIM, group=1)
+    optim = _ranked(tag_dir, names, _OPTIM, group=2)
+    if expp and optim:
+        raise IncompleteCheckpointError(
+            f"expected either expp_rank_* (MoE without ZeRO) or zero_pp_rank_* optimizer files, found both: the "
+            "folder mixes two saves", tag_dir)
+    if MODEL_FILE_STAGE012 not in names:
+        raise IncompleteCheckpointError(f"expected {MODEL_FILE_STAGE012} next to the expert files, found none",
+                                        tag_dir)
+    return CheckpointFiles(root=root, tag=tag, tag_dir=tag_dir, model_files=(tag_dir / MODEL_FILE_STAGE012,),
+                           optim_files=tuple(expp or optim), family="moe",
+                           expert_files=tuple(tag_dir / n for _, _, n in experts))
+
+
+def _pipeline_files(root: Path, tag: str, tag_dir: Path, names: list[str]) -> CheckpointFiles:
+    """One model-states file per stage, optimizer files per (stage, data-parallel rank), layer files."""
+    stages = _ranked(tag_dir, names, PIPE_MODEL, group=1)
+    if not stages:
+        raise IncompleteCheckpointError("expected mp_rank_<stage>_model_states.pt next to the pipeline layer files, "
+                                        "found none", tag_dir)
+    by_stage: dict[int, list[str]] = {}
+    for n in names:
+        m = PIPE_OPTIM.match(n)
+        if m:
+            by_stage.setdefault(int(m.group(3)), []).append(n)
+    optim: list[Path] = []
+    counts = set()
+    for s in range(len(stages)):
+        pattern = re.compile(rf"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_{s:02d}_optim_states\.pt$")
+        ranked = _ranked(tag_dir, by_stage.get(s, []), pattern, group=2)
+        counts.add(len(ranked))
+        optim += ranked
+    if len(counts) > 1 or set(by_stage) - set(range(len(stages))):
+        raise IncompleteCheckpointError(
+            f"expected the same number of optimizer files for each of the {len(stages)} stages, found "
+            f"{ {s: len(v) for s, v in sorted(by_stage.items())} }", tag_dir)
+    layers = sorted((int(m.group(1)), n) for n in names if (m := PIPE_LAYER.match(n)))
+    return CheckpointFiles(root=root, tag=tag, tag_dir=tag_dir, model_files=tuple(stages), optim_files=tuple(optim),
+                           family="pipeline", layer_files=tuple(tag_dir / n for _, n in layers))

@@ -154,6 +154,10 @@ FlatGroups = list[list[tuple[str, torch.Tensor]]]
 
 def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
                exclude_frozen: bool = False) -> Plan:
+    if getattr(ckpt, "family", None):  # MoE, pipeline: their own layout builders
+        from .layouts import build_plan as build_family_plan
+
+        return build_family_plan(ckpt, table, dtype, exclude_frozen)
     trainable = _trainable_entries(ckpt, table, exclude_frozen)
     frozen = _declared_frozen_entries(ckpt, table)
     kinds, aliases, undeclared_frozen, buffers = _classify_module(ckpt, trainable, frozen)
@@ -201,6 +205,10 @@ def partitioned_entries(ckpt: LoadedCheckpoint, table: SourceTable, flats: FlatG
                         what: str) -> dict[str, _Entry]:
     """Each trainable parameter of a stage 1-3 checkpoint, read from ``flats`` (laid out like the
     fp32 masters; ``what`` names them in errors)."""
+    if getattr(ckpt, "family", None):
+        from .layouts import partition_entries
+
+        return partition_entries(ckpt, table, flats, what)
     shapes = ckpt.meta.param_shapes
     if shapes is None:
         raise InconsistentCheckpointError("expected 'param_shapes' for a ZeRO stage 1-3 checkpoint, found None",

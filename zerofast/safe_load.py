@@ -94,9 +94,22 @@ class LoadedCheckpoint:
     def ds_version(self) -> str | None:
         return self.meta.raw.get("ds_version")
 
+    @property
+    def last_ranks(self) -> frozenset[int]:
+        """Optimizer files holding the end of a flat buffer (whose padding DeepSpeed strips)."""
+        return frozenset({self.world_size - 1})
+
+    @property
+    def parallelism(self) -> dict:
+        return {"family": "data-parallel", "dp": self.world_size}
+
 
 def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
     """Read every file of one save and settle its stage and world size."""
+    if files.family != "zero":
+        from .layouts import load_family  # MoE and pipeline saves: their own loaders and plan builders
+
+        return load_family(files)
     model_states = [_model_states(p) for p in files.model_files]
     optim_states = [_optim_states(p) for p in files.optim_files]
     _check_parallelism(model_states[0])
@@ -156,11 +169,13 @@ def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:
     return {name: _shape(path, name, s) for name, s in _expect_mapping(path, mapping, what, object, "shapes").items()}
 
 
-def _model_states(path: Path) -> ModelStates:
+def _model_states(path: Path, module_optional: bool = False) -> ModelStates:
+    """``module_optional``: a pipeline stage's file saves ``module`` as None (its layers have files)."""
     raw = _expect_dict(path, load_file(path), "the model-states file")
     if "module" not in raw:
         raise CorruptCheckpointError(f"expected a 'module' entry, found keys {sorted(map(str, raw))[:12]}", path)
-    module = _expect_mapping(path, raw["module"], "'module'", object, "tensors")
+    found = raw["module"]
+    module = _expect_mapping(path, {} if found is None and module_optional else found, "'module'", object, "tensors")
     for name, value in module.items():
         if not isinstance(value, torch.Tensor):
             raise UnsupportedCheckpointError(
@@ -187,7 +202,9 @@ def _model_states(path: Path) -> ModelStates:
     )
 
 
-def _optim_states(path: Path) -> OptimStates:
+def _optim_states(path: Path, group_counts: bool = False) -> OptimStates:
+    """``group_counts``: accept a different ``partition_count`` per group (MoE expert groups are
+    partitioned over fewer ranks); ``partition_count`` is then the first group's."""
     raw = _expect_dict(path, load_file(path), "the optimizer-states file")
     osd = _expect_dict(path, raw.get("optimizer_state_dict"), "'optimizer_state_dict'")
     key = next((k for k in ("fp32_flat_groups", "single_partition_of_fp32_groups") if k in osd), None)
@@ -204,13 +221,13 @@ def _optim_states(path: Path) -> OptimStates:
     count = osd.get("partition_count")
     if isinstance(count, (list, tuple)):
         counts = {_expect_int(path, c, "each 'partition_count'", 1) for c in count}
-        if len(counts) > 1:
-            # Expert (MoE) groups are partitioned over their own, smaller data-parallel group; the
-            # flat buffers of those groups do not follow the dense layout.
-            raise UnsupportedCheckpointError(
-                f"mixture-of-experts checkpoints are not supported yet (per-group partition_count {list(count)})",
-                path)
-        count = counts.pop() if counts else None
+        if len(counts) > 1 and not group_counts:
+            # Expert (MoE) groups are partitioned over their own, smaller data-parallel group; a
+            # folder without expert files cannot be an MoE save, and no other layout does this.
+            raise InconsistentCheckpointError(
+                f"expected one partition_count for every group, found {list(count)}: a mixture-of-experts save, "
+                "but the folder holds no layer_*_expert_* files", path)
+        count = count[0] if count else None
     stage = osd.get("zero_stage")
     pads = osd.get("param_alignment_paddings")
     if pads is not None:
