@@ -18,6 +18,7 @@ from .reconstruct import reconstruct
 from .write import LazyStateDict, TensorMeta
 from .load_into import IncompatibleKeys, LoadIntoError, load_into
 from .optimizer_states import optimizer_state
+from .names import sequential_names
 from . import compat
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "IncompatibleKeys",
     "LoadIntoError",
     "optimizer_state",
+    "sequential_names",
     "MissingOptimizerStateError",
     "compat",
     "ExportResult",

@@ -308,9 +308,13 @@ def _check_parallelism(meta: ModelStates) -> None:
     has more, and they may simply be missing from this folder (so discovery cannot see them)."""
     dims = meta.raw.get("checkpoint_parallel_dimensions")
     dims = dims if isinstance(dims, dict) else {}
+    pp = dims.get("pp_degree")
+    if pp is not None and pp != 1:
+        raise IncompleteCheckpointError(
+            f"expected pp_degree 1 in a folder without pipeline layer files, found {pp!r:.40}: the "
+            "layer_*-model_states.pt files of this pipeline-parallel save are missing", meta.path)
     for what, degree, kind in (("mp_world_size", meta.raw.get("mp_world_size"), "tensor-parallel"),
-                               ("tp_degree", dims.get("tp_degree"), "tensor-parallel"),
-                               ("pp_degree", dims.get("pp_degree"), "pipeline-parallel")):
+                               ("tp_degree", dims.get("tp_degree"), "tensor-parallel")):
         if degree is not None and degree != 1:
             raise UnsupportedCheckpointError(
                 f"{kind} checkpoints are not supported yet (expected {what} 1, found {degree!r:.40})", meta.path)

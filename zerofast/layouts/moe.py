@@ -20,6 +20,8 @@ import dataclasses
 import re
 from pathlib import Path
 
+import torch
+
 from ..discover import MOE_EXPERT, CheckpointFiles
 from ..errors import CorruptCheckpointError, InconsistentCheckpointError
 from ..plan import SourceTable, _Entry, tensor_identity
@@ -45,7 +47,7 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
                             aliases=_aliases(first, stored), buffers=frozenset(first.buffer_names))
     ep = _ep_degrees(ckpt, layers)
     ckpt.degrees = {"family": "mixture-of-experts", "dp": world, "ep": ep,
-                        "experts_per_layer": {prefix.rstrip("."): n for prefix, (_, n) in layers.items()}}
+                        "experts_per_layer": {prefix[:-len(_EXPERTS)]: n for prefix, (_, n) in layers.items()}}
     if stage == 0:
         ckpt.stage0_masters = _Stage0(files, layers, ep).masters
     else:
@@ -63,7 +65,7 @@ def _expert_layers(files: CheckpointFiles, num_experts: list[int]) -> dict[str, 
         m = MOE_EXPERT.match(path.name)
         layer, expert = int(m.group(1)), int(m.group(2))
         tensors = _expect_mapping(path, _expect_dict(path, load_file(path), "an expert file"), "an expert file",
-                                  object, "tensors")
+                                  torch.Tensor, "tensors")
         by_layer.setdefault(layer, []).append((expert, path, tensors))
     if sorted(by_layer) != list(range(len(num_experts))):
         raise InconsistentCheckpointError(
@@ -221,4 +223,29 @@ class _Stage0:
             view = LoadedCheckpoint(ckpt.files, 0, ckpt.world_size, [meta], [])
             found = stage0_trainable_entries(view, table, exclude_frozen=False)
             out.update((n, v) for n, v in found.items() if e == 0 or _EXPERT_NAME.match(n))
+        ckpt.aliases.update(_copied_ties(ckpt, out))
         return out
+
+
+def _copied_ties(ckpt: FamilyCheckpoint, masters: dict) -> dict[str, str]:
+    """Tied weights of a ZeRO-off MoE save. It records no ``shared_params`` and saves the module
+    as copies, so a tied alias is a second, bit-identical copy of a parameter that has a master,
+    with no master of its own. (Two distinct parameters, one frozen, would have to be equal in
+    every bit to be taken for a tie; the output values are the same either way in ``dtype=None``.)"""
+    by_value: dict[tuple, str] = {}
+    for name in masters:
+        t = ckpt.stored[name].tensor if name in ckpt.stored else None
+        if t is not None:
+            by_value.setdefault((tuple(t.shape), t.dtype, _bits(t)), name)
+    out = {}
+    for name, s in ckpt.stored.items():
+        if name in masters or name in ckpt.buffers or name in ckpt.aliases:
+            continue
+        source = by_value.get((tuple(s.tensor.shape), s.tensor.dtype, _bits(s.tensor)))
+        if source is not None:
+            out[name] = source
+    return out
+
+
+def _bits(t) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
