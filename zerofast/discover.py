@@ -41,10 +41,11 @@ class CheckpointFiles:
     tag_dir: Path
     model_files: tuple[Path, ...]
     optim_files: tuple[Path, ...]
-    # "zero" (plain data parallelism), "moe" or "pipeline"; the families' extra files:
+    # "zero" (plain data parallelism), "moe", "pipeline" or "tensor"; the families' extra files:
     family: str = "zero"
     expert_files: tuple[Path, ...] = ()  # MoE: one per (layer, global expert id), in that order
     layer_files: tuple[Path, ...] = ()  # pipeline: one per saved layer, in layer order
+    mp_size: int = 1  # tensor-parallel degree; rank files are in global-rank order dp * mp_size + tp
 
     @property
     def partitioned_model_states(self) -> bool:
@@ -106,7 +107,8 @@ def _list_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
     _reject_unsupported(tag_dir, names)
     if any(PIPE_LAYER.match(n) for n in names):
         return _pipeline_files(root, tag, tag_dir, names)
-    _reject_model_parallel(tag_dir, names)
+    if any((m := _TENSOR_PARALLEL.search(n)) and int(m.group(1)) != 0 and n.endswith(".pt") for n in names):
+        return _tensor_parallel_files(root, tag, tag_dir, names)
     if any(MOE_EXPERT.match(n) or MOE_OPTIM.match(n) for n in names):
         return _moe_files(root, tag, tag_dir, names)
     zero3 = _ranked(tag_dir, names, _ZERO3_MODEL, group=1)
@@ -137,14 +139,6 @@ def _reject_unsupported(tag_dir: Path, names: list[str]) -> None:
             if pattern.match(name) and name.endswith(".pt"):
                 raise UnsupportedCheckpointError(f"{what} are not supported (found {name})", tag_dir)
 
-
-def _reject_model_parallel(tag_dir: Path, names: list[str]) -> None:
-    for name in names:
-        m = _TENSOR_PARALLEL.search(name)
-        if m and name.endswith(".pt") and int(m.group(1)) != 0:
-            raise UnsupportedCheckpointError(
-                f"tensor-parallel checkpoints are not supported yet (found {name}: model-parallel rank "
-                f"{int(m.group(1))})", tag_dir)
 
 
 def _ranked(tag_dir: Path, names: list[str], pattern: re.Pattern, group: int) -> list[Path]:
@@ -210,3 +204,44 @@ def _pipeline_files(root: Path, tag: str, tag_dir: Path, names: list[str]) -> Ch
     layers = sorted((int(m.group(1)), n) for n in names if (m := PIPE_LAYER.match(n)))
     return CheckpointFiles(root=root, tag=tag, tag_dir=tag_dir, model_files=tuple(stages), optim_files=tuple(optim),
                            family="pipeline", layer_files=tuple(tag_dir / n for _, n in layers))
+
+
+_TP_MODEL_Z3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+
+
+def _tensor_parallel_files(root: Path, tag: str, tag_dir: Path, names: list[str]) -> CheckpointFiles:
+    """Model-states files per tensor-parallel rank (per rank at ZeRO-3), optimizer files per
+    (data-parallel, tensor-parallel) rank; both listed in global-rank order ``dp * T + tp``."""
+    z3 = _grid(tag_dir, names, _TP_MODEL_Z3, dp_group=1, mp_group=2)
+    optim = _grid(tag_dir, names, PIPE_OPTIM, dp_group=2, mp_group=3)
+    plain = _ranked(tag_dir, names, PIPE_MODEL, group=1)
+    if z3 and plain:
+        raise IncompleteCheckpointError("expected either mp_rank_XX_model_states.pt (stages 0-2) or "
+                                        "zero_pp_rank_*_mp_rank_XX_model_states.pt (stage 3), found both", tag_dir)
+    T = len(plain) if plain else (max(t for _, t, _ in z3) + 1 if z3 else 0)
+    if not T:
+        raise CheckpointNotFoundError("expected mp_rank_XX model-states files, found none", tag_dir)
+    for what, grid in (("optimizer", optim), ("model-states", z3)):
+        tps = {t for _, t, _ in grid}
+        dps = {d for d, _, _ in grid}
+        if grid and (tps != set(range(T)) or len(grid) != len(dps) * T or dps != set(range(len(dps)))):
+            raise IncompleteCheckpointError(
+                f"expected {what} files for every (data-parallel, tensor-parallel) rank pair of {T} tensor-parallel "
+                f"ranks, found {sorted((d, t) for d, t, _ in grid)}", tag_dir)
+    model = tuple(tag_dir / n for _, _, n in z3) if z3 else tuple(plain)
+    return CheckpointFiles(root=root, tag=tag, tag_dir=tag_dir, model_files=model,
+                           optim_files=tuple(tag_dir / n for _, _, n in optim), family="tensor", mp_size=T)
+
+
+def _grid(tag_dir: Path, names: list[str], pattern: re.Pattern, dp_group: int, mp_group: int):
+    found = {}
+    for n in names:
+        m = pattern.match(n)
+        if m:
+            key = (int(m.group(dp_group)), int(m.group(mp_group)))
+            if key in found:
+                raise IncompleteCheckpointError(
+                    f"expected one file for rank pair {key}, found {found[key]} and {n}: the folder mixes saves of "
+                    "two dtypes", tag_dir)
+            found[key] = n
+    return [(d, t, n) for (d, t), n in sorted(found.items())]

@@ -1,7 +1,7 @@
 """Layouts of the checkpoint families beyond plain data parallelism (train_families.py makes them).
 
-Keys as in catalog.LAYOUTS, plus ``family`` ("moe" | "pipe"), ``ep`` (expert-parallel degree) and
-``pp`` (pipeline stages). catalog.ensure_checkpoint generates and caches them like the others.
+Keys as in catalog.LAYOUTS, plus ``family`` ("moe" | "pipe" | "autotp"), ``ep`` (expert-parallel
+degree), ``pp`` (pipeline stages) and ``tp`` (AutoTP degree; needs transformers). catalog.ensure_checkpoint generates and caches them like the others.
 """
 from __future__ import annotations
 
@@ -19,4 +19,8 @@ FAMILY_LAYOUTS: dict[str, dict] = {
         "ds_config": {"data_types": {"grad_accum_dtype": "fp32"}},
     },
     "pipe_s0_fp32_pp2_dp2": {"family": "pipe", "stage": 0, "world_size": 4, "dtype": "fp32", "pp": 2},
+    # -- AutoTP on a tiny transformers Llama: tp 2 --
+    "autotp_s1_bf16_w2_tp2": {"family": "autotp", "stage": 1, "world_size": 2, "dtype": "bf16", "tp": 2},
+    "autotp_s2_bf16_w4_tp2": {"family": "autotp", "stage": 2, "world_size": 4, "dtype": "bf16", "tp": 2},
+    "autotp_s3_bf16_w4_tp2": {"family": "autotp", "stage": 3, "world_size": 4, "dtype": "bf16", "tp": 2},
 }

@@ -7,6 +7,8 @@ dependency; zerofast itself never imports this module.
   LayerNorm, and two MoE layers (4 and 2 experts, top-1 gate). ``ep_size=1`` is the
   single-process model whose ``state_dict()`` names every expert by its global id: the names a
   consolidated MoE checkpoint must come back under.
+* ``build_llama()``: a tiny transformers Llama (2 layers, grouped-query attention, untied head)
+  for AutoTP; transformers is a test dependency only.
 * ``pipe_layers()``: the layer specs of a 6-layer pipeline (a tied embedding / head pair, two
   MLP blocks, a frozen block with int64 and float buffers, a LayerNorm). ``build_sequential()``
   builds the same layers as one ``nn.Sequential`` (the tied pair sharing one Parameter): the
@@ -137,3 +139,13 @@ def build_sequential(seed: int = 1234) -> nn.Sequential:
     head = Embed(VOCAB, DIM)
     head.weight = embed.weight
     return nn.Sequential(embed, PipeBlock(), FrozenBlock(), PipeBlock(), nn.LayerNorm(DIM), head)
+
+
+def build_llama(seed: int = 1234):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB + 3, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config)

@@ -53,7 +53,7 @@ def main():
     world = dist.get_world_size()
     assert world == spec["world_size"], (world, spec["world_size"])
     cfg = base.ds_config_for(spec)
-    run = run_moe if spec["family"] == "moe" else run_pipe
+    run = {"moe": run_moe, "pipe": run_pipe, "autotp": run_autotp}[spec["family"]]
     engine, truth = run(spec, cfg, stage, steps)
     engine.save_checkpoint(str(outdir), tag=tag)
     merged = merge_truth(truth)
@@ -191,6 +191,60 @@ def run_pipe(spec, cfg, stage, steps):
         "optimizer_step": base.inner_optimizer_step(engine, stage),
         "layout": layout,
     }
+
+
+# -- AutoTP --------------------------------------------------------------------------------------
+
+def run_autotp(spec, cfg, stage, steps):
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    tp = int(spec["tp"])
+    cfg = base.deep_merge(cfg, {"tensor_parallel": {"autotp_size": tp}})
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = fm.build_llama()
+    else:
+        model = fm.build_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+    dp_rank = dist.get_rank() // tp
+    gen = torch.Generator().manual_seed(1000 + dp_rank)
+    for _ in range(steps):
+        ids = torch.randint(0, fm.VOCAB, (2, 6), generator=gen)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+
+    module = engine.module
+    base.relink_optimizer_state(engine)
+    owner = {id(p): m for m in module.modules() if isinstance(m, TensorParallel_Layer)
+             for p in m.parameters(recurse=False)}
+    trainable, opt = {}, {k: {} for k in base.OPTIMIZER_KEYS}
+    for name, p in module.named_parameters():
+        values = [safe_get_full_fp32_param(p)] + [base.full_optimizer_state(p, k, name) for k in opt]
+        values = [v.detach().float().clone().reshape(base.full_shape(p)) for v in values]
+        if id(p) in owner:
+            values = [tp_gathered(owner[id(p)], p, v) for v in values]
+        trainable[name] = values[0]
+        for k, v in zip(opt, values[1:]):
+            opt[k][name] = v
+    persistent = set(module.state_dict())
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers() if n in persistent}
+    layout = {"family": "autotp", "dp": dist.get_world_size() // tp, "tp": tp}
+    return engine, {
+        "trainable": trainable, "frozen": {}, "buffers": buffers, "optimizer_states": opt,
+        "state_dict_keys": list(fm.build_llama().state_dict().keys()), "tied": {},
+        "optimizer_step": base.inner_optimizer_step(engine, stage), "layout": layout,
+    }
+
+
+def tp_gathered(layer, p, shard):
+    """The full tensor of a tensor-parallel shard, put together by the layer's own gather_params
+    (DeepSpeed's all-gather along the layer's partition dim) on a stand-in holding ``shard``."""
+    holders = [torch.nn.Parameter(shard.clone(), requires_grad=False) if q is p else None
+               for q in (layer.weight, getattr(layer, "bias", None))]
+    layer.gather_params(holders)
+    return next(h for h in holders if h is not None).data.detach().clone()
 
 
 # -- merging the ranks' views ---------------------------------------------------------------------

@@ -19,6 +19,8 @@ def load_family(files: CheckpointFiles) -> FamilyCheckpoint:
         from .moe import load
     elif files.family == "pipeline":
         from .pipeline import load
+    elif files.family == "tensor":
+        from .autotp import load
     else:
         raise ValueError(f"unknown checkpoint family {files.family!r}")
     return load(files)

@@ -53,6 +53,8 @@ class FamilyCheckpoint(LoadedCheckpoint):
     buffers: frozenset[str] = frozenset()
     stage0_masters: object = None  # stage 0: callable(ckpt, table) -> {name: _Entry}
     partition_ends: frozenset[int] = frozenset()  # optimizer files that end a partition
+    # Instead of ``partitions``: callable(ckpt, table, flats, what) -> {name: _Entry} (AutoTP)
+    trainable_builder: object = None
 
     @property
     def last_ranks(self) -> frozenset[int]:
@@ -86,6 +88,8 @@ def _narrow(o, group: int):
 
 def partition_entries(ckpt: FamilyCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> dict[str, _Entry]:
     """Every trainable parameter, read from ``flats`` (the masters or one optimizer state)."""
+    if ckpt.trainable_builder is not None:
+        return ckpt.trainable_builder(ckpt, table, flats, what)
     out: dict[str, _Entry] = {}
     for p in ckpt.partitions:
         optims = [_narrow(ckpt.optim_states[r], p.group) for r in p.ranks]
