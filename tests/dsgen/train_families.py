@@ -1,18 +1,20 @@
-"""Train a tiny MoE or pipeline-parallel model with DeepSpeed on the CPU; save it and ground truth.
+"""Train a tiny MoE, pipeline-parallel or AutoTP model with DeepSpeed on the CPU; save it and ground truth.
 
 Run under torchrun like train.py:
 
     DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node W \
         tests/dsgen/train_families.py '<spec as JSON>' OUTDIR
 
-Spec keys: family ("moe" | "pipe"), stage, world_size, dtype ("bf16" | "fp32"), steps, ep (MoE:
-expert-parallel degree), pp (pipeline: stages), ds_config (merged into the generated config).
+Spec keys: family ("moe" | "pipe" | "autotp"), stage, world_size, dtype ("bf16" | "fp32"), steps, ep
+(MoE: expert-parallel degree), pp (pipeline: stages), tp (AutoTP degree), ds_config (merged into the
+generated config).
 
 Rank 0 writes ``OUTDIR/ground_truth.pt`` (plain data, ``torch.load(weights_only=True)``) with the
 keys of train.py's ground truth, under the names a consolidated checkpoint must have:
 
-    trainable         name -> fp32 master, from safe_get_full_fp32_param (stages 1-2) or the
-                      mixed-precision wrapper's fp32_groups (stage 0), gathered over all ranks
+    trainable         name -> fp32 master, from safe_get_full_fp32_param (stages 1-3) or the
+                      mixed-precision wrapper's fp32_groups (stage 0), gathered over all ranks;
+                      AutoTP shards put together by the TP layer's own gather_params
     frozen, buffers   name -> value as the module holds it
     optimizer_states  key -> name -> full fp32 Adam state. Expert params: assembled from the base
                       optimizer's own state (DeepSpeed's safe_get_full_optimizer_state raises for
@@ -22,7 +24,8 @@ keys of train.py's ground truth, under the names a consolidated checkpoint must 
 
 MoE names are global: expert ``l`` of expert-parallel rank ``e`` is ``e * num_local + l``, the
 names of ``family_models.build_moe(1)``. Pipeline names are PipelineModule's (``<layer>.<key>``,
-``tied_modules.<key>.<param>``); ``sequential_keys`` lists ``build_sequential()``'s names.
+``tied_modules.<key>.<param>``); ``sequential_keys`` lists ``build_sequential()``'s names. AutoTP
+names and shapes are those of ``build_llama()`` (full tensors, not shards).
 """
 import os
 import re
@@ -201,6 +204,9 @@ def run_autotp(spec, cfg, stage, steps):
     tp = int(spec["tp"])
     cfg = base.deep_merge(cfg, {"tensor_parallel": {"autotp_size": tp}})
     if stage == 3:
+        # Building the model imports torch._dynamo lazily, which fails under zero.Init's patched
+        # tensor constructors: import it first.
+        import transformers.generation.utils  # noqa: F401
         with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = fm.build_llama()
     else:

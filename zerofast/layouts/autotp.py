@@ -93,6 +93,12 @@ class _Composer:
 
     def __init__(self, metas, maps, T: int, dp: int):
         self.metas, self.maps, self.T, self.dp = metas, maps, T, dp
+        info = metas[0].raw.get("universal_checkpoint_info") or {}
+        patterns = info.get("tp_replicated_parameter_patterns") or []
+        self.replicated = [re.compile(p) for p in patterns if isinstance(p, str)]
+
+    def _replicated(self, name: str) -> bool:
+        return any(p.fullmatch(name) for p in self.replicated)
 
     def entries(self, ckpt: FamilyCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> dict[str, _Entry]:
         shards = self._zero3_shards(ckpt, table, flats) if ckpt.stage == 3 else self._zero12_shards(ckpt, table, flats,
@@ -142,11 +148,14 @@ class _Composer:
 
     def _compose(self, ckpt, name: str, shards: list) -> _Entry:
         entry = _entry_for(self.maps, name)
-        if entry is None:
+        # ZeRO-3 saves replicated parameters' affine_map entries with the placeholders' shape [0];
+        # tp_replicated_parameter_patterns still names them, and every rank holds them whole.
+        if entry is None or self._replicated(name):
             shapes = {s[0] for s in shards if s is not None}
             if len(shapes) != 1 or any(s is None for s in shards):
-                raise InconsistentCheckpointError(f"{name!r} differs between tp ranks but has no affine_map entry",
-                                                  self.metas[0].path)
+                raise InconsistentCheckpointError(
+                    f"{name!r} differs between tp ranks but has no affine_map entry (or is named replicated)",
+                    self.metas[0].path)
             return shards[0]
         shape = tuple(entry.get("logical_shape") or ())
         segs = []
