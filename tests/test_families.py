@@ -82,6 +82,17 @@ def test_lazy_matches_deepspeed(layout):
     _check_state_dict(lazy, truth, None)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_exclude_frozen(layout):
+    truth = _truth(layout)
+    if truth["spec"]["family"] == "pipe" and truth["stage"] == 0:
+        with pytest.raises(zerofast.UnsupportedCheckpointError, match="does not record which parameters are frozen"):
+            zerofast.reconstruct(real_root(layout), exclude_frozen=True)
+        return
+    sd = zerofast.reconstruct(real_root(layout), exclude_frozen=True)
+    assert list(sd) == [n for n in truth["state_dict_keys"] if truth["tied"].get(n, n) not in truth["frozen"]]
+
+
 @pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_optimizer_state_matches_the_engine(layout, key):

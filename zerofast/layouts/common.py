@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InconsistentCheckpointError
+from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..plan import (BUFFER, FROZEN, TRAINABLE, FlatGroups, Plan, SourceTable, TensorPlan, _Entry, master_flat_groups,
                     out_dtype_for, partitioned_entries)
 from ..safe_load import LoadedCheckpoint, ModelStates, _check_flat_groups
@@ -55,6 +55,7 @@ class FamilyCheckpoint(LoadedCheckpoint):
     partition_ends: frozenset[int] = frozenset()  # optimizer files that end a partition
     # Instead of ``partitions``: callable(ckpt, table, flats, what) -> {name: _Entry} (AutoTP)
     trainable_builder: object = None
+    frozen_known: bool = True  # False where nothing tells frozen from trainable (fp32 without ZeRO)
 
     @property
     def last_ranks(self) -> frozenset[int]:
@@ -101,6 +102,10 @@ def partition_entries(ckpt: FamilyCheckpoint, table: SourceTable, flats: FlatGro
 
 
 def build_plan(ckpt: FamilyCheckpoint, table: SourceTable, dtype: torch.dtype | None, exclude_frozen: bool) -> Plan:
+    if exclude_frozen and not ckpt.frozen_known:
+        raise UnsupportedCheckpointError(
+            "exclude_frozen: this checkpoint does not record which parameters are frozen (no optimizer names them)",
+            ckpt.meta.path)
     if ckpt.stage == 0:
         trainable = ckpt.stage0_masters(ckpt, table)
     else:
@@ -125,6 +130,10 @@ def build_plan(ckpt: FamilyCheckpoint, table: SourceTable, dtype: torch.dtype | 
         if name not in ckpt.aliases:
             kind, (shape, stored, segs) = entries[name]
             tensors[name] = TensorPlan(name, shape, kind, stored, out_dtype_for(stored, dtype), tuple(segs))
+    for alias, source in ckpt.aliases.items():
+        if source not in entries:
+            raise InconsistentCheckpointError(f"tied parameter {alias!r} points to unknown parameter {source!r}",
+                                              ckpt.meta.path)
     aliases = {a: s for a, s in ckpt.aliases.items() if a in order}
     return Plan(tuple(table.refs), tensors, aliases, tuple(order), ckpt.stage, ckpt.world_size,
                 {"tag": ckpt.files.tag, "ds_version": ckpt.ds_version, "parallelism": ckpt.parallelism})

@@ -47,6 +47,7 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
                     "stages": [_stage_layers(ms, tied_layers) for ms in stages], "tied_layers": tied_layers}
     if stage == 0:
         ckpt.stage0_masters = _stage0_masters
+        ckpt.frozen_known = False
     else:
         ckpt.partitions = _partitions(stages, dp)
         ckpt.partition_ends = frozenset(p.ranks[-1] for p in ckpt.partitions)
