@@ -16,21 +16,19 @@ rank ``e`` becomes ``e * num_local + l``.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
-from pathlib import Path
 
 import torch
 
-from ..discover import MOE_EXPERT, CheckpointFiles
-from ..errors import CorruptCheckpointError, InconsistentCheckpointError
-from ..plan import SourceTable, _Entry, tensor_identity
-from ..safe_load import (LoadedCheckpoint, _expect_dict, _expect_int, _expect_list, _expect_mapping, _model_states,
-                         _optim_states, _stage, _world_size, load_file)
-from .common import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
+from ...discover import MOE_EXPERT, CheckpointFiles
+from ...errors import CorruptCheckpointError, InconsistentCheckpointError
+from ..checkpoint import (_expect_dict, _expect_int, _expect_list, _expect_mapping, _model_states, _optim_states, _stage,
+                          _world_size, load_file)
+from ...plan.model import tensor_identity
+from . import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
 
-_EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
-_EXPERT_NAME = re.compile(r"^(.*" + re.escape(_EXPERTS) + r")(\d+)(\..+)$")
+EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
+EXPERT_NAME = re.compile(r"^(.*" + re.escape(EXPERTS) + r")(\d+)(\..+)$")
 
 
 def load(files: CheckpointFiles) -> FamilyCheckpoint:
@@ -47,10 +45,9 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
                             aliases=_aliases(first, stored), buffers=frozenset(first.buffer_names))
     ep = _ep_degrees(ckpt, layers)
     ckpt.degrees = {"family": "mixture-of-experts", "dp": world, "ep": ep,
-                        "experts_per_layer": {prefix[:-len(_EXPERTS)]: n for prefix, (_, n) in layers.items()}}
-    if stage == 0:
-        ckpt.stage0_masters = _Stage0(files, layers, ep).masters
-    else:
+                        "experts_per_layer": {prefix[:-len(EXPERTS)]: n for prefix, (_, n) in layers.items()}}
+    ckpt.extra = {"experts": layers}
+    if stage != 0:
         ckpt.partitions = _partitions(ckpt, layers)
         ckpt.partition_ends = frozenset(p.ranks[-1] for p in ckpt.partitions)
         check_partitions(ckpt)
@@ -86,10 +83,10 @@ def _layer_prefix(experts) -> str:
     prefixes = set()
     for expert, path, tensors in experts:
         for name in tensors:
-            m = _EXPERT_NAME.match(name)
+            m = EXPERT_NAME.match(name)
             if not m or int(m.group(2)) != expert:
                 raise InconsistentCheckpointError(
-                    f"expected names with '{_EXPERTS}{expert}.' in the file of expert {expert}, found {name!r}", path)
+                    f"expected names with '{EXPERTS}{expert}.' in the file of expert {expert}, found {name!r}", path)
             prefixes.add(m.group(1))
     if len(prefixes) != 1:
         raise InconsistentCheckpointError(f"expected one MoE layer per expert file set, found {sorted(prefixes)}",
@@ -186,7 +183,7 @@ def _globalized(ckpt, group: dict, layers, ep_rank: int, ep: int) -> dict:
     """Rename expert-parallel rank 0's local expert ids to ep rank ``ep_rank``'s global ids."""
     out = {}
     for name, shape in group.items():
-        m = _EXPERT_NAME.match(name)
+        m = EXPERT_NAME.match(name)
         if not m or m.group(1) not in layers:
             raise InconsistentCheckpointError(f"expert group entry {name!r} names no expert of a known MoE layer",
                                               ckpt.meta.path)
@@ -196,56 +193,3 @@ def _globalized(ckpt, group: dict, layers, ep_rank: int, ep: int) -> dict:
                 f"expert group entry {name!r}: local expert id beyond the {local} experts per rank", ckpt.meta.path)
         out[f"{m.group(1)}{ep_rank * local + int(m.group(2))}{m.group(3)}"] = shape
     return out
-
-
-class _Stage0:
-    """ZeRO off: each expert-parallel rank's masters sit unnamed in its ``expp_rank`` file. The dense
-    masters are matched on ep rank 0, each rank's expert masters against its own experts, with
-    the value matching of a plain stage-0 save."""
-
-    def __init__(self, files: CheckpointFiles, layers, ep: int):
-        self.files, self.layers, self.ep = files, layers, ep
-
-    def masters(self, ckpt: FamilyCheckpoint, table: SourceTable) -> dict[str, _Entry]:
-        from ..stage0 import stage0_trainable_entries
-
-        out: dict[str, _Entry] = {}
-        dense = {n: s.tensor for n, s in ckpt.stored.items() if not _EXPERT_NAME.match(n)}
-        for e, path in enumerate(self.files.optim_files):
-            raw = _expect_dict(path, load_file(path), "an expp_rank optimizer file")
-            mine = dict(dense)
-            for prefix, (experts, n) in self.layers.items():
-                local = n // self.ep
-                for expert, _, tensors in experts:
-                    if expert // local == e:
-                        mine.update(tensors)
-            meta = dataclasses.replace(ckpt.meta, path=Path(path), module=mine, param_shapes=None, raw=raw)
-            view = LoadedCheckpoint(ckpt.files, 0, ckpt.world_size, [meta], [])
-            found = stage0_trainable_entries(view, table, exclude_frozen=False)
-            out.update((n, v) for n, v in found.items() if e == 0 or _EXPERT_NAME.match(n))
-        ckpt.aliases.update(_copied_ties(ckpt, out))
-        return out
-
-
-def _copied_ties(ckpt: FamilyCheckpoint, masters: dict) -> dict[str, str]:
-    """Tied weights of a ZeRO-off MoE save. It records no ``shared_params`` and saves the module
-    as copies, so a tied alias is a second, bit-identical copy of a parameter that has a master,
-    with no master of its own. (Two distinct parameters, one frozen, would have to be equal in
-    every bit to be taken for a tie; the output values are the same either way in ``dtype=None``.)"""
-    by_value: dict[tuple, str] = {}
-    for name in masters:
-        t = ckpt.stored[name].tensor if name in ckpt.stored else None
-        if t is not None:
-            by_value.setdefault((tuple(t.shape), t.dtype, _bits(t)), name)
-    out = {}
-    for name, s in ckpt.stored.items():
-        if name in masters or name in ckpt.buffers or name in ckpt.aliases:
-            continue
-        source = by_value.get((tuple(s.tensor.shape), s.tensor.dtype, _bits(s.tensor)))
-        if source is not None:
-            out[name] = source
-    return out
-
-
-def _bits(t) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

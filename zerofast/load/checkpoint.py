@@ -1,8 +1,8 @@
-"""Step 2: read checkpoint files without running code and without importing DeepSpeed.
+"""Typed views of the checkpoint files: read checkpoint files without running code and without importing DeepSpeed.
 
-Each file's zip directory is checked by :mod:`zerofast.archive`, then unpickled by
-:mod:`zerofast.unpickle`: the C unpickler, resolving only allowlisted globals (DeepSpeed's
-classes become the inert stand-ins of :mod:`zerofast.stand_ins`) and refusing every other one
+Each file's zip directory is checked by :mod:`.archive`, then unpickled by
+:mod:`.unpickle`: the C unpickler, resolving only allowlisted globals (DeepSpeed's
+classes become the inert stand-ins of :mod:`.stand_ins`) and refusing every other one
 while unpickling, before anything is built. Tensors are memory-mapped, so the large ones (fp32
 masters, Adam moments) are not read here at all. The metadata planning relies on is
 type-checked here, with the file in hand.
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .discover import CheckpointFiles
-from .errors import (
+from ..discover import CheckpointFiles
+from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     InconsistentCheckpointError,
@@ -84,6 +84,7 @@ class LoadedCheckpoint:
     world_size: int
     model_states: list[ModelStates]
     optim_states: list[OptimStates]
+    family = "zero"  # plain data parallelism; families.FamilyCheckpoint names the others
 
     @property
     def meta(self) -> ModelStates:
@@ -107,7 +108,7 @@ class LoadedCheckpoint:
 def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
     """Read every file of one save and settle its stage and world size."""
     if files.family != "zero":
-        from .layouts import load_family  # MoE and pipeline saves: their own loaders and plan builders
+        from .families import load_family  # MoE, pipeline, AutoTP: their own loaders and layout builders
 
         return load_family(files)
     model_states = [_model_states(p) for p in files.model_files]

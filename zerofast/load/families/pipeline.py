@@ -12,22 +12,21 @@ On disk (DeepSpeed 0.19.8), for P stages and D data-parallel ranks per stage:
   layer; nothing says so but the names: its keys are ``tied_modules.<key>.*`` in the stages'
   ``param_shapes``/``buffer_names``. Every stage using it holds an equal fp32 master.
 
-Output names are PipelineModule's, in layer order. :func:`sequential_names` maps them to the names
-of the same layers in one ``nn.Sequential``.
+Output names are PipelineModule's, in layer order. :func:`zerofast.sequential_names` maps them to
+the names of the same layers in one ``nn.Sequential``.
 """
 from __future__ import annotations
 
-import math
 import re
 
 import torch
 
-from ..discover import PIPE_LAYER, CheckpointFiles
-from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
-from ..safe_load import _expect_dict, _expect_mapping, _model_states, _optim_states, _stage, load_file
-from .common import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
+from ...discover import PIPE_LAYER, CheckpointFiles
+from ...errors import InconsistentCheckpointError
+from ..checkpoint import _expect_dict, _expect_mapping, _model_states, _optim_states, _stage, load_file
+from . import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
 
-_TIED = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
+TIED = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
 
 
 def load(files: CheckpointFiles) -> FamilyCheckpoint:
@@ -46,7 +45,6 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
     ckpt.degrees = {"family": "pipeline-parallel", "dp": dp, "pp": P,
                     "stages": [_stage_layers(ms, tied_layers) for ms in stages], "tied_layers": tied_layers}
     if stage == 0:
-        ckpt.stage0_masters = _stage0_masters
         ckpt.frozen_known = False
     else:
         ckpt.partitions = _partitions(stages, dp)
@@ -92,7 +90,7 @@ def _layer_tensors(files: CheckpointFiles, known) -> tuple[dict[str, Stored], di
         tensors = _expect_mapping(path, _expect_dict(path, load_file(path), "a layer file"), "a layer file",
                                   torch.Tensor, "tensors")
         prefix = _layer_prefix(path, index, tensors, known)
-        key = _TIED.match(prefix + "x")
+        key = TIED.match(prefix + "x")
         if key:
             if key.group(1) in tied_at:
                 continue  # a tied module saved again at a later layer: the first copy is the one
@@ -108,7 +106,7 @@ def _layer_prefix(path, index: int, tensors: dict, known) -> str:
     plain = f"{index}."
     if any(plain + k in known for k in tensors):
         return plain
-    candidates = {m.group(1) for n in known if (m := _TIED.match(n))}
+    candidates = {m.group(1) for n in known if (m := TIED.match(n))}
     fits = [c for c in sorted(candidates) if tensors and all(_fits(known, f"tied_modules.{c}.{k}", t)
                                                               for k, t in tensors.items())]
     if len(fits) > 1:
@@ -129,7 +127,7 @@ def _stage_layers(ms, tied_layers: dict[str, int]) -> list[int]:
     a tied module counts at the layer it was saved with)."""
     names = [n for g in ms.param_shapes or [] for n in g] + list(ms.buffer_names)
     found = {int(n.split(".", 1)[0]) for n in names if n.split(".", 1)[0].isdigit()}
-    found |= {tied_layers[m.group(1)] for n in names if (m := _TIED.match(n)) and m.group(1) in tied_layers}
+    found |= {tied_layers[m.group(1)] for n in names if (m := TIED.match(n)) and m.group(1) in tied_layers}
     return sorted(found)
 
 
@@ -143,27 +141,4 @@ def _partitions(stages, dp: int) -> list[Partition]:
         for g, group in enumerate(ms.param_shapes):
             out.append(Partition(tuple(range(s * dp, (s + 1) * dp)), g, dict(group), frozenset(seen & set(group))))
             seen |= set(group)
-    return out
-
-
-def _stage0_masters(ckpt: FamilyCheckpoint, table):
-    """ZeRO off: without mixed precision the layer files hold the trained values themselves."""
-    for ms in ckpt.model_states:
-        opt = ms.raw.get("optimizer")
-        if isinstance(opt, dict) and ({"fp32_groups", "fp32_groups_flat"} & set(opt)):
-            raise UnsupportedCheckpointError(
-                "pipeline stage 0 with mixed-precision masters is not supported: the masters are unnamed and the "
-                "stage's layers are not recorded", ms.path)
-    return {n: (tuple(s.tensor.shape), s.tensor.dtype, [(table.add(str(s.path), s.key, s.tensor), 0, 0,
-                                                         math.prod(s.tensor.shape))])
-            for n, s in ckpt.stored.items() if n not in ckpt.buffers and s.tensor.is_floating_point()}
-
-
-def sequential_names(names, tied_layers: dict[str, int]) -> dict[str, str]:
-    """PipelineModule name -> the name of the same tensor in ``nn.Sequential(*layers)``:
-    ``tied_modules.<key>.<p>`` becomes ``<first layer>.<p>``, every other name stays."""
-    out = {}
-    for n in names:
-        m = _TIED.match(n)
-        out[n] = f"{tied_layers[m.group(1)]}.{m.group(2)}" if m and m.group(1) in tied_layers else n
     return out
