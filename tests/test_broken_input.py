@@ -371,8 +371,8 @@ def test_stage3_recorded_next_to_a_single_model_file(ckpt):
 
 
 # ---------------------------------------------------------------------------------------------
-# MoE and pipeline files without the rest of their save, and tensor parallelism ("not supported
-# yet"): a specific error, never a wrong result
+# MoE, pipeline and tensor-parallel files without the rest of their save: a specific error, never a
+# wrong result
 
 @pytest.mark.parametrize("name, error, where, expected", [
     ("layer_0_expert_0_mp_rank_00_model_states.pt", zerofast.CorruptCheckpointError, MODEL,
@@ -381,8 +381,9 @@ def test_stage3_recorded_next_to_a_single_model_file(ckpt):
      r"^expected either expp_rank_\* \(MoE without ZeRO\) or zero_pp_rank_\* optimizer files, found both"),
     ("layer_01-model_states.pt", zerofast.CorruptCheckpointError, "layer_01-model_states.pt",
      r"^expected a layer file to map names \(str\) to tensors, found str -> dict for 'optimizer_state_dict'$"),
-    ("zero_pp_rank_0_mp_rank_01_optim_states.pt", zerofast.UnsupportedCheckpointError, None,
-     r"^tensor-parallel checkpoints are not supported yet \(found zero_pp_rank_0_mp_rank_01_optim_states.pt"),
+    ("zero_pp_rank_0_mp_rank_01_optim_states.pt", zerofast.IncompleteCheckpointError, None,
+     r"^expected a model-states file for each of the 2 tensor-parallel ranks \(mp_rank_00..01\), found "
+     r"\['mp_rank_00_model_states.pt'\]$"),
 ])
 def test_parallel_layout_files_without_their_save_are_refused(ckpt, name, error, where, expected):
     root, tag_dir = ckpt(S2)
@@ -391,13 +392,15 @@ def test_parallel_layout_files_without_their_save_are_refused(ckpt, name, error,
 
 
 @pytest.mark.parametrize("key, value, error, expected", [
-    ("mp_world_size", 2, zerofast.UnsupportedCheckpointError,
-     r"^tensor-parallel checkpoints are not supported yet \(expected mp_world_size 1, found 2\)$"),
+    ("mp_world_size", 2, zerofast.IncompleteCheckpointError,
+     r"^expected mp_world_size 1 in a folder with only mp_rank_00 files, found 2: the other tensor-parallel ranks' "
+     r"files of this save are missing$"),
     ("checkpoint_parallel_dimensions", {"pp_degree": 2, "tp_degree": 1}, zerofast.IncompleteCheckpointError,
      r"^expected pp_degree 1 in a folder without pipeline layer files, found 2: the layer_\*-model_states.pt files "
      r"of this pipeline-parallel save are missing$"),
-    ("checkpoint_parallel_dimensions", {"pp_degree": 1, "tp_degree": 4}, zerofast.UnsupportedCheckpointError,
-     r"^tensor-parallel checkpoints are not supported yet \(expected tp_degree 1, found 4\)$"),
+    ("checkpoint_parallel_dimensions", {"pp_degree": 1, "tp_degree": 4}, zerofast.IncompleteCheckpointError,
+     r"^expected tp_degree 1 in a folder with only mp_rank_00 files, found 4: the other tensor-parallel ranks' "
+     r"files of this save are missing$"),
 ])
 def test_parallel_degrees_recorded_in_the_model_file_are_checked(ckpt, key, value, error, expected):
     """The other model-parallel ranks' files may simply be absent; the recorded degree still says so."""

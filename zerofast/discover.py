@@ -218,9 +218,13 @@ def _tensor_parallel_files(root: Path, tag: str, tag_dir: Path, names: list[str]
     if z3 and plain:
         raise IncompleteCheckpointError("expected either mp_rank_XX_model_states.pt (stages 0-2) or "
                                         "zero_pp_rank_*_mp_rank_XX_model_states.pt (stage 3), found both", tag_dir)
-    T = len(plain) if plain else (max(t for _, t, _ in z3) + 1 if z3 else 0)
-    if not T:
+    T = 1 + max([len(plain) - 1] + [t for _, t, _ in z3 + optim])
+    if not plain and not z3:
         raise CheckpointNotFoundError("expected mp_rank_XX model-states files, found none", tag_dir)
+    if plain and len(plain) != T:
+        raise IncompleteCheckpointError(
+            f"expected a model-states file for each of the {T} tensor-parallel ranks (mp_rank_00..{T - 1:02d}), found "
+            f"{[p.name for p in plain]}", tag_dir)
     for what, grid in (("optimizer", optim), ("model-states", z3)):
         tps = {t for _, t, _ in grid}
         dps = {d for d, _, _ in grid}

@@ -314,11 +314,11 @@ def _check_parallelism(meta: ModelStates) -> None:
         raise IncompleteCheckpointError(
             f"expected pp_degree 1 in a folder without pipeline layer files, found {pp!r:.40}: the "
             "layer_*-model_states.pt files of this pipeline-parallel save are missing", meta.path)
-    for what, degree, kind in (("mp_world_size", meta.raw.get("mp_world_size"), "tensor-parallel"),
-                               ("tp_degree", dims.get("tp_degree"), "tensor-parallel")):
+    for what, degree in (("mp_world_size", meta.raw.get("mp_world_size")), ("tp_degree", dims.get("tp_degree"))):
         if degree is not None and degree != 1:
-            raise UnsupportedCheckpointError(
-                f"{kind} checkpoints are not supported yet (expected {what} 1, found {degree!r:.40})", meta.path)
+            raise IncompleteCheckpointError(
+                f"expected {what} 1 in a folder with only mp_rank_00 files, found {degree!r:.40}: the other "
+                "tensor-parallel ranks' files of this save are missing", meta.path)
 
 
 def _check_flat_groups(stage: int, optims: list[OptimStates]) -> None:
