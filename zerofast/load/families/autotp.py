@@ -22,6 +22,7 @@ import re
 
 from ...discover import CheckpointFiles
 from ...errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ...plan import keys as K
 from ..checkpoint import _check_flat_groups, _model_states, _optim_states, _stage
 from . import FamilyCheckpoint, Stored
 
@@ -41,7 +42,7 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
     ckpt = FamilyCheckpoint(files, stage, dp * T, models, optims, family="tensor",
                             stored=stored, aliases=dict(first.shared_params), buffers=frozenset(first.buffer_names))
     ckpt.degrees = {"family": "tensor-parallel (AutoTP)", "dp": dp, "tp": T}
-    info = first.raw.get("universal_checkpoint_info") or {}
+    info = first.raw.get(K.UNIVERSAL_INFO) or {}
     ckpt.extra = {"maps": maps, "replicated": [re.compile(p) for p in info.get("tp_replicated_parameter_patterns") or []
                                                if isinstance(p, str)]}
     ckpt.partition_ends = frozenset((dp - 1) * T + t for t in range(T))
@@ -53,7 +54,7 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
 
 
 def _affine_maps(meta, T: int) -> list[tuple[re.Pattern, dict]]:
-    info = meta.raw.get("universal_checkpoint_info")
+    info = meta.raw.get(K.UNIVERSAL_INFO)
     amap = info.get("affine_map") if isinstance(info, dict) else None
     params = amap.get("params") if isinstance(amap, dict) else None
     if not isinstance(params, dict):

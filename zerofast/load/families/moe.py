@@ -22,9 +22,10 @@ import torch
 
 from ...discover import MOE_EXPERT, CheckpointFiles
 from ...errors import CorruptCheckpointError, InconsistentCheckpointError
+from ...plan import keys as K
+from ...plan.model import tensor_identity
 from ..checkpoint import (_expect_dict, _expect_int, _expect_list, _expect_mapping, _model_states, _optim_states, _stage,
                           _world_size, load_file)
-from ...plan.model import tensor_identity
 from . import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
 
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
@@ -38,7 +39,7 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
     stage = _stage(files, [first], optims)
     world = _world_size(files, stage, [first], optims)
     num_experts = [_expect_int(first.path, n, "each 'num_experts' entry", 1)
-                   for n in _expect_list(first.path, first.raw.get("num_experts"), "'num_experts'")]
+                   for n in _expect_list(first.path, first.raw.get(K.NUM_EXPERTS), "'num_experts'")]
     layers = _expert_layers(files, num_experts)
     stored = _module_with_experts(first, layers)
     ckpt = FamilyCheckpoint(files, stage, world, [first], optims, family="moe", stored=stored,
@@ -144,8 +145,8 @@ def _ep_degrees(ckpt: FamilyCheckpoint, layers) -> int:
 
 def _expert_groups(o) -> list[int]:
     """Indices of the expert param groups (``'moe': True`` in the wrapped optimizer's groups)."""
-    inner = o.raw["optimizer_state_dict"].get("base_optimizer_state")
-    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    inner = o.raw[K.OPTIMIZER_STATE_DICT].get(K.ZERO12_INNER)
+    groups = inner.get(K.PARAM_GROUPS) if isinstance(inner, dict) else None
     if not isinstance(groups, (list, tuple)):
         raise CorruptCheckpointError("expected base_optimizer_state.param_groups to say which groups hold experts",
                                      o.path)
@@ -153,7 +154,7 @@ def _expert_groups(o) -> list[int]:
 
 
 def _partition_counts(o) -> list[int]:
-    counts = o.raw["optimizer_state_dict"].get("partition_count")
+    counts = o.raw[K.OPTIMIZER_STATE_DICT].get(K.PARTITION_COUNT)
     if not isinstance(counts, (list, tuple)) or len(counts) != len(o.flat_groups):
         raise CorruptCheckpointError(f"expected a partition_count per group ({len(o.flat_groups)}), found {counts!r:.80}",
                                      o.path)

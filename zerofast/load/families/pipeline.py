@@ -23,6 +23,7 @@ import torch
 
 from ...discover import PIPE_LAYER, CheckpointFiles
 from ...errors import InconsistentCheckpointError
+from ...plan import keys as K
 from ..checkpoint import _expect_dict, _expect_mapping, _model_states, _optim_states, _stage, load_file
 from . import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
 
@@ -56,8 +57,8 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
 
 
 def _check_degree(ms, P: int) -> None:
-    dims = ms.raw.get("checkpoint_parallel_dimensions")
-    pp = dims.get("pp_degree") if isinstance(dims, dict) else None
+    dims = ms.raw.get(K.PARALLEL_DIMENSIONS)
+    pp = dims.get(K.PP_DEGREE) if isinstance(dims, dict) else None
     if pp is not None and pp != P:
         raise InconsistentCheckpointError(f"expected pp_degree {P} (one model-states file per stage), found {pp!r:.40}",
                                           ms.path)

@@ -8,14 +8,15 @@ from __future__ import annotations
 from ...errors import UnsupportedCheckpointError
 from ...load.families import FamilyCheckpoint
 from ...load.families.pipeline import TIED
+from .. import keys
 from ..model import Entry, SourceTable
 
 
 def stage0_masters(ckpt: FamilyCheckpoint, table: SourceTable) -> dict[str, Entry]:
     """ZeRO off: without mixed precision the layer files hold the trained values themselves."""
     for ms in ckpt.model_states:
-        opt = ms.raw.get("optimizer")
-        if isinstance(opt, dict) and ({"fp32_groups", "fp32_groups_flat"} & set(opt)):
+        opt = ms.raw.get(keys.STAGE0_OPTIMIZER)
+        if isinstance(opt, dict) and ({keys.STAGE0_FP32_GROUPS, keys.STAGE0_FP32_FLAT} & set(opt)):
             raise UnsupportedCheckpointError(
                 "pipeline stage 0 with mixed-precision masters is not supported: the masters are unnamed and the "
                 "stage's layers are not recorded", ms.path)
