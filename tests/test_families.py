@@ -248,3 +248,15 @@ def test_deepspeeds_own_converter_cannot_read_them(layout):
 
     with pytest.raises((ValueError, AttributeError)):
         get_fp32_state_dict_from_zero_checkpoint(str(real_root(layout)))
+
+
+def test_experts_combined_with_another_family_are_refused(tmp_path):
+    """Each family is read on its own: experts next to pipeline stages would be dropped silently."""
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(real_root("pipe_s1_bf16_pp2_dp1"), root)
+    expert = next((real_root("moe_s2_bf16_w2_ep2") / "global_step2").glob("layer_0_expert_0_*"))
+    shutil.copy(expert, root / "global_step2" / expert.name)
+    with pytest.raises(zerofast.UnsupportedCheckpointError, match="together with pipeline or tensor parallelism"):
+        zerofast.reconstruct(root)

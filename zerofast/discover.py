@@ -105,6 +105,7 @@ def _pick_tag(root: Path) -> str:
 def _list_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
     names = sorted(os.listdir(tag_dir))
     _reject_unsupported(tag_dir, names)
+    _reject_combined(tag_dir, names)
     if any(PIPE_LAYER.match(n) for n in names):
         return _pipeline_files(root, tag, tag_dir, names)
     if any((m := _TENSOR_PARALLEL.search(n)) and int(m.group(1)) != 0 and n.endswith(".pt") for n in names):
@@ -139,6 +140,18 @@ def _reject_unsupported(tag_dir: Path, names: list[str]) -> None:
             if pattern.match(name) and name.endswith(".pt"):
                 raise UnsupportedCheckpointError(f"{what} are not supported (found {name})", tag_dir)
 
+
+
+def _reject_combined(tag_dir: Path, names: list[str]) -> None:
+    """Each family is read on its own; a save combining two (experts inside a pipeline or next to
+    tensor-parallel ranks) would lose one of them."""
+    experts = next((n for n in names if MOE_EXPERT.match(n) or MOE_OPTIM.match(n)), None)
+    other = next((n for n in names if PIPE_LAYER.match(n) or ((m := _TENSOR_PARALLEL.search(n)) and int(m.group(1))
+                                                              and n.endswith(".pt"))), None)
+    if experts and other:
+        raise UnsupportedCheckpointError(
+            f"mixture-of-experts together with pipeline or tensor parallelism is not supported (found {experts} "
+            f"and {other})", tag_dir)
 
 
 def _ranked(tag_dir: Path, names: list[str], pattern: re.Pattern, group: int) -> list[Path]:

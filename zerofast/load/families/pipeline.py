@@ -22,7 +22,7 @@ import re
 import torch
 
 from ...discover import PIPE_LAYER, CheckpointFiles
-from ...errors import InconsistentCheckpointError
+from ...errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ...plan import keys as K
 from ..checkpoint import _expect_dict, _expect_mapping, _model_states, _optim_states, _stage, load_file
 from . import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
@@ -58,7 +58,11 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
 
 def _check_degree(ms, P: int) -> None:
     dims = ms.raw.get(K.PARALLEL_DIMENSIONS)
-    pp = dims.get(K.PP_DEGREE) if isinstance(dims, dict) else None
+    dims = dims if isinstance(dims, dict) else {}
+    pp, tp = dims.get(K.PP_DEGREE), dims.get(K.TP_DEGREE)
+    if tp is not None and tp != 1:
+        raise UnsupportedCheckpointError(f"pipelines with tensor parallelism (tp_degree {tp!r:.40}) are not supported",
+                                         ms.path)
     if pp is not None and pp != P:
         raise InconsistentCheckpointError(f"expected pp_degree {P} (one model-states file per stage), found {pp!r:.40}",
                                           ms.path)
