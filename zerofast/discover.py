@@ -1,7 +1,9 @@
 """Step 1: find the tag folder and the rank files of a DeepSpeed checkpoint, and check the set.
 
 Only file names are read here (plus the ``latest`` text file); nothing is unpickled. Whether the
-number of rank files matches the world size recorded inside them is checked by ``safe_load``.
+number of rank files matches the world size recorded inside them is checked by the loader. The
+names also tell the family: expert files mean mixture-of-experts, ``layer_NN-model_states.pt``
+files a pipeline, other ``mp_rank_XX`` files above 00 tensor parallelism (AutoTP).
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ _UNSUPPORTED = ((re.compile(r"^expert_\d+_"), "mixture-of-experts checkpoints wi
 
 @dataclass(frozen=True)
 class CheckpointFiles:
-    """The files of one save. ``model_files`` has one entry (stages 0-2) or one per rank (stage 3)."""
+    """The files of one save. ``model_files`` has one entry (stages 0-2) or one per rank (stage 3);
+    a pipeline has one per stage, a tensor-parallel save one per tp rank (per rank at stage 3).
+    ``optim_files``: one per rank, in global-rank order (pipelines: stage by stage)."""
 
     root: Path
     tag: str
