@@ -260,3 +260,23 @@ def test_experts_combined_with_another_family_are_refused(tmp_path):
     shutil.copy(expert, root / "global_step2" / expert.name)
     with pytest.raises(zerofast.UnsupportedCheckpointError, match="together with pipeline or tensor parallelism"):
         zerofast.reconstruct(root)
+
+
+@pytest.mark.parametrize("pattern, name", [
+    (r"^model\.layers\.0\.mlp\.down_proj\.weight$", "model.layers.0.mlp.down_proj.weight"),
+    (r"^lm_head\.weight$", "lm_head.weight"),
+    (r"^model\.layers\.\d+\.w$", None),  # a real regex: refused, never run
+    (r"^model\.layers\.\dx$", None),  # \d is a digit class, not "d"
+    (r"^(a+)+$", None),
+    ("model.norm.weight", None),
+])
+def test_autotp_patterns_are_read_as_literal_names(pattern, name):
+    """The affine_map's patterns come with the checkpoint: zerofast reads the names they spell and
+    never runs them as regular expressions."""
+    from zerofast.load.families.autotp import _literal
+
+    if name is None:
+        with pytest.raises(zerofast.UnsupportedCheckpointError, match="expected AutoTP parameter patterns"):
+            _literal("model_states.pt", pattern)
+    else:
+        assert _literal("model_states.pt", pattern) == name

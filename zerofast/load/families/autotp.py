@@ -43,8 +43,8 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
                             stored=stored, aliases=dict(first.shared_params), buffers=frozenset(first.buffer_names))
     ckpt.degrees = {"family": "tensor-parallel (AutoTP)", "dp": dp, "tp": T}
     info = first.raw.get(K.UNIVERSAL_INFO) or {}
-    ckpt.extra = {"maps": maps, "replicated": [re.compile(p) for p in info.get("tp_replicated_parameter_patterns") or []
-                                               if isinstance(p, str)]}
+    replicated = info.get("tp_replicated_parameter_patterns") or []
+    ckpt.extra = {"maps": maps, "replicated": {_literal(first.path, p) for p in replicated}}
     ckpt.partition_ends = frozenset((dp - 1) * T + t for t in range(T))
     _check_frozen(ckpt, metas, maps)
     if stage != 3:
@@ -53,7 +53,8 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
     return ckpt
 
 
-def _affine_maps(meta, T: int) -> list[tuple[re.Pattern, dict]]:
+def _affine_maps(meta, T: int) -> dict[str, dict]:
+    """``{parameter name: its affine_map entry}``."""
     info = meta.raw.get(K.UNIVERSAL_INFO)
     amap = info.get("affine_map") if isinstance(info, dict) else None
     params = amap.get("params") if isinstance(amap, dict) else None
@@ -61,14 +62,30 @@ def _affine_maps(meta, T: int) -> list[tuple[re.Pattern, dict]]:
         raise UnsupportedCheckpointError(
             "tensor-parallel checkpoints without universal_checkpoint_info.affine_map (not AutoTP) are not supported",
             meta.path)
-    out = []
+    out = {}
     for pattern, entry in params.items():
         ranks = entry.get("ranks") if isinstance(entry, dict) else None
-        if not isinstance(pattern, str) or not isinstance(ranks, dict) or sorted(ranks) != list(range(T)):
+        if not isinstance(ranks, dict) or sorted(ranks) != list(range(T)):
             raise CorruptCheckpointError(f"expected affine_map entries with pieces for tp ranks 0..{T - 1}, found "
                                          f"{pattern!r:.80}", meta.path)
-        out.append((re.compile(pattern), entry))
+        out[_literal(meta.path, pattern)] = entry
     return out
+
+
+_ESCAPED = re.compile(r"\\([^A-Za-z0-9])")  # re.escape never escapes letters or digits
+_META = set(".^$*+?{}[]|()\\")
+
+
+def _literal(path, pattern) -> str:
+    """The one name a DeepSpeed pattern (``^model\\.norm\\.weight$``) matches. The patterns come with
+    the checkpoint, so they are never run as regular expressions (no backtracking blow-ups); any
+    pattern that is not an escaped literal name is refused."""
+    body = pattern[1:-1] if isinstance(pattern, str) and pattern.startswith("^") and pattern.endswith("$") else None
+    plain = _ESCAPED.sub("", body) if body is not None else None
+    if plain is None or _META & set(plain):
+        raise UnsupportedCheckpointError(
+            f"expected AutoTP parameter patterns of the form ^escaped\\.name$, found {pattern!r:.80}", path)
+    return _ESCAPED.sub(lambda m: m.group(1), body)
 
 
 def _check_frozen(ckpt, metas, maps) -> None:

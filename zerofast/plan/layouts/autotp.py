@@ -24,19 +24,11 @@ def trainable(ckpt: FamilyCheckpoint, table: SourceTable, flats: FlatGroups, wha
                      len(ckpt.optim_states) // T).entries(ckpt, table, flats, what)
 
 
-def _entry_for(maps, name: str):
-    found = [e for p, e in maps if p.fullmatch(name)]
-    return found[0] if len(found) == 1 else None
-
-
 class _Composer:
     """Full trainable tensors out of the tp ranks' shards."""
 
     def __init__(self, metas, maps, replicated, T: int, dp: int):
         self.metas, self.maps, self.replicated, self.T, self.dp = metas, maps, replicated, T, dp
-
-    def _replicated(self, name: str) -> bool:
-        return any(p.fullmatch(name) for p in self.replicated)
 
     def entries(self, ckpt: FamilyCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> dict[str, Entry]:
         shards = self._zero3_shards(ckpt, table, flats) if ckpt.stage == 3 else self._zero12_shards(ckpt, table, flats,
@@ -87,10 +79,10 @@ class _Composer:
         return shards
 
     def _compose(self, ckpt, name: str, shards: list) -> Entry:
-        entry = _entry_for(self.maps, name)
+        entry = self.maps.get(name)
         # ZeRO-3 saves replicated parameters' affine_map entries with the placeholders' shape [0];
         # tp_replicated_parameter_patterns still names them, and every rank holds them whole.
-        if entry is None or self._replicated(name):
+        if entry is None or name in self.replicated:
             shapes = {s[0] for s in shards if s is not None}
             if len(shapes) != 1 or any(s is None for s in shards):
                 raise InconsistentCheckpointError(
