@@ -67,11 +67,9 @@ def plan_optimizer_states(ckpt: LoadedCheckpoint, keys: Sequence[str], dtype: to
     check_dtype(dtype)
     if not keys or (not qualified and len(keys) != 1):
         raise ValueError(f"expected {'one key' if not qualified else 'at least one key'}, got {list(keys)}")
-    states = _checked_states(ckpt)
     table = SourceTable()
     tensors: dict[str, TensorPlan] = {}
-    by_key = {key: partitioned_entries(ckpt, table, _state_flat_groups(ckpt, states, key), f"'{key}' groups")
-              for key in keys}
+    by_key = _universal_entries(ckpt, table, keys) if ckpt.universal is not None else _entries(ckpt, table, keys)
     for name in _model_order(ckpt, by_key[keys[0]]):
         for key in keys:
             shape, stored, segs = by_key[key][name]
@@ -80,6 +78,25 @@ def plan_optimizer_states(ckpt: LoadedCheckpoint, keys: Sequence[str], dtype: to
     plan = Plan(tuple(table.refs), tensors, {}, tuple(tensors), ckpt.stage, ckpt.world_size,
                 {"tag": ckpt.files.tag, "ds_version": ckpt.ds_version, "keys": list(keys)})
     return Prepared(ckpt, plan, table.tensors, table.mapped)
+
+
+def _entries(ckpt: LoadedCheckpoint, table: SourceTable, keys: Sequence[str]) -> dict[str, dict]:
+    states = _checked_states(ckpt)
+    return {key: partitioned_entries(ckpt, table, _state_flat_groups(ckpt, states, key), f"'{key}' groups")
+            for key in keys}
+
+
+def _universal_entries(ckpt: LoadedCheckpoint, table: SourceTable, keys: Sequence[str]) -> dict[str, dict]:
+    """A universal folder keeps each state whole in ``zero/<param>/<key>.pt``."""
+    from .universal import universal_entries, universal_keys
+
+    available = universal_keys(ckpt)
+    for key in keys:
+        if key not in available:
+            raise MissingOptimizerStateError(
+                f"optimizer state {key!r} has no file in the parameters' folders; per-element states here: "
+                f"{available}", ckpt.universal.zero_dir)
+    return {key: universal_entries(ckpt, table, key) for key in keys}
 
 
 def _model_order(ckpt: LoadedCheckpoint, entries: dict) -> list[str]:
@@ -139,6 +156,10 @@ def _as_dict(o: OptimStates, value: Any, where: str) -> dict:
 
 def available_keys(ckpt: LoadedCheckpoint) -> list[str]:
     """The per-element states every rank keeps for every flat group, e.g. ``["exp_avg", "exp_avg_sq"]``."""
+    if ckpt.universal is not None:
+        from .universal import universal_keys
+
+        return universal_keys(ckpt)
     per_rank = [per_element_keys(groups) for groups in _checked_states(ckpt)]
     return [k for k in per_rank[0] if all(k in keys for keys in per_rank)] if per_rank else []
 
@@ -193,6 +214,8 @@ def scalar_states(ckpt: LoadedCheckpoint) -> dict:
     Each parameter gets the scalars of the flat group its elements sit in; each param group lists
     its hyperparameters and the names of the parameters it holds.
     """
+    if ckpt.universal is not None:
+        return _universal_scalar_states(ckpt)
     states = _checked_states(ckpt)
     table = SourceTable()
     masters = master_flat_groups(ckpt)
@@ -202,6 +225,22 @@ def scalar_states(ckpt: LoadedCheckpoint) -> dict:
     owner = {name: group_of[entries[name][2][0][0]] for name in _model_order(ckpt, entries) if entries[name][2]}
     scalars = {name: _scalars(states[r][g][1]) for name, (r, g) in owner.items()}
     return {"state": scalars, "param_groups": _param_groups(ckpt, owner)}
+
+
+def _universal_scalar_states(ckpt: LoadedCheckpoint) -> dict:
+    from .universal import universal_scalar_states
+
+    states, groups = universal_scalar_states(ckpt)
+    order = _model_order(ckpt, states)
+    return {"state": {name: _scalars(states[name]) for name in order},
+            "param_groups": [{**_settings(group), "params": [n for n in order if n in names]}
+                             for group, names in groups]}
+
+
+def _settings(group: dict) -> dict:
+    """A param group's hyperparameters as JSON data."""
+    settings = {k: _plain(v) for k, v in group.items() if k != "params"}
+    return {k: v for k, v in settings.items() if v is not _SKIP}
 
 
 def _scalars(state: dict) -> dict:
@@ -240,8 +279,7 @@ def _param_groups(ckpt: LoadedCheckpoint, owner: dict[str, tuple[int, int]]) -> 
         count = len(group.get("params", []))
         flat = range(position, position + count)
         position += count
-        settings = {k: _plain(v) for k, v in group.items() if k != "params"}
-        settings = {k: v for k, v in settings.items() if v is not _SKIP}
+        settings = _settings(group)
         settings["params"] = [name for name, (_, g) in owner.items() if g in flat]
         out.append(settings)
     return out

@@ -188,6 +188,10 @@ def _trainable_entries(ckpt: LoadedCheckpoint, table: SourceTable, exclude_froze
         from .stage0 import stage0_trainable_entries  # the only layout that needs value matching
 
         return stage0_trainable_entries(ckpt, table, exclude_frozen)
+    if ckpt.universal is not None:
+        from .universal import universal_entries
+
+        return universal_entries(ckpt, table)
     return partitioned_entries(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups")
 
 

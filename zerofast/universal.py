@@ -1,0 +1,115 @@
+"""Planning for universal checkpoints (``python -m deepspeed.checkpoint.ds_to_universal``).
+
+A universal folder keeps copies of the model-states files and, in place of the partitioned
+optimizer files, ``zero/<param>/<state>.pt``: each trainable parameter's fp32 master (``fp32``)
+and per-element optimizer states (``exp_avg``, ...) whole, plus ``step``. From a ZeRO-1/2 save
+each file is ``{'param': tensor of the parameter's shape, 'cat_dim': 0}``; from a ZeRO-3 save
+it is the bare tensor, flattened. Only trainable parameters are planned from these files.
+Frozen parameters and buffers are read from the copied model states exactly as for the save
+they were converted from: ds_to_universal writes ``fp32.pt`` for them too at stages 1-2, but
+cast to float32, which rounds int64 buffers above 2**24 and loses every dtype, while the model
+states hold the original values.
+
+Each file is unpickled by the same restricted loader with its tensor memory-mapped, and every
+tensor becomes one source of one plan, so the native executor reads each once.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+import torch
+
+from .errors import CorruptCheckpointError, IncompleteCheckpointError, InconsistentCheckpointError, some
+from .safe_load import LoadedCheckpoint, UniversalState, load_file
+
+MASTER = "fp32"
+SCALARS = ("step",)  # per-parameter files that hold no per-element state
+
+
+def universal_entries(ckpt: LoadedCheckpoint, table, key: str = MASTER) -> dict:
+    """``{name: (shape, stored dtype, segments)}`` of every trainable parameter, read from its
+    ``<key>.pt`` (the fp32 master, or an optimizer state such as ``exp_avg``)."""
+    u = _state(ckpt)
+    params = trainable_shapes(ckpt)
+    paths = {name: param_dir(u, name) / f"{key}.pt" for name in params}
+    missing = [str(p.relative_to(u.zero_dir.parent)) for p in paths.values() if not p.is_file()]
+    if missing:
+        raise IncompleteCheckpointError(
+            f"expected {key}.pt for each of the {len(params)} trainable parameters, found {len(params) - len(missing)}; "
+            f"missing: {some(missing)}", u.zero_dir)
+    out = {}
+    for name, shape in params.items():
+        where, tensor = _read(ckpt, paths[name], shape)
+        src = table.add(str(paths[name]), where, tensor)
+        out[name] = (shape, tensor.dtype, [(src, 0, 0, tensor.numel())])
+    return out
+
+
+def trainable_shapes(ckpt: LoadedCheckpoint) -> dict[str, tuple[int, ...]]:
+    return {name: shape for group in ckpt.meta.param_shapes for name, shape in group.items()}
+
+
+def param_dir(u: UniversalState, name: str) -> Path:
+    """The folder of parameter ``name``; a name from the pickle must not lead out of ``zero``."""
+    if not name or name in (".", "..") or "/" in name or "\0" in name or os.sep in name:
+        raise CorruptCheckpointError(f"expected parameter names usable as folder names, found {name!r:.80}",
+                                     u.zero_dir)
+    return u.zero_dir / name
+
+
+def _read(ckpt: LoadedCheckpoint, path: Path, shape: tuple[int, ...]) -> tuple[str, torch.Tensor]:
+    """The tensor of one per-parameter file, checked against the parameter's recorded shape."""
+    obj = load_file(path)
+    if ckpt.stage == 3:
+        where, tensor, expected = "", obj, f"a 1-D tensor of {math.prod(shape)} elements"
+        ok = isinstance(tensor, torch.Tensor) and tensor.dim() == 1 and tensor.numel() == math.prod(shape)
+    else:
+        where, tensor, expected = "['param']", obj.get("param") if isinstance(obj, dict) else obj, f"shape {shape}"
+        ok = isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == tuple(shape)
+    if not ok:
+        found = (f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
+                 else type(tensor).__name__)
+        layout = "a bare tensor (ZeRO-3 source)" if ckpt.stage == 3 else "{'param': tensor} (ZeRO-1/2 source)"
+        raise InconsistentCheckpointError(f"expected {layout} with {expected} as 'param_shapes' records, found {found}",
+                                          path)
+    if not tensor.is_floating_point():
+        raise CorruptCheckpointError(f"expected a floating-point tensor, found {tensor.dtype}", path)
+    return where, tensor
+
+
+def _state(ckpt: LoadedCheckpoint) -> UniversalState:
+    assert ckpt.universal is not None, "not a universal checkpoint"
+    return ckpt.universal
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer states
+
+def universal_keys(ckpt: LoadedCheckpoint) -> list[str]:
+    """Per-element optimizer states every trainable parameter has a file for, in file-name order."""
+    u = _state(ckpt)
+    found = None
+    for name in trainable_shapes(ckpt):
+        folder = param_dir(u, name)
+        names = sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".pt")) if folder.is_dir() else []
+        keys = [k for k in names if k != MASTER and k not in SCALARS]
+        found = keys if found is None else [k for k in found if k in keys]
+    return found or []
+
+
+def universal_scalar_states(ckpt: LoadedCheckpoint) -> tuple[dict[str, dict], list[tuple[dict, list[str]]]]:
+    """Each parameter's scalar state (``step.pt``; ZeRO-3 sources write none) and the wrapped
+    optimizer's param groups from ``zero/optimizer_state.pt``, each with the names of its
+    parameters (``param_shapes`` keeps one entry per param group)."""
+    u = _state(ckpt)
+    states = {}
+    for name in trainable_shapes(ckpt):
+        path = param_dir(u, name) / "step.pt"
+        states[name] = {"step": load_file(path)} if path.is_file() else {}
+    groups = u.optimizer_state.get("param_groups")
+    shapes = ckpt.meta.param_shapes
+    if not isinstance(groups, (list, tuple)) or len(groups) != len(shapes) or \
+            not all(isinstance(g, dict) for g in groups):
+        return states, []
+    return states, [(g, list(names)) for g, names in zip(groups, shapes)]
