@@ -173,5 +173,5 @@ def _ranked(tag_dir: Path, names: list[str], pattern: re.Pattern, group: int) ->
         template = pattern.pattern.strip("^$").replace("(bf16_)?", prefix).replace(chr(92), "")
         files = [template.replace("(d+)", str(r), 1) for r in missing]
         raise IncompleteCheckpointError(
-            f"expected rank files 0..{max(by_rank)}, rank(s) {some(missing, 8)} missing: {some(files)}", tag_dir)
+            f"expected a file for each rank 0..{max(by_rank)}, found {len(by_rank)}; missing: {some(files)}", tag_dir)
     return [tag_dir / by_rank[r][0] for r in sorted(by_rank)]

@@ -87,15 +87,16 @@ def _state(ckpt: LoadedCheckpoint) -> UniversalState:
 # Optimizer states
 
 def universal_keys(ckpt: LoadedCheckpoint) -> list[str]:
-    """Per-element optimizer states every trainable parameter has a file for, in file-name order."""
+    """The per-element optimizer states the parameters' folders hold, in file-name order. Any
+    parameter's file counts: one missing elsewhere is an incomplete folder, not a state the
+    optimizer does not keep (``universal_entries`` names it)."""
     u = _state(ckpt)
-    found = None
+    found: set[str] = set()
     for name in trainable_shapes(ckpt):
         folder = param_dir(u, name)
-        names = sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".pt")) if folder.is_dir() else []
-        keys = [k for k in names if k != MASTER and k not in SCALARS]
-        found = keys if found is None else [k for k in found if k in keys]
-    return found or []
+        if folder.is_dir():
+            found.update(n[:-3] for n in os.listdir(folder) if n.endswith(".pt"))
+    return sorted(found - {MASTER, *SCALARS})
 
 
 def universal_scalar_states(ckpt: LoadedCheckpoint) -> tuple[dict[str, dict], list[tuple[dict, list[str]]]]:
@@ -107,9 +108,38 @@ def universal_scalar_states(ckpt: LoadedCheckpoint) -> tuple[dict[str, dict], li
     for name in trainable_shapes(ckpt):
         path = param_dir(u, name) / "step.pt"
         states[name] = {"step": load_file(path)} if path.is_file() else {}
+    if ckpt.stage == 3 and not any(states.values()):
+        states = _zero3_rank0_states(ckpt) or states
     groups = u.optimizer_state.get("param_groups")
     shapes = ckpt.meta.param_shapes
     if not isinstance(groups, (list, tuple)) or len(groups) != len(shapes) or \
             not all(isinstance(g, dict) for g in groups):
         return states, []
     return states, [(g, list(names)) for g, names in zip(groups, shapes)]
+
+
+def _zero3_rank0_states(ckpt: LoadedCheckpoint) -> dict[str, dict] | None:
+    """A ZeRO-3 source leaves no ``step.pt``; ``zero/optimizer_state.pt`` is rank 0's optimizer
+    dict, whose state per sub-group holds it. Rank 0 holds the first ceil(n/W) elements of every
+    parameter, so walking ``param_shapes`` over its flat groups finds each parameter's sub-group."""
+    from .optimizer_states import group_states  # that module plans through this one
+    from .safe_load import OptimStates
+
+    u = _state(ckpt)
+    common = u.optimizer_state
+    flats = common.get("fp32_flat_groups")
+    if not isinstance(flats, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in flats):
+        return None
+    path = u.zero_dir / "optimizer_state.pt"
+    groups = group_states(OptimStates(path, 3, None, list(flats), None, {"optimizer_state_dict": common}), 3)
+    ends = [sum(t.numel() for t in flats[:g + 1]) for g in range(len(flats))]
+    out, offset = {}, 0
+    for name, shape in trainable_shapes(ckpt).items():
+        g = next((g for g, end in enumerate(ends) if end > offset), None)
+        if g is None or g >= len(groups):
+            raise InconsistentCheckpointError(
+                f"'param_shapes' places {name!r} at element {offset} of rank 0's flat groups, which hold {ends[-1]}",
+                path)
+        out[name] = groups[g][1]
+        offset += math.ceil(math.prod(shape) / ckpt.world_size)
+    return out
