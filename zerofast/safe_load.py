@@ -343,9 +343,8 @@ def _world_size(files: CheckpointFiles, stage: int, models: list[ModelStates], o
         _no_stray_model_files(files, recorded)
         missing += [(r, zero3_model_file_name(r)) for r in range(len(files.model_files), recorded)]
     if missing:
-        ranks = sorted({r for r, _ in missing})
         raise IncompleteCheckpointError(
-            f"partition_count is {recorded} but the files of {len(ranks)} rank(s) are not all present; missing: "
+            f"expected the files of {recorded} ranks (partition_count {recorded}); missing: "
             f"{some(name for _, name in sorted(missing))}", files.tag_dir)
     return recorded
 
