@@ -155,3 +155,19 @@ def test_a_parameter_name_cannot_lead_out_of_the_zero_folder(tmp_path):
 def _universal_paths(layout):
     root = ensure_universal(layout)
     return root, root / (root / "latest_universal").read_text().strip(), real_truth(layout)
+
+
+def test_root_with_both_latest_files_reads_latest_unless_told(tmp_path):
+    """Converted next to its source, the root holds both files: ``latest`` stays the training
+    run's own newest save; the universal one is read by its tag, or when it is the only one."""
+    from tests.planting import copy_checkpoint
+
+    root, _ = copy_checkpoint(real_root(S2), tmp_path / "ckpt")
+    universal_root, universal_tag, truth = _universal_paths(S2)
+    shutil.copytree(universal_tag, root / universal_tag.name)
+    shutil.copy(universal_root / "latest_universal", root / "latest_universal")
+    assert describe(root)["universal"] is False
+    assert describe(root, tag=universal_tag.name)["universal"] is True
+    (root / "latest").unlink()
+    assert describe(root)["universal"] is True
+    _check_weights(zerofast.reconstruct(root), truth, torch.float32)
