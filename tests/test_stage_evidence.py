@@ -142,3 +142,22 @@ def test_recorded_pipeline_degree_wins_over_the_model_parallel_size(ckpt):
                                         o.__setitem__("checkpoint_parallel_dimensions", {"pp_degree": 2, "tp_degree": 1})))
     message = _error(zerofast.UnsupportedCheckpointError, root)
     assert "pipeline-parallel checkpoints are not supported yet (expected pp_degree 1, found 2)" in message
+
+
+def test_pipeline_save_without_layer_files_is_labelled_by_its_model_states(ckpt):
+    """A universal conversion of a pipeline save copies the mp_rank_XX model states but no
+    layer files; the name mp_rank_01 alone would say tensor parallel."""
+    import shutil
+
+    root, tag_dir = ckpt("s2_bf16_w2_frozen_tied")
+    rewrite(tag_dir / MODEL, lambda o: o.__setitem__("checkpoint_parallel_dimensions", {"pp_degree": 2, "tp_degree": 1}))
+    shutil.copy(tag_dir / MODEL, tag_dir / "mp_rank_01_model_states.pt")
+    message = _error(zerofast.UnsupportedCheckpointError, root)
+    assert message.endswith("pipeline-parallel checkpoints are not supported yet (expected pp_degree 1, found 2)")
+
+
+def test_only_another_model_parallel_rank_is_refused_as_model_parallel(ckpt):
+    root, tag_dir = ckpt("s2_bf16_w2_frozen_tied")
+    (tag_dir / MODEL).rename(tag_dir / "mp_rank_01_model_states.pt")
+    message = _error(zerofast.UnsupportedCheckpointError, root)
+    assert "model-parallel (tensor or pipeline) checkpoints are not supported yet" in message

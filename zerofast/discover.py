@@ -50,6 +50,7 @@ class CheckpointFiles:
     model_files: tuple[Path, ...]
     optim_files: tuple[Path, ...]
     universal: Path | None = None  # the ``zero`` folder of a ds_to_universal checkpoint
+    other_mp_rank: str | None = None  # a file of model-parallel rank > 0: refused once labelled
 
     @property
     def bf16_optim_files(self) -> bool | None:
@@ -123,6 +124,11 @@ def _list_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
         raise IncompleteCheckpointError(
             f"expected either {MODEL_FILE_STAGE012} (stages 0-2) or zero_pp_rank_*_model_states.pt (stage 3), "
             "found both: the folder mixes two saves", tag_dir)
+    other_mp_rank = _other_model_parallel_rank(names)
+    if not zero3 and not has_plain and other_mp_rank:
+        raise UnsupportedCheckpointError(
+            f"model-parallel (tensor or pipeline) checkpoints are not supported yet (found {other_mp_rank}, and no "
+            "model-parallel rank 00 model states)", tag_dir)
     if not zero3 and not has_plain and optim:
         raise IncompleteCheckpointError(
             f"expected {MODEL_FILE_STAGE012} or zero_pp_rank_*_mp_rank_00_model_states.pt next to {len(optim)} "
@@ -140,7 +146,7 @@ def _list_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
             f"checkpoint), found both ({optim[0].name}): the folder mixes two saves", tag_dir)
     # Whether every rank is here is settled once the files say what stage and world size they are.
     return CheckpointFiles(root=root, tag=tag, tag_dir=tag_dir, model_files=model_files, optim_files=tuple(optim),
-                           universal=universal)
+                           universal=universal, other_mp_rank=other_mp_rank)
 
 
 def _reject_unsupported(tag_dir: Path, names: list[str]) -> None:
@@ -148,12 +154,16 @@ def _reject_unsupported(tag_dir: Path, names: list[str]) -> None:
         for name in names:
             if pattern.match(name) and name.endswith(".pt"):
                 raise UnsupportedCheckpointError(f"{what} checkpoints are not supported yet (found {name})", tag_dir)
+
+
+def _other_model_parallel_rank(names: list[str]) -> str | None:
+    """A file of model-parallel rank > 0. Its name cannot tell tensor from pipeline parallelism
+    (a universal conversion of a pipeline save keeps no ``layer_*`` files); the model states can."""
     for name in names:
         m = _TENSOR_PARALLEL.search(name)
         if m and name.endswith(".pt") and int(m.group(1)) != 0:
-            raise UnsupportedCheckpointError(
-                f"tensor-parallel checkpoints are not supported yet (found {name}: model-parallel rank "
-                f"{int(m.group(1))})", tag_dir)
+            return name
+    return None
 
 
 def _ranked(tag_dir: Path, names: list[str], pattern: re.Pattern, group: int) -> list[Path]:

@@ -110,6 +110,10 @@ def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
     """Read every file of one save and settle its stage and world size."""
     model_states = [_model_states(p) for p in files.model_files]
     _check_parallelism(model_states[0])
+    if files.other_mp_rank is not None:  # rank 00 records degree 1, yet another rank's file is here
+        raise UnsupportedCheckpointError(
+            f"tensor-parallel checkpoints are not supported yet (found {files.other_mp_rank}: model-parallel rank "
+            f"{int(files.other_mp_rank.split('mp_rank_')[1][:2])})", files.tag_dir)
     if files.universal is not None:
         return _load_universal(files, model_states)
     optim_states = [_optim_states(p) for p in files.optim_files]
