@@ -1,7 +1,7 @@
 """Step 1: find the tag folder and the rank files of a DeepSpeed checkpoint, and check the set.
 
 Only file names are read here (plus the ``latest`` text file); nothing is unpickled. Whether the
-number of rank files matches the world size recorded inside them is checked by ``safe_load``.
+number of rank files matches the world size recorded inside them is checked by the loader (``zerofast.load``).
 """
 from __future__ import annotations
 

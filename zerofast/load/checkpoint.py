@@ -1,8 +1,8 @@
-"""Step 2: read checkpoint files without running code and without importing DeepSpeed.
+"""Typed views of the checkpoint files: read checkpoint files without running code and without importing DeepSpeed.
 
-Each file's zip directory is checked by :mod:`zerofast.archive`, then unpickled by
-:mod:`zerofast.unpickle`: the C unpickler, resolving only allowlisted globals (DeepSpeed's
-classes become the inert stand-ins of :mod:`zerofast.stand_ins`) and refusing every other one
+Each file's zip directory is checked by :mod:`.archive`, then unpickled by
+:mod:`.unpickle`: the C unpickler, resolving only allowlisted globals (DeepSpeed's
+classes become the inert stand-ins of :mod:`.stand_ins`) and refusing every other one
 while unpickling, before anything is built. Tensors are memory-mapped, so the large ones (fp32
 masters, Adam moments) are not read here at all. The metadata planning relies on is
 type-checked here, with the file in hand.
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .discover import CheckpointFiles, optim_file_name, zero3_model_file_name
-from .errors import (
+from ..discover import CheckpointFiles, optim_file_name, zero3_model_file_name
+from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     InconsistentCheckpointError,
@@ -81,7 +81,7 @@ class OptimStates:
 @dataclass
 class UniversalState:
     """A ds_to_universal checkpoint's ``zero`` folder: one folder of files per parameter, read by
-    :mod:`zerofast.universal` when planned, and the optimizer's common state."""
+    :mod:`zerofast.plan.layouts.universal` when planned, and the optimizer's common state."""
 
     zero_dir: Path
     optimizer_state: dict  # zero/optimizer_state.pt: zero_stage, param_groups, ...

@@ -10,7 +10,7 @@ they were converted from: ds_to_universal writes ``fp32.pt`` for them too at sta
 cast to float32, which rounds int64 buffers above 2**24 and loses every dtype, while the model
 states hold the original values.
 
-Each file is unpickled by the same restricted loader with its tensor memory-mapped, and every
+Each file is unpickled by the same restricted loader (:func:`zerofast.load.load_file`) with its tensor memory-mapped, and every
 tensor becomes one source of one plan, so the native executor reads each once.
 """
 from __future__ import annotations
@@ -20,16 +20,18 @@ import os
 from pathlib import Path
 import torch
 
-from .errors import CorruptCheckpointError, IncompleteCheckpointError, InconsistentCheckpointError, some
-from .safe_load import LoadedCheckpoint, UniversalState, load_file
+from ...errors import CorruptCheckpointError, IncompleteCheckpointError, InconsistentCheckpointError, some
+from ...load import LoadedCheckpoint, OptimStates, UniversalState, load_file
+from .. import keys as K
+from ..model import Entry, SourceTable
 
 MASTER = "fp32"
 SCALARS = ("step",)  # per-parameter files that hold no per-element state
 
 
-def universal_entries(ckpt: LoadedCheckpoint, table, key: str = MASTER) -> dict:
-    """``{name: (shape, stored dtype, segments)}`` of every trainable parameter, read from its
-    ``<key>.pt`` (the fp32 master, or an optimizer state such as ``exp_avg``)."""
+def trainable(ckpt: LoadedCheckpoint, table: SourceTable, key: str = MASTER) -> dict[str, Entry]:
+    """Every trainable parameter, read from its ``<key>.pt`` (the fp32 master, or an optimizer
+    state such as ``exp_avg``): one whole source per parameter."""
     u = _state(ckpt)
     params = trainable_shapes(ckpt)
     paths = {name: param_dir(u, name) / f"{key}.pt" for name in params}
@@ -86,10 +88,10 @@ def _state(ckpt: LoadedCheckpoint) -> UniversalState:
 # ---------------------------------------------------------------------------------------------
 # Optimizer states
 
-def universal_keys(ckpt: LoadedCheckpoint) -> list[str]:
+def state_keys(ckpt: LoadedCheckpoint) -> list[str]:
     """The per-element optimizer states the parameters' folders hold, in file-name order. Any
     parameter's file counts: one missing elsewhere is an incomplete folder, not a state the
-    optimizer does not keep (``universal_entries`` names it)."""
+    optimizer does not keep (``trainable`` names it)."""
     u = _state(ckpt)
     found: set[str] = set()
     for name in trainable_shapes(ckpt):
@@ -99,7 +101,7 @@ def universal_keys(ckpt: LoadedCheckpoint) -> list[str]:
     return sorted(found - {MASTER, *SCALARS})
 
 
-def universal_scalar_states(ckpt: LoadedCheckpoint) -> tuple[dict[str, dict], list[tuple[dict, list[str]]]]:
+def scalar_states(ckpt: LoadedCheckpoint) -> tuple[dict[str, dict], list[tuple[dict, list[str]]]]:
     """Each parameter's scalar state (``step.pt``; ZeRO-3 sources write none) and the wrapped
     optimizer's param groups from ``zero/optimizer_state.pt``, each with the names of its
     parameters (``param_shapes`` keeps one entry per param group)."""
@@ -110,7 +112,7 @@ def universal_scalar_states(ckpt: LoadedCheckpoint) -> tuple[dict[str, dict], li
         states[name] = {"step": load_file(path)} if path.is_file() else {}
     if ckpt.stage == 3 and not any(states.values()):
         states = _zero3_rank0_states(ckpt) or states
-    groups = u.optimizer_state.get("param_groups")
+    groups = u.optimizer_state.get(K.PARAM_GROUPS)
     shapes = ckpt.meta.param_shapes
     if not isinstance(groups, (list, tuple)) or len(groups) != len(shapes) or \
             not all(isinstance(g, dict) for g in groups):
@@ -122,16 +124,15 @@ def _zero3_rank0_states(ckpt: LoadedCheckpoint) -> dict[str, dict] | None:
     """A ZeRO-3 source leaves no ``step.pt``; ``zero/optimizer_state.pt`` is rank 0's optimizer
     dict, whose state per sub-group holds it. Rank 0 holds the first ceil(n/W) elements of every
     parameter, so walking ``param_shapes`` over its flat groups finds each parameter's sub-group."""
-    from .optimizer_states import group_states  # that module plans through this one
-    from .safe_load import OptimStates
+    from ..optimizer import group_states  # that module plans its states through this one
 
     u = _state(ckpt)
     common = u.optimizer_state
-    flats = common.get("fp32_flat_groups")
+    flats = common.get(K.ZERO3_FLAT)
     if not isinstance(flats, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in flats):
         return None
     path = u.zero_dir / "optimizer_state.pt"
-    groups = group_states(OptimStates(path, 3, None, list(flats), None, {"optimizer_state_dict": common}), 3)
+    groups = group_states(OptimStates(path, 3, None, list(flats), None, {K.OPTIMIZER_STATE_DICT: common}), 3)
     ends = [sum(t.numel() for t in flats[:g + 1]) for g in range(len(flats))]
     out, offset = {}, 0
     for name, shape in trainable_shapes(ckpt).items():
