@@ -171,3 +171,29 @@ def test_root_with_both_latest_files_reads_latest_unless_told(tmp_path):
     (root / "latest").unlink()
     assert describe(root)["universal"] is True
     _check_weights(zerofast.reconstruct(root), truth, torch.float32)
+
+
+def test_parameter_file_of_the_other_layout_is_refused(tmp_path):
+    """A ZeRO-1/2 source's files are {'param': tensor}; a bare tensor there is not read as one."""
+    _, root, tag_dir = _copy((S2, *_universal_paths(S2)), tmp_path)
+    victim = tag_dir / "zero" / "odd.gate" / "fp32.pt"
+    value = torch.load(victim, weights_only=True)["param"]
+    torch.save(value, victim)
+    with pytest.raises(zerofast.InconsistentCheckpointError) as e:
+        zerofast.reconstruct(root)
+    assert e.value.path == str(victim)
+    assert str(e.value).endswith("expected {'param': tensor of shape (1,)} (ZeRO-1/2 source), as 'param_shapes' "
+                                 "records, found a bare torch.float32 tensor of shape (1,)")
+
+
+def test_parameter_files_go_through_the_restricted_loader(tmp_path):
+    from tests.planting import Call, save
+
+    _, root, tag_dir = _copy((S3, *_universal_paths(S3)), tmp_path)
+    victim = tag_dir / "zero" / "odd.gate" / "exp_avg.pt"
+    marker = tmp_path / "ran"
+    save(Call("posix.system", f"touch '{marker}'"), victim)
+    with pytest.raises(zerofast.UnsafeCheckpointError) as e:
+        zerofast.optimizer_state(root, "exp_avg")
+    assert e.value.path == str(victim) and "posix.system" in str(e.value)
+    assert not marker.exists()

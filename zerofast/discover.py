@@ -29,6 +29,7 @@ _TENSOR_PARALLEL = re.compile(r"mp_rank_(\d+)_")
 _UNSUPPORTED = ((re.compile(r"^(layer_\d+_)?expert_\d+_|^expp_rank_"), "mixture-of-experts"),
                 (re.compile(r"^layer_"), "pipeline-parallel"))
 UNIVERSAL_DIR = "zero"  # ds_to_universal's per-parameter folders, next to the model states
+UNIVERSAL_COMMON = "optimizer_state.pt"  # in UNIVERSAL_DIR: the optimizer state all ranks share
 LATEST_FILES = ("latest", "latest_universal")  # the second is what ds_to_universal writes
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..discover import CheckpointFiles, optim_file_name, zero3_model_file_name
+from ..discover import UNIVERSAL_COMMON, CheckpointFiles, optim_file_name, zero3_model_file_name
 from ..plan import keys as K
 from ..errors import (
     CorruptCheckpointError,
@@ -86,6 +86,10 @@ class UniversalState:
 
     zero_dir: Path
     optimizer_state: dict  # zero/optimizer_state.pt: zero_stage, param_groups, ...
+
+    @property
+    def common_path(self) -> Path:
+        return self.zero_dir / UNIVERSAL_COMMON
 
 
 @dataclass
@@ -367,7 +371,7 @@ def _load_universal(files: CheckpointFiles, models: list[ModelStates]) -> Loaded
     the optimizer files. Its stage comes from the files as well: per-rank model states mean a
     ZeRO-3 source, and the optimizer's common state records the stage it was saved at."""
     meta = models[0]
-    path = files.universal / "optimizer_state.pt"
+    path = files.universal / UNIVERSAL_COMMON
     if not path.is_file():
         raise IncompleteCheckpointError(
             f"expected {path.name} in the universal checkpoint's {files.universal.name!r} folder, found none", path.parent)

@@ -10,14 +10,17 @@ they were converted from: ds_to_universal writes ``fp32.pt`` for them too at sta
 cast to float32, which rounds int64 buffers above 2**24 and loses every dtype, while the model
 states hold the original values.
 
-Each file is unpickled by the same restricted loader (:func:`zerofast.load.load_file`) with its tensor memory-mapped, and every
-tensor becomes one source of one plan, so the native executor reads each once.
+Each file is unpickled by the same restricted loader (:func:`zerofast.load.load_file`) with its
+tensor memory-mapped, and every tensor becomes one source of one plan, so the native executor
+reads each once.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from pathlib import Path
+
 import torch
 
 from ...errors import CorruptCheckpointError, IncompleteCheckpointError, InconsistentCheckpointError, some
@@ -64,17 +67,16 @@ def _read(ckpt: LoadedCheckpoint, path: Path, shape: tuple[int, ...]) -> tuple[s
     """The tensor of one per-parameter file, checked against the parameter's recorded shape."""
     obj = load_file(path)
     if ckpt.stage == 3:
-        where, tensor, expected = "", obj, f"a 1-D tensor of {math.prod(shape)} elements"
+        where, tensor, layout = "", obj, f"a bare 1-D tensor of {math.prod(shape)} elements (ZeRO-3 source)"
         ok = isinstance(tensor, torch.Tensor) and tensor.dim() == 1 and tensor.numel() == math.prod(shape)
     else:
-        where, tensor, expected = "['param']", obj.get("param") if isinstance(obj, dict) else obj, f"shape {shape}"
-        ok = isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == tuple(shape)
+        where, tensor, layout = "['param']", obj.get("param") if isinstance(obj, dict) else obj, \
+            f"{{'param': tensor of shape {shape}}} (ZeRO-1/2 source)"
+        ok = isinstance(obj, dict) and isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == tuple(shape)
     if not ok:
-        found = (f"a {tensor.dtype} tensor of shape {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor)
-                 else type(tensor).__name__)
-        layout = "a bare tensor (ZeRO-3 source)" if ckpt.stage == 3 else "{'param': tensor} (ZeRO-1/2 source)"
-        raise InconsistentCheckpointError(f"expected {layout} with {expected} as 'param_shapes' records, found {found}",
-                                          path)
+        found = (f"{'a dict holding a' if isinstance(obj, dict) else 'a bare'} {tensor.dtype} tensor of shape "
+                 f"{tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(obj).__name__)
+        raise InconsistentCheckpointError(f"expected {layout}, as 'param_shapes' records, found {found}", path)
     if not tensor.is_floating_point():
         raise CorruptCheckpointError(f"expected a floating-point tensor, found {tensor.dtype}", path)
     return where, tensor
@@ -131,15 +133,16 @@ def _zero3_rank0_states(ckpt: LoadedCheckpoint) -> dict[str, dict] | None:
     flats = common.get(K.ZERO3_FLAT)
     if not isinstance(flats, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in flats):
         return None
-    path = u.zero_dir / "optimizer_state.pt"
+    path = u.common_path
     groups = group_states(OptimStates(path, 3, None, list(flats), None, {K.OPTIMIZER_STATE_DICT: common}), 3)
-    ends = [sum(t.numel() for t in flats[:g + 1]) for g in range(len(flats))]
+    ends = list(itertools.accumulate(t.numel() for t in flats))
     out, offset = {}, 0
     for name, shape in trainable_shapes(ckpt).items():
         g = next((g for g, end in enumerate(ends) if end > offset), None)
         if g is None or g >= len(groups):
             raise InconsistentCheckpointError(
-                f"'param_shapes' places {name!r} at element {offset} of rank 0's flat groups, which hold {ends[-1]}",
+                f"'param_shapes' places {name!r} at element {offset} of rank 0's flat groups, which hold "
+                f"{ends[-1] if ends else 0}",
                 path)
         out[name] = groups[g][1]
         offset += math.ceil(math.prod(shape) / ckpt.world_size)
