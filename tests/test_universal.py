@@ -197,3 +197,15 @@ def test_parameter_files_go_through_the_restricted_loader(tmp_path):
         zerofast.optimizer_state(root, "exp_avg")
     assert e.value.path == str(victim) and "posix.system" in str(e.value)
     assert not marker.exists()
+
+
+def test_load_into_and_compat_take_a_universal_folder(universal):
+    from tests.dsgen.models import build_model
+    from zerofast.compat import get_fp32_state_dict_from_zero_checkpoint
+
+    _, root, _, truth = universal
+    model = build_model(truth["spec"].get("model"))
+    result = zerofast.load_into(model, root, dtype=torch.float32)
+    assert not result.missing_keys and not result.unexpected_keys
+    _check_weights(model.state_dict(), truth, torch.float32)
+    _check_weights(get_fp32_state_dict_from_zero_checkpoint(str(root)), truth, torch.float32)
