@@ -19,7 +19,7 @@ from tests.helpers import assert_bitwise_equal, expected_value, real_root, real_
 
 pytestmark = needs_deepspeed
 KEYS = ["exp_avg", "exp_avg_sq"]
-S2, S3 = DEFAULT
+S2, S3, _ = DEFAULT
 
 
 @pytest.fixture(scope="module", params=DEFAULT)

@@ -378,7 +378,8 @@ def _load_universal(files: CheckpointFiles, models: list[ModelStates]) -> Loaded
     common = _expect_dict(path, load_file(path), "the universal optimizer state")
     recorded = common.get(K.ZERO_STAGE)
     recorded = None if recorded is None else _expect_int(path, recorded, "'zero_stage'")
-    stage = 3 if files.partitioned_model_states else recorded
+    # As in the source's own files, DeepSpeed's BF16_Optimizer (stage 1) records no stage.
+    stage = 3 if files.partitioned_model_states else (1 if recorded is None else recorded)
     if stage not in (1, 2, 3) or (recorded is not None and recorded != stage):
         raise InconsistentCheckpointError(
             f"expected zero_stage {'3' if files.partitioned_model_states else '1 or 2'} next to "
