@@ -231,7 +231,7 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
     from .plan import out_dtype_for
     from .reconstruct import prepare
 
-    prepared = prepare(ckpt_dir, None, tag=tag)
+    prepared = prepare(ckpt_dir, None, tag=tag, warn_absent=False)  # the report says it instead
     plan, ckpt = prepared.plan, prepared.checkpoint
     tensors = {k: {"count": 0, "elements": 0, "bytes": 0, "dtypes": set()} for k in KINDS}
     for tp in plan.tensors.values():
@@ -251,6 +251,7 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
         "training_dtype": _training_dtype(ckpt.meta.raw.get("ds_config")),
         "model_dtype": _model_dtype(ckpt.meta),
         "tensors": tensors, "tied": dict(plan.aliases), "output_bytes": output,
+        "frozen_excluded": plan.metadata["frozen_excluded"], "absent_frozen": plan.metadata["absent_frozen"],
     }
 
 
@@ -304,6 +305,10 @@ def format_report(r: dict) -> str:
                      f"{', '.join(row['dtypes']) or '-'}")
         total = {k: total[k] + row[k] for k in total}
     lines.append(f"{'total':<10}{total['count']:>8,}{total['elements']:>14,}{human_bytes(total['bytes']):>12}")
+    if r.get("frozen_excluded"):
+        named = f" (named but absent: {', '.join(r['absent_frozen'])})" if r["absent_frozen"] else ""
+        lines += ["", "frozen        absent: saved with exclude_frozen_parameters=True (as the HF Trainer saves PEFT "
+                  f"models), so the frozen weights are not in this checkpoint{named}"]
     lines += ["", "tied          " + (", ".join(f"{a} -> {s}" for a, s in r["tied"].items()) or "none"), ""]
     lines.append(f"{'export as':<10}{'size':>12}")
     for label, nbytes in r["output_bytes"].items():

@@ -67,3 +67,9 @@ class MissingOptimizerStateError(ZeroFastError, KeyError):
     A KeyError too, so that code probing for a state with ``except KeyError`` keeps working."""
 
     __str__ = ZeroFastError.__str__  # KeyError's would quote the message
+
+
+class FrozenWeightsAbsentWarning(UserWarning):
+    """The checkpoint was saved without its frozen parameters (``exclude_frozen_parameters=True``,
+    as the HF Trainer saves PEFT models): the full state dict asked for holds only the trainable
+    parameters and buffers."""

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from . import ops
 from .discover import discover
+from .errors import FrozenWeightsAbsentWarning
 from .execute import Executor
 from .plan import Plan, SourceTable, build_plan, check_dtype
 from .safe_load import LoadedCheckpoint, load_checkpoint
 from .write import LazyStateDict, eager_state_dict
-
 
 
 @dataclass
@@ -38,12 +39,23 @@ class Prepared:
 
 
 def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
-            exclude_frozen: bool = False) -> Prepared:
+            exclude_frozen: bool = False, warn_absent: bool = True) -> Prepared:
     check_dtype(dtype)
     ckpt = load_checkpoint(discover(ckpt_dir, tag))
     table = SourceTable()
     plan = build_plan(ckpt, table, dtype, exclude_frozen=exclude_frozen)
+    if plan.metadata["frozen_excluded"] and not exclude_frozen and warn_absent:
+        warn_frozen_absent(plan, ckpt.files.tag_dir)
     return Prepared(ckpt, plan, table.tensors, table.mapped)
+
+
+def warn_frozen_absent(plan: Plan, where: os.PathLike) -> None:
+    named = plan.metadata["absent_frozen"]
+    detail = f" (among them {', '.join(named)})" if named else ""
+    warnings.warn(FrozenWeightsAbsentWarning(
+        f"{where}: saved without its frozen parameters (exclude_frozen_parameters=True, as the HF Trainer saves "
+        f"PEFT models){detail}: returning only the {len(plan.tensors)} trainable parameters and buffers it holds"),
+        stacklevel=4)
 
 
 def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
