@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from . import hf
 from .errors import ExportError, OutputExistsError, ZeroFastError
 from .execute import Executor
 from .ops import resolve_device
@@ -47,7 +48,12 @@ if TYPE_CHECKING:
 
 FORMATS = ("safetensors", "torch")
 TIED_KEY = "zerofast_tied"  # metadata key: JSON string {alias: source} of tied names written once
-MARKER = ".zerofast-export.json"  # lists the files the last export put in the folder
+# Lists the files the last export put in the folder. It sits under .cache/huggingface/, which
+# huggingface_hub's upload_folder never uploads (its default ignore patterns); older versions
+# wrote LEGACY_MARKER at the top, which is still read and then removed.
+MARKER = ".cache/huggingface/zerofast-export.json"
+LEGACY_MARKER = ".zerofast-export.json"
+_HIDDEN = (".cache", LEGACY_MARKER)  # never counted as the user's files
 _TMP_DIR = re.compile(r"^\.zerofast-tmp-\d+$")
 _WINDOW_BYTES = 64 << 20
 
@@ -82,10 +88,11 @@ class ExportResult:
     aliases: dict[str, str]  # tied names recorded as {alias: source} rather than stored again
     seconds: float
     optimizer_files: tuple[str, ...] = ()  # optimizer-state shards, their index, the scalars' JSON
+    other_files: tuple[str, ...] = ()  # copied config, tokenizer and adapter config files
 
     @property
     def paths(self) -> list[Path]:
-        names = (*self.files, *([self.index] if self.index else []), *self.optimizer_files)
+        names = (*self.files, *([self.index] if self.index else []), *self.optimizer_files, *self.other_files)
         return [self.out_dir / n for n in names]
 
 
@@ -164,7 +171,8 @@ def _stored_entries(plan: Plan, duplicate_tied: bool) -> list[TensorPlan]:
     return out
 
 
-def layout(plan: Plan, fmt: str, max_bytes: int, duplicate_tied: bool = False) -> tuple[list[_File], dict[str, str]]:
+def layout(plan: Plan, fmt: str, max_bytes: int, duplicate_tied: bool = False,
+           names: dict | None = None) -> tuple[list[_File], dict[str, str]]:
     """The files an export writes, and the tied names it records instead of storing them again.
 
     An alias costs no bytes: safetensors lists it in the metadata, torch files hold it next to its
@@ -174,7 +182,8 @@ def layout(plan: Plan, fmt: str, max_bytes: int, duplicate_tied: bool = False) -
     groups = plan_shards(((n, tp.nbytes) for n, tp in entries.items()), max_bytes)
     tied = {} if duplicate_tied else {a: plan.aliases[a] for a in plan.order if a in plan.aliases}
     files = []
-    for name, group in zip(shard_names(fmt, len(groups)), groups):
+    file_names = shard_names(fmt, len(groups)) if names is None else [names[fmt][0]]
+    for name, group in zip(file_names, groups):
         members = set(group)
         aliases = tuple((a, s) for a, s in tied.items() if s in members) if fmt == "torch" else ()
         members.update(a for a, _ in aliases)
@@ -340,6 +349,11 @@ def _write_text(path: Path, text: str) -> None:
         path.write_text(text)
 
 
+def _write_bytes(path: Path, data: bytes) -> None:
+    with _writing(path):
+        path.write_bytes(data)
+
+
 def _final_name(path: Path) -> Path:
     return path.parent.parent / path.name if _TMP_DIR.match(path.parent.name) else path
 
@@ -395,24 +409,29 @@ def _lock(fd: int, out_dir: Path) -> None:
         raise OutputExistsError("another zerofast export is writing into this folder", out_dir) from None
 
 
-def _read_marker(out_dir: Path) -> list[str]:
-    try:
-        files = json.loads((out_dir / MARKER).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
+def _read_marker(out_dir: Path) -> list[str] | None:
+    """The files the previous export wrote; None where no zerofast export was ever committed."""
+    for name in (MARKER, LEGACY_MARKER):
+        try:
+            files = json.loads((out_dir / name).read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
+    return None
 
 
 def _check_owner(out_dir: Path, overwrite: bool) -> list[str]:
+    """The previous export's files. A folder zerofast never exported into must be empty (or
+    ``overwrite`` given); files a user added to an export of ours stay and do not block a rerun."""
     previous = _read_marker(out_dir)
-    ours = set(previous) | {MARKER}
+    ours = set(previous or ()) | set(_HIDDEN)
     foreign = sorted(n for n in os.listdir(out_dir) if n not in ours and not _TMP_DIR.match(n))
-    if foreign and not overwrite:
+    if foreign and not overwrite and previous is None:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise OutputExistsError(
             f"the folder holds files zerofast did not write ({shown}); pass overwrite=True (--overwrite) to "
             "export into it anyway, replacing only model weight files", out_dir)
-    return previous
+    return previous or []
 
 
 def _commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | None, previous: Sequence[str]) -> None:
@@ -442,9 +461,16 @@ def _commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | No
 
 
 def _write_marker(out_dir: Path, tmp: Path, files: Sequence[str]) -> None:
-    staged = tmp / MARKER
+    staged = tmp / Path(MARKER).name
     _write_text(staged, json.dumps({"written_by": "zerofast", "files": list(files)}, indent=2) + "\n")
-    os.replace(staged, out_dir / MARKER)
+    final = out_dir / MARKER
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create the folder for zerofast's list of files: {_os_error(e)}", final.parent) from e
+    os.replace(staged, final)
+    with contextlib.suppress(FileNotFoundError):
+        (out_dir / LEGACY_MARKER).unlink()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +479,9 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
            format: str = "safetensors", max_shard_size: int | str = "5GB", tag: str | None = None,
            exclude_frozen: bool = False, duplicate_tied: bool = False, overwrite: bool = False,
            optimizer_states: bool | Sequence[str] = False, progress: Progress | None = None,
-           device: str | torch.device = "cpu", team: Team | None = None) -> ExportResult:
+           device: str | torch.device = "cpu", team: Team | None = None, adapter: bool = False,
+           merge_adapters: bool = False, base_model: str | os.PathLike | None = None,
+           hf_files: bool = True) -> ExportResult:
     """Write a DeepSpeed ZeRO checkpoint out as Hugging Face-layout weight files.
 
     Args:
@@ -478,6 +506,17 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
             builds each tensor on the GPU and copies it back through pinned buffers to the writer.
         team: the ranks sharing this export (:class:`zerofast.distributed.Team`); None writes every
             file here. Use :func:`zerofast.distributed.export` rather than passing one.
+        adapter: for a PEFT checkpoint, write only the adapter, as ``adapter_model.safetensors`` plus
+            ``adapter_config.json`` under the names ``PeftModel.from_pretrained`` expects.
+        merge_adapters: for a PEFT (LoRA) checkpoint, write the base model with the LoRA deltas
+            merged, under the base model's names, as peft's ``merge_and_unload()`` computes them.
+        base_model: the base model's ``save_pretrained`` folder, for merging an adapter whose
+            checkpoint holds no frozen weights (the HF Trainer's PEFT saves); by default the
+            adapter config's ``base_model_name_or_path`` when that is a folder.
+        hf_files: copy ``config.json`` (its dtype set to the exported dtype), the generation
+            config and tokenizer files found next to the checkpoint, so that ``from_pretrained``
+            loads the folder as it is. ``ckpt_dir`` may then also be a Trainer's ``output_dir``
+            holding one ``checkpoint-*`` folder.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -486,12 +525,20 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     started = time.monotonic()
     team = team or _ALONE
     out = Path(out_dir)
+    if adapter and merge_adapters:
+        raise ValueError("adapter and merge_adapters exclude each other")
     with team.step("reading the checkpoint", out):
-        prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)
-        files, tied = layout(prepared.plan, format, limit, duplicate_tied)
+        if hf_files:
+            ckpt_dir = hf.resolve_checkpoint_dir(ckpt_dir)
+        prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen or adapter,
+                           warn_absent=not merge_adapters)
+        prepared, names, extras = _hf_view(prepared, dtype, adapter, merge_adapters, base_model, hf_files)
+        if names is not None:
+            limit = max(limit, sum(tp.nbytes for tp in prepared.plan.tensors.values()) + 1)  # peft reads one file
+        files, tied = layout(prepared.plan, format, limit, duplicate_tied, names=names)
         optim = _optimizer_layout(prepared.checkpoint, optimizer_states, limit)
         writes = _data_writes(files, tied, format, prepared.streaming_executor(compute=compute), optim)
-    index = _NAMES[format][2] if len(files) > 1 else None
+    index = (names or _NAMES[format])[2] if len(files) > 1 else None
     extra = _optimizer_names(optim) if optim else []
     with team.output_dir(out, overwrite) as (tmp, previous):
         mine = team.share(writes, prepared.checkpoint.files.tag, out)
@@ -502,10 +549,33 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         with team.step("committing the export", out):
             if team.leader:
                 _write_indexes(tmp, format, files, tied, index, optim)
-                _commit(out, tmp, [f.name for f in files] + extra, index, previous)
+                for name, content in extras.items():
+                    _write_bytes(tmp / name, content)
+                _commit(out, tmp, [f.name for f in files] + extra + list(extras), index, previous)
     total = sum(tp.nbytes for f in files for tp in f.items)
     return ExportResult(out, format, dtype, tuple(f.name for f in files), index, total,
-                        sum(len(f.items) for f in files), tied, time.monotonic() - started, tuple(extra))
+                        sum(len(f.items) for f in files), tied, time.monotonic() - started, tuple(extra),
+                        tuple(extras))
+
+
+_ADAPTER_NAMES = {"safetensors": ("adapter_model.safetensors", "", ""), "torch": ("adapter_model.bin", "", "")}
+
+
+def _hf_view(prepared: Prepared, dtype, adapter: bool, merge: bool, base_model, hf_files: bool):
+    """The plan to write for a Hugging Face folder, the file names (None: the usual ones) and the
+    config/tokenizer files to copy next to the weights."""
+    folder = hf.trainer_folder(prepared)
+    names, folders = None, [folder]
+    if adapter:
+        prepared = dataclasses.replace(prepared, plan=hf.adapter_plan(prepared.plan))
+        hf.read_adapter_config(folder)
+        names = _ADAPTER_NAMES
+    elif merge:
+        prepared, folders = hf.merged_plan(prepared, dtype, base_model, folder)
+    elif hf.is_peft(prepared.plan, folder):
+        hf.warn_peft_as_is(prepared.plan, folder)
+    extras = hf.extra_files(folders, prepared.plan, dtype, adapter) if hf_files or adapter else {}
+    return prepared, names, extras
 
 
 @dataclass(frozen=True)
