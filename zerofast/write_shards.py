@@ -572,7 +572,7 @@ def _hf_view(prepared: Prepared, dtype, adapter: bool, merge: bool, base_model, 
         names = _ADAPTER_NAMES
     elif merge:
         prepared, folders = hf.merged_plan(prepared, dtype, base_model, folder)
-    elif hf.is_peft(prepared.plan, folder):
+    elif hf_files and hf.is_peft(prepared.plan, folder):
         hf.warn_peft_as_is(prepared.plan, folder)
     extras = hf.extra_files(folders, prepared.plan, dtype, adapter) if hf_files or adapter else {}
     return prepared, names, extras
