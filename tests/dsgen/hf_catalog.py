@@ -28,6 +28,8 @@ TRAIN = Path(__file__).resolve().with_name("hf_train.py")
 HF_RUNS: dict[str, dict] = {
     "full_z2_bf16_tied": {"stage": 2, "dtype": "bf16", "peft": False, "tied": True},
     "full_z3_fp32_tied": {"stage": 3, "dtype": "fp32", "peft": False, "tied": True},
+    "full_z3_bf16_tied": {"stage": 3, "dtype": "bf16", "peft": False, "tied": True},
+    "full_z2_fp32_untied": {"stage": 2, "dtype": "fp32", "peft": False, "tied": False},
     "peft_z2_bf16_tied": {"stage": 2, "dtype": "bf16", "peft": True, "tied": True},
     "peft_z3_bf16_tied": {"stage": 3, "dtype": "bf16", "peft": True, "tied": True},
     "peft_z3_fp32_untied": {"stage": 3, "dtype": "fp32", "peft": True, "tied": False},
