@@ -15,7 +15,9 @@ import torch
 
 import zerofast
 from zerofast.cli import main
-from zerofast.write_shards import MARKER, load_exported
+from zerofast.export import load_exported
+from zerofast.export.outdir import MARKER
+
 MARKER_TOP, MARKER_NAME = MARKER.split("/")[0], Path(MARKER).name  # what listdir / a rename shows
 
 from tests.dsgen.catalog import LAYOUTS

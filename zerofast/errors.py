@@ -47,7 +47,7 @@ class InconsistentCheckpointError(ZeroFastError):
 
 
 class UnsupportedCheckpointError(ZeroFastError):
-    """A layout zerofast does not handle yet (tensor/pipeline parallel, MoE, unknown stage)."""
+    """A layout zerofast does not handle (an unknown stage, a layout no builder reads)."""
 
 
 class NativeExtensionError(ZeroFastError, ImportError):
@@ -69,7 +69,19 @@ class MissingOptimizerStateError(ZeroFastError, KeyError):
     __str__ = ZeroFastError.__str__  # KeyError's would quote the message
 
 
+class DeviceError(ZeroFastError, RuntimeError):
+    """The requested device cannot run zerofast: an unknown device type, or no CUDA GPU visible."""
+
+
+class LoadIntoError(ZeroFastError, RuntimeError):
+    """The model does not fit the checkpoint: missing or unexpected names (strict), or shapes."""
+
+
 class FrozenWeightsAbsentWarning(UserWarning):
     """The checkpoint was saved without its frozen parameters (``exclude_frozen_parameters=True``,
     as the HF Trainer saves PEFT models): the full state dict asked for holds only the trainable
     parameters and buffers."""
+
+
+class PeftExportWarning(UserWarning):
+    """A PEFT checkpoint exported as it is: its names are PEFT's, which transformers does not load."""

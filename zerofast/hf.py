@@ -22,23 +22,20 @@ from pathlib import Path
 
 import torch
 
-from .errors import AmbiguousTagError, ExportError, UnsupportedCheckpointError
+from .errors import AmbiguousTagError, ExportError, PeftExportWarning, UnsupportedCheckpointError
+from .pipeline import Prepared
 from .plan import FROZEN, TRAINABLE, Plan, TensorPlan, out_dtype_for
-from .reconstruct import Prepared
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
                    "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json")
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILES = {"safetensors": "adapter_model.safetensors", "torch": "adapter_model.bin"}  # peft's names
 PEFT_PREFIX = "base_model.model."
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)\.(?P<adapter>[^.]+)\.weight$")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-class PeftExportWarning(UserWarning):
-    """A PEFT checkpoint exported as it is: its names are PEFT's, which transformers does not load."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +237,7 @@ def _base_tensors(prepared: Prepared, base_model, config: dict, folder: Path, so
     """The base model's weights: from the checkpoint when the save kept them, else from a
     ``save_pretrained`` folder (``base_model``, or the adapter config's base_model_name_or_path)."""
     plan = prepared.plan
-    if not plan.metadata.get("frozen_excluded"):
+    if not plan.frozen_excluded:
         base = {_base_name(n): tp for n, tp in plan.tensors.items() if not _LORA.match(n)}
         order = [_base_name(n) for n in plan.order if n in plan.tensors and not _LORA.match(n)]
         return base, order, []
