@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import assert_bitwise_equal
-from zerofast import hf
+from zerofast.export import hf
 from zerofast.errors import AmbiguousTagError, ExportError
 
 

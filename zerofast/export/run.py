@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from .. import hf
 from ..errors import ExportError
 from ..execute import Executor
 from ..load import LoadedCheckpoint
 from ..ops import resolve_device
 from ..pipeline import Prepared, plan_checkpoint, prepare
 from ..plan.optimizer import available_keys, scalar_states
-from . import formats
+from . import formats, hf
 from .formats import WeightFormat
 from .outdir import commit, output_dir, write_bytes, write_text
 from .shards import ShardFile, index_doc, layout, parse_size

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import AmbiguousTagError, ExportError, PeftExportWarning, UnsupportedCheckpointError
-from .pipeline import Prepared
-from .plan import FROZEN, TRAINABLE, Plan, TensorPlan, out_dtype_for
+from ..errors import AmbiguousTagError, ExportError, PeftExportWarning, UnsupportedCheckpointError
+from ..pipeline import Prepared
+from ..plan import FROZEN, TRAINABLE, Plan, TensorPlan, out_dtype_for
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -259,7 +259,7 @@ def _base_tensors(prepared: Prepared, base_model, config: dict, folder: Path, so
 
 def _materialize(prepared: Prepared, sources: list, tp: TensorPlan) -> torch.Tensor:
     """One tensor of the plan in fp32, as peft holds it in an fp32 model."""
-    from .execute import Executor
+    from ..execute import Executor
 
     full = dataclasses.replace(tp, out_dtype=torch.float32 if tp.stored_dtype.is_floating_point else tp.stored_dtype)
     return Executor(sources).run(full)
