@@ -263,3 +263,33 @@ def test_marker_is_not_uploaded_and_user_files_do_not_block_a_rerun(tmp_path):
     with pytest.raises(zerofast.OutputExistsError, match="README.md"):
         zerofast.export(ckpt(FULL[0]), fresh)
     shutil.rmtree(fresh)
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT saved by DeepSpeed directly: the frozen base is in the checkpoint
+
+@pytest.mark.parametrize("name", PEFT)
+def test_peft_save_with_frozen_weights_reconstructs_and_merges_from_the_checkpoint(name, tmp_path):
+    out, truth = run(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", zerofast.FrozenWeightsAbsentWarning)
+        sd = zerofast.reconstruct(out / "with-frozen", dtype=None)
+    assert list(sd) == truth["state_dict_keys"]
+    for key, want in {**truth["trainable"], **truth["frozen"]}.items():
+        assert_bitwise_equal(sd[key], want, key)
+    for alias, source in truth["tied"].items():
+        assert sd[alias] is sd[source]
+
+    # Base weights from the checkpoint (as trained, in the model dtype); config from --base-model.
+    zerofast.export(out / "with-frozen", tmp_path / "merged", merge_adapters=True, base_model=out / "base")
+    model = _load(tmp_path / "merged")
+    config = peft.LoraConfig.from_pretrained(out / "with-frozen")
+    reference = peft.get_peft_model(_base(out), config)
+    weights = {**{k: v.float() for k, v in truth["frozen"].items()}, **truth["trainable"]}
+    missing, unexpected = reference.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= set(truth["tied"])  # a tied name loads with its source
+    want = reference.merge_and_unload().state_dict()
+    got = model.state_dict()
+    assert set(got) == set(want)
+    for key in want:
+        assert_bitwise_equal(got[key], want[key], key)

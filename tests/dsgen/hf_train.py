@@ -10,6 +10,8 @@ OUTDIR is the Trainer's ``output_dir``; it ends up with:
     base/                 the base model before training (``save_pretrained``, fp32) and a tokenizer
     checkpoint-N/         what the Trainer saved: global_stepN/, latest, config.json,
                           generation_config.json, tokenizer files (adapter_config.json for PEFT)
+    with-frozen/          PEFT only: the same engine saved with save_checkpoint() as it is (frozen
+                          base weights included), plus a copy of adapter_config.json
     ground_truth.pt       from DeepSpeed's own view after training (never from the files):
         trainable   name -> fp32 master (safe_get_full_fp32_param), engine-module names
         frozen      name -> gathered value in the model dtype
@@ -21,6 +23,7 @@ Spec keys: stage (2|3), dtype ("bf16"|"fp32"), peft (bool), tied (bool), steps, 
 """
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -119,6 +122,12 @@ def main():
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(16),
                       processing_class=transformers.AutoTokenizer.from_pretrained(base_dir))
     trainer.train()
+    if spec["peft"]:
+        # The same weights saved as DeepSpeed saves them when asked directly: frozen base included.
+        with_frozen = outdir / "with-frozen"
+        trainer.model_wrapped.save_checkpoint(str(with_frozen), tag=f"global_step{steps}")
+        if rank == 0:
+            shutil.copy(outdir / f"checkpoint-{steps}" / "adapter_config.json", with_frozen)
     write_truth(trainer, spec, outdir, rank, world, steps)
     state.wait_for_everyone()
 

@@ -235,14 +235,16 @@ def _base_aliases(plan: Plan) -> dict[str, str]:
 
 def _base_tensors(prepared: Prepared, base_model, config: dict, folder: Path, sources: list, mapped: list):
     """The base model's weights: from the checkpoint when the save kept them, else from a
-    ``save_pretrained`` folder (``base_model``, or the adapter config's base_model_name_or_path)."""
+    ``save_pretrained`` folder (``base_model``, or the adapter config's base_model_name_or_path),
+    whose config files are copied in either case."""
     plan = prepared.plan
-    if not plan.frozen_excluded:
+    where = base_model or config.get("base_model_name_or_path")
+    config_folders = [Path(where)] if where and Path(where).is_dir() else []
+    if not plan.frozen_excluded:  # the weights the run trained with win over the folder's
         base = {_base_name(n): tp for n, tp in plan.tensors.items() if not _LORA.match(n)}
         order = [_base_name(n) for n in plan.order if n in plan.tensors and not _LORA.match(n)]
-        return base, order, []
-    where = base_model or config.get("base_model_name_or_path")
-    if not where or not Path(where).is_dir():
+        return base, order, config_folders
+    if not config_folders:
         raise ExportError("this PEFT checkpoint was saved without its frozen base weights "
                           "(exclude_frozen_parameters=True), so merging needs the base model: pass base_model= "
                           f"(--base-model) a folder saved with save_pretrained (adapter_config.json names "
@@ -254,7 +256,7 @@ def _base_tensors(prepared: Prepared, base_model, config: dict, folder: Path, so
         base[name] = TensorPlan(name, tuple(tensor.shape), FROZEN, tensor.dtype, tensor.dtype,
                                 ((len(sources) - 1, 0, 0, tensor.numel()),))
         order.append(name)
-    return base, order, [Path(where)]
+    return base, order, config_folders
 
 
 def _materialize(prepared: Prepared, sources: list, tp: TensorPlan) -> torch.Tensor:
