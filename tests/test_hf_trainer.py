@@ -293,3 +293,16 @@ def test_peft_save_with_frozen_weights_reconstructs_and_merges_from_the_checkpoi
     assert set(got) == set(want)
     for key in want:
         assert_bitwise_equal(got[key], want[key], key)
+
+
+def test_two_worker_export_of_a_trainer_folder_is_the_single_process_one(tmp_path):
+    name = next(n for n in FULL if HF_RUNS[n]["stage"] == 3)
+    assert main(["export", str(ckpt(name)), str(tmp_path / "one"), "--quiet"]) == 0
+    assert main(["export", str(ckpt(name)), str(tmp_path / "two"), "--workers", "2", "--quiet"]) == 0
+    files = sorted(str(p.relative_to(tmp_path / "one")) for p in (tmp_path / "one").rglob("*") if p.is_file())
+    assert "config.json" in files
+    assert files == sorted(str(p.relative_to(tmp_path / "two")) for p in (tmp_path / "two").rglob("*") if p.is_file())
+    assert [f for f in files if (tmp_path / "one" / f).read_bytes() != (tmp_path / "two" / f).read_bytes()] == []
+
+    assert main(["export", str(ckpt(name)), str(tmp_path / "one"), "--weights-only", "--quiet"]) == 0
+    assert sorted(os.listdir(tmp_path / "one")) == [".cache", "model.safetensors"]  # its own copies go
