@@ -306,3 +306,23 @@ def test_two_worker_export_of_a_trainer_folder_is_the_single_process_one(tmp_pat
 
     assert main(["export", str(ckpt(name)), str(tmp_path / "one"), "--weights-only", "--quiet"]) == 0
     assert sorted(os.listdir(tmp_path / "one")) == [".cache", "model.safetensors"]  # its own copies go
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"lora_alpha": "8"}, "'lora_alpha' to be a number"),
+    ({"r": 0}, "positive 'r'"),
+    ({"alpha_pattern": {"q_proj": -1}}, "positive number"),
+    ({"use_dora": True}, "DoRA"),
+])
+def test_merge_refuses_a_broken_adapter_config_naming_it(tmp_path, bad, match):
+    out, truth = run(PEFT[0])
+    folder = tmp_path / "checkpoint-2"
+    folder.mkdir()
+    for entry in ("latest", "global_step2"):
+        (folder / entry).symlink_to(ckpt(PEFT[0]) / entry)
+    config = json.loads((ckpt(PEFT[0]) / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **bad}))
+    with pytest.raises(zerofast.ZeroFastError, match=match) as e:
+        zerofast.export(folder, tmp_path / "merged", merge_adapters=True, base_model=out / "base")
+    assert e.value.path == str(folder / "adapter_config.json")
+    assert not (tmp_path / "merged").exists()

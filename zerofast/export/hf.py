@@ -152,7 +152,7 @@ def adapter_name_of(key: str, adapter: str = "default") -> str:
     return f"{head.removesuffix('.' + adapter)}.{suffix}"
 
 
-def adapter_plan(plan: Plan) -> Plan:
+def adapter_plan(plan: Plan, folder: Path) -> Plan:
     """The trainable tensors only, under the names peft writes to ``adapter_model.safetensors``."""
     tensors, order = {}, []
     for name in plan.order:
@@ -163,7 +163,7 @@ def adapter_plan(plan: Plan) -> Plan:
         tensors[new] = dataclasses.replace(tp, name=new)
         order.append(new)
     if not tensors:
-        raise ExportError("expected trainable adapter weights in this PEFT checkpoint, found none")
+        raise ExportError("expected trainable adapter weights in this PEFT checkpoint, found none", folder)
     return dataclasses.replace(plan, tensors=tensors, aliases={}, order=tuple(order))
 
 
@@ -180,15 +180,15 @@ def merged_plan(prepared: Prepared, dtype: torch.dtype | None, base_model: str |
     plan = prepared.plan
     sources, mapped = list(prepared.sources), list(prepared.mapped)
     base, base_order, config_folders = _base_tensors(prepared, base_model, config, folder, sources, mapped)
-    lora = _lora_pairs(plan)
+    lora = _lora_pairs(plan, folder)
     tensors: dict[str, TensorPlan] = {}
     for name in base_order:
         tp = base[name]
         pair = lora.pop(name.removesuffix(".weight"), None)
         if pair is not None:
             merged = _merge(_materialize(prepared, sources, tp), *(_materialize(prepared, sources, p) for p in pair),
-                            _scaling(config, name.removesuffix(".weight"), pair[1].shape[1]),
-                            bool(config.get("fan_in_fan_out")), name)
+                            _scaling(config, name.removesuffix(".weight"), pair[1].shape[1], folder),
+                            bool(config.get("fan_in_fan_out")), name, folder)
             sources.append(merged.reshape(-1))
             mapped.append(False)
             tp = TensorPlan(name, tuple(merged.shape), FROZEN, torch.float32, out_dtype_for(torch.float32, dtype),
@@ -208,13 +208,28 @@ def _check_lora(config: dict, folder: Path) -> None:
                                          folder / ADAPTER_CONFIG)
     if config.get("use_dora"):
         raise UnsupportedCheckpointError("merging a DoRA adapter (use_dora) is not supported", folder / ADAPTER_CONFIG)
+    number = (int, float)
+    if isinstance(config.get("r"), int) and config["r"] < 1:
+        raise ExportError(f"expected a positive 'r', found {config['r']!r}", folder / ADAPTER_CONFIG)
+    checks = [("r", int), ("lora_alpha", number), ("fan_in_fan_out", bool), ("use_rslora", bool),
+              ("rank_pattern", dict), ("alpha_pattern", dict)]
+    for key, kind in checks:
+        value = config.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
+            raise ExportError(f"expected {key!r} to be {getattr(kind, '__name__', 'a number')}, found {value!r}",
+                              folder / ADAPTER_CONFIG)
+    for key in ("rank_pattern", "alpha_pattern"):
+        for pattern, value in (config.get(key) or {}).items():
+            if not isinstance(value, number) or isinstance(value, bool) or not value > 0:
+                raise ExportError(f"expected {key}[{pattern!r}] to be a positive number, found {value!r}",
+                                  folder / ADAPTER_CONFIG)
 
 
 def _base_name(key: str) -> str:
     return key.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
-def _lora_pairs(plan: Plan) -> dict[str, tuple[TensorPlan, TensorPlan]]:
+def _lora_pairs(plan: Plan, folder: Path) -> dict[str, tuple[TensorPlan, TensorPlan]]:
     """Base module name -> (lora_A, lora_B) plans of the trainable LoRA weights."""
     found: dict[str, dict[str, TensorPlan]] = {}
     for name, tp in plan.tensors.items():
@@ -224,7 +239,8 @@ def _lora_pairs(plan: Plan) -> dict[str, tuple[TensorPlan, TensorPlan]]:
     pairs = {}
     for module, ab in found.items():
         if set(ab) != {"A", "B"}:
-            raise ExportError(f"LoRA weights of {module!r} come without their lora_{'B' if 'A' in ab else 'A'}")
+            raise ExportError(f"LoRA weights of {module!r} come without their lora_{'B' if 'A' in ab else 'A'}",
+                              folder)
         pairs[module] = (ab["A"], ab["B"])
     return pairs
 
@@ -267,11 +283,12 @@ def _materialize(prepared: Prepared, sources: list, tp: TensorPlan) -> torch.Ten
     return Executor(sources).run(full)
 
 
-def _scaling(config: dict, module: str, rank: int) -> float:
+def _scaling(config: dict, module: str, rank: int, folder: Path | None = None) -> float:
     alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8))
     r = _pattern_value(config.get("rank_pattern") or {}, module, config.get("r", rank))
     if r != rank:
-        raise ExportError(f"adapter_config.json gives {module!r} rank {r}, but its lora_A has {rank} rows")
+        raise ExportError(f"gives {module!r} rank {r}, but its lora_A has {rank} rows",
+                          None if folder is None else folder / ADAPTER_CONFIG)
     return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
@@ -284,13 +301,14 @@ def _pattern_value(patterns: dict, module: str, default):
 
 
 def _merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool,
-           name: str) -> torch.Tensor:
+           name: str, folder: Path | None = None) -> torch.Tensor:
     delta = b @ a
     if fan_in_fan_out:
         delta = delta.T
     delta = delta * scaling
     if delta.shape != weight.shape:
-        raise ExportError(f"the LoRA delta of {name!r} is {tuple(delta.shape)}, the weight {tuple(weight.shape)}")
+        raise ExportError(f"the LoRA delta of {name!r} is {tuple(delta.shape)}, the weight {tuple(weight.shape)}",
+                          folder)
     return weight + delta
 
 

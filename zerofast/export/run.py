@@ -148,7 +148,7 @@ def _hf_view(prepared: Prepared, fmt: WeightFormat, dtype, adapter: bool, merge:
     names, folders = fmt.names, [folder]
     if adapter:
         hf.read_adapter_config(folder)
-        prepared = dataclasses.replace(prepared, plan=hf.adapter_plan(prepared.plan))
+        prepared = dataclasses.replace(prepared, plan=hf.adapter_plan(prepared.plan, folder))
         names = (hf.ADAPTER_FILES[fmt.name], fmt.pattern)
     elif merge:
         prepared, folders = hf.merged_plan(prepared, dtype, base_model, folder)
