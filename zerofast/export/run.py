@@ -106,8 +106,8 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     started = time.monotonic()
     team = team or _ALONE
     out = Path(out_dir)
-    if adapter and merge_adapters:
-        raise ValueError("adapter and merge_adapters exclude each other")
+    if merge_adapters and (adapter or exclude_frozen):
+        raise ValueError("merge_adapters writes the whole base model: it excludes adapter and exclude_frozen")
     with team.step("reading the checkpoint", out):
         if hf_files:
             ckpt_dir = hf.resolve_checkpoint_dir(ckpt_dir)
