@@ -326,3 +326,19 @@ def test_merge_refuses_a_broken_adapter_config_naming_it(tmp_path, bad, match):
         zerofast.export(folder, tmp_path / "merged", merge_adapters=True, base_model=out / "base")
     assert e.value.path == str(folder / "adapter_config.json")
     assert not (tmp_path / "merged").exists()
+
+
+def test_a_dangling_tie_is_absent_only_in_a_save_that_left_frozen_weights_out(tmp_path):
+    """Stage 2 records frozen_param_shapes as a dict unless frozen weights were left out; only
+    then may a tie point at a name the module no longer holds."""
+    from tests.planting import copy_checkpoint, rewrite
+
+    _, tag_dir = copy_checkpoint(ckpt("full_z2_bf16_tied"), tmp_path / "ckpt")
+    model_file = tag_dir / "mp_rank_00_model_states.pt"
+    rewrite(model_file, lambda o: o["shared_params"].__setitem__("lm_head.weight", "model.gone.weight"))
+    with pytest.raises(zerofast.InconsistentCheckpointError, match="points to unknown parameter 'model.gone.weight'"):
+        zerofast.reconstruct(tmp_path / "ckpt")
+    rewrite(model_file, lambda o: o.__setitem__("frozen_param_shapes", None))
+    with pytest.warns(zerofast.FrozenWeightsAbsentWarning, match="lm_head.weight, model.gone.weight"):
+        sd = zerofast.reconstruct(tmp_path / "ckpt")
+    assert "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd
