@@ -18,7 +18,9 @@ import re
 import struct
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -174,32 +176,70 @@ def merged_plan(prepared: Prepared, dtype: torch.dtype | None, base_model: str |
                 folder: Path) -> tuple[Prepared, list[Path]]:
     """A Prepared whose plan writes the base model's tensors under the base model's names, the
     LoRA-targeted weights replaced by ``W + transpose(B @ A, fan_in_fan_out) * scaling`` computed in
-    fp32 (the fp32 masters of A and B; W upcast), and the folders to take config files from."""
+    fp32 (the fp32 masters of A and B; W upcast), and the folders to take config files from. Each
+    merged weight is computed when the writer reaches it, so one is in memory at a time."""
     config = read_adapter_config(folder)
     _check_lora(config, folder)
     plan = prepared.plan
     sources, mapped = list(prepared.sources), list(prepared.mapped)
     base, base_order, config_folders = _base_tensors(prepared, base_model, config, folder, sources, mapped)
     lora = _lora_pairs(plan, folder)
+    merged = _MergedSources(sources)
     tensors: dict[str, TensorPlan] = {}
     for name in base_order:
         tp = base[name]
         pair = lora.pop(name.removesuffix(".weight"), None)
         if pair is not None:
-            merged = _merge(_materialize(prepared, sources, tp), *(_materialize(prepared, sources, p) for p in pair),
-                            _scaling(config, name.removesuffix(".weight"), pair[1].shape[1], folder),
-                            bool(config.get("fan_in_fan_out")), name, folder)
-            sources.append(merged.reshape(-1))
+            make = _merge_recipe(sources, tp, pair, config, name, folder)
             mapped.append(False)
-            tp = TensorPlan(name, tuple(merged.shape), FROZEN, torch.float32, out_dtype_for(torch.float32, dtype),
-                            ((len(sources) - 1, 0, 0, merged.numel()),))
+            tp = TensorPlan(name, tp.shape, FROZEN, torch.float32, torch.float32,
+                            ((merged.add(make), 0, 0, tp.numel),))
         tensors[name] = dataclasses.replace(tp, name=name, out_dtype=out_dtype_for(tp.stored_dtype, dtype))
     if lora:
         raise ExportError(f"the adapter targets {sorted(lora)[:3]}, which the base model has no weight for", folder)
     aliases = {a: s for a, s in _base_aliases(plan).items() if s in tensors and a not in tensors}
     order = tuple(n for n in base_order if n in tensors) + tuple(a for a in aliases if a not in base_order)
     new_plan = dataclasses.replace(plan, tensors=tensors, aliases=aliases, order=order)
-    return Prepared(prepared.checkpoint, new_plan, sources, mapped), [folder, *config_folders]
+    return Prepared(prepared.checkpoint, new_plan, merged, mapped), [folder, *config_folders]
+
+
+class _MergedSources(Sequence):
+    """The sources of a merged export: the checkpoint's and the base folder's tensors, then one
+    merged weight per LoRA pair, computed on first use and kept until another one is asked for
+    (the writer reads a tensor's windows one after another)."""
+
+    def __init__(self, sources: list[torch.Tensor]):
+        self._sources = sources
+        self._recipes: list[Callable[[], torch.Tensor]] = []
+        self._last: tuple[int, torch.Tensor] | None = None
+
+    def add(self, make: Callable[[], torch.Tensor]) -> int:
+        self._recipes.append(make)
+        return len(self) - 1
+
+    def __len__(self) -> int:
+        return len(self._sources) + len(self._recipes)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i < len(self._sources):
+            return self._sources[i]
+        if self._last is None or self._last[0] != i:
+            self._last = None  # drop the previous merged weight before building the next
+            self._last = (i, self._recipes[i - len(self._sources)]().reshape(-1))
+        return self._last[1]
+
+
+def _merge_recipe(sources: list, weight: TensorPlan, pair: tuple[TensorPlan, TensorPlan], config: dict, name: str,
+                  folder: Path) -> Callable[[], torch.Tensor]:
+    a, b = pair
+    fan_in_fan_out = bool(config.get("fan_in_fan_out"))
+    delta_shape = (a.shape[-1], b.shape[0]) if fan_in_fan_out else (b.shape[0], a.shape[-1])
+    if len(a.shape) != 2 or len(b.shape) != 2 or delta_shape != weight.shape:
+        raise ExportError(f"the LoRA delta of {name!r} is {delta_shape} (lora_B {b.shape} @ lora_A {a.shape}), "
+                          f"the weight {weight.shape}", folder)
+    scaling = _scaling(config, name.removesuffix(".weight"), b.shape[1], folder)
+    return lambda: _merge(_materialize(sources, weight), _materialize(sources, a), _materialize(sources, b),
+                          scaling, fan_in_fan_out, name, folder)
 
 
 def _check_lora(config: dict, folder: Path) -> None:
@@ -275,7 +315,7 @@ def _base_tensors(prepared: Prepared, base_model, config: dict, folder: Path, so
     return base, order, config_folders
 
 
-def _materialize(prepared: Prepared, sources: list, tp: TensorPlan) -> torch.Tensor:
+def _materialize(sources: list, tp: TensorPlan) -> torch.Tensor:
     """One tensor of the plan in fp32, as peft holds it in an fp32 model."""
     from ..execute import Executor
 
