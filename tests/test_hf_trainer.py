@@ -234,6 +234,14 @@ def test_merged_export_equals_merge_and_unload(name, tmp_path):
     reference.load_state_dict(want)
     assert torch.equal(_logits(model), _logits(reference.eval()))
 
+    # Sharded and in the torch format: the merged weights are built as the writer reaches them.
+    zerofast.export(ckpt(name), tmp_path / "sharded", merge_adapters=True, base_model=out / "base",
+                    format="torch", max_shard_size="20KB")
+    sharded, single = zerofast.load_exported(tmp_path / "sharded"), zerofast.load_exported(tmp_path / "merged")
+    assert len(os.listdir(tmp_path / "sharded")) > 4 and list(sharded) == list(single)
+    for key in single:
+        assert_bitwise_equal(sharded[key], single[key], key)
+
 
 # ---------------------------------------------------------------------------------------------
 # The marker: not uploaded, not in the way
