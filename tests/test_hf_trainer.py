@@ -53,7 +53,7 @@ def _quiet_reconstruct(*args, **kwargs):
 
 def _load(folder: Path, **kwargs):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, **kwargs)
-    assert info["missing_keys"] == set() or not info["missing_keys"], info
+    assert not info["missing_keys"], info
     assert not info["unexpected_keys"], info
     assert not info.get("mismatched_keys"), info
     return model.eval()
