@@ -276,6 +276,10 @@ def _lora_pairs(plan: Plan, folder: Path) -> dict[str, tuple[TensorPlan, TensorP
         m = _LORA.match(name)
         if m and tp.kind == TRAINABLE:
             found.setdefault(_base_name(m["module"]), {})[m["ab"]] = tp
+        elif ".lora_" in name or ".modules_to_save." in name:
+            # Embedding/conv LoRA, DoRA magnitudes, modules_to_save: left out, the merge would be wrong.
+            raise UnsupportedCheckpointError(f"merging {name!r} is not supported: only the lora_A/lora_B weights of "
+                                             "linear layers are", folder)
     pairs = {}
     for module, ab in found.items():
         if set(ab) != {"A", "B"}:
