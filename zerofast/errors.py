@@ -83,3 +83,13 @@ class DeviceError(ZeroFastError, RuntimeError):
 
 class LoadIntoError(ZeroFastError, RuntimeError):
     """The model does not fit the checkpoint: missing or unexpected names (strict), or shapes."""
+
+
+class FrozenWeightsAbsentWarning(UserWarning):
+    """The checkpoint was saved without its frozen parameters (``exclude_frozen_parameters=True``,
+    as the HF Trainer saves PEFT models): the full state dict asked for holds only the trainable
+    parameters and buffers."""
+
+
+class PeftExportWarning(UserWarning):
+    """A PEFT checkpoint exported as it is: its names are PEFT's, which transformers does not load."""
