@@ -104,7 +104,7 @@ def floor(ckpt, out):
     """One plain copy of every byte the consolidation must read, into fresh buffers."""
     import torch
 
-    from zerofast.reconstruct import prepare
+    from zerofast.pipeline import prepare
 
     prepared = prepare(ckpt)  # metadata only: the sources stay memory-mapped
     t0 = time.perf_counter()
@@ -117,7 +117,7 @@ def disk_write(ckpt, out):
     files like the shards, no sync (the export does not sync either)."""
     import subprocess
 
-    from zerofast.reconstruct import prepare
+    from zerofast.pipeline import prepare
 
     total = sum(tp.nbytes for tp in prepare(ckpt).plan.tensors.values())
     t0 = time.perf_counter()

@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zerofast.cli import _as_one_rank, main
-from zerofast.distributed import Team, share
+from zerofast.export.distributed import Team, share
 from zerofast.errors import ExportError
-from zerofast.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
-from zerofast.write_shards import export
+from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
+from zerofast.export import export
 
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
@@ -72,8 +72,8 @@ def _zerofast(*args: str, path: Path | None = None, **env: str) -> subprocess.Co
 
 
 def _assert_same_files(got: Path, want: Path) -> None:
-    names = sorted(os.listdir(want))
-    assert sorted(os.listdir(got)) == names
+    names = sorted(str(p.relative_to(want)) for p in want.rglob("*") if p.is_file())
+    assert sorted(str(p.relative_to(got)) for p in got.rglob("*") if p.is_file()) == names
     assert [n for n in names if (got / n).read_bytes() != (want / n).read_bytes()] == []
 
 

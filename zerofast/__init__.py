@@ -1,5 +1,7 @@
 """zerofast: consolidate DeepSpeed ZeRO checkpoints on a native core, without DeepSpeed.
 
+The package tree is the pipeline: ``discover`` -> ``load`` -> ``plan`` -> ``execute`` -> ``export``.
+
 The public names load their modules on first use (PEP 562): ``import zerofast`` costs only the
 errors module, and torch is imported by the first call that needs it, so a CLI that fails on its
 arguments, or a script that only catches zerofast's exceptions, does not pay for it.
@@ -10,17 +12,27 @@ import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("zerofast")  # the one place it is set is pyproject.toml
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
 
 from .errors import (
     AmbiguousTagError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DeviceError,
     ExportError,
-    OutputExistsError,
+    FrozenWeightsAbsentWarning,
     IncompleteCheckpointError,
     InconsistentCheckpointError,
+    LoadIntoError,
     MissingOptimizerStateError,
     NativeExtensionError,
+    OutputExistsError,
+    PeftExportWarning,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
     ZeroFastError,
@@ -28,26 +40,24 @@ from .errors import (
 
 if TYPE_CHECKING:
     from . import compat
-    from .load_into import IncompatibleKeys, LoadIntoError, load_into
+    from .export import ExportResult, LazyStateDict, TensorMeta, export, load_exported
+    from .load_into import IncompatibleKeys, load_into
+    from .names import sequential_names
     from .optimizer_states import optimizer_state
     from .reconstruct import reconstruct
-    from .write import LazyStateDict, TensorMeta
-    from .write_shards import ExportResult, export, load_exported
-
-__version__ = "0.1.0"
 
 # public name -> the module that defines it
 _LAZY = {
     "reconstruct": ".reconstruct",
-    "export": ".write_shards",
-    "load_exported": ".write_shards",
-    "ExportResult": ".write_shards",
-    "LazyStateDict": ".write",
-    "TensorMeta": ".write",
+    "export": ".export",
+    "load_exported": ".export",
+    "ExportResult": ".export",
+    "LazyStateDict": ".export",
+    "TensorMeta": ".export",
     "load_into": ".load_into",
     "IncompatibleKeys": ".load_into",
-    "LoadIntoError": ".load_into",
     "optimizer_state": ".optimizer_states",
+    "sequential_names": ".names",
 }
 
 
@@ -62,9 +72,10 @@ def __getattr__(name: str) -> Any:
 
 
 class _Package(types.ModuleType):
-    """Keeps ``zerofast.reconstruct`` and ``zerofast.load_into`` the functions: importing the
-    submodules of the same names (``from zerofast.reconstruct import prepare``) would otherwise
-    set the package attribute to the module, as the eager imports used to overwrite it."""
+    """Keeps ``zerofast.reconstruct``, ``zerofast.export`` and ``zerofast.load_into`` the
+    functions: importing the submodules of the same names (``from zerofast.reconstruct import
+    ...``) would otherwise set the package attribute to the module, as the eager imports used to
+    overwrite it."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if isinstance(value, types.ModuleType) and _LAZY.get(name) == f".{name}":
@@ -87,6 +98,7 @@ __all__ = [
     "IncompatibleKeys",
     "LoadIntoError",
     "optimizer_state",
+    "sequential_names",
     "MissingOptimizerStateError",
     "compat",
     "ExportResult",
@@ -95,9 +107,12 @@ __all__ = [
     "LazyStateDict",
     "TensorMeta",
     "ZeroFastError",
+    "FrozenWeightsAbsentWarning",
+    "PeftExportWarning",
     "AmbiguousTagError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "DeviceError",
     "IncompleteCheckpointError",
     "InconsistentCheckpointError",
     "NativeExtensionError",

@@ -10,15 +10,23 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from collections import Counter
 from typing import Sequence, TextIO
 
 import torch
 
+from . import __version__, dtypes
+from .compat import export_like_deepspeed
 from .errors import ZeroFastError
+from .export import distributed, export
+from .export.formats import FORMATS
+from .export.shards import parse_size
+from .ops import resolve_device
+from .pipeline import prepare
+from .plan import BUFFER, FROZEN, TRAINABLE, keys, out_dtype_for
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
-KINDS = ("trainable", "frozen", "buffer")
+KINDS = (TRAINABLE, FROZEN, BUFFER)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,7 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return args.run(args)
     except ZeroFastError as e:
         if args.debug:
             traceback.print_exc()
@@ -46,9 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _parser() -> argparse.ArgumentParser:
-    from . import __version__
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one line each, like the errors: the source line means nothing to a CLI user."""
+    print(f"zerofast: warning: {_rank_prefix()}{' '.join(str(message).split())}", file=sys.stderr)
 
+
+def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--tag", help="which save to read when the root holds several (default: 'latest')")
     common.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -61,9 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                                     "an index when larger than --max-shard-size).")
     ex.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     ex.add_argument("out", metavar="OUT", help="output folder")
-    ex.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+    ex.add_argument("--dtype", choices=list(dtypes.CLI_NAMES), default="fp32",
                     help="dtype of floating tensors; 'keep' keeps what the checkpoint holds (default: fp32)")
-    ex.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    ex.add_argument("--format", choices=list(FORMATS), default="safetensors")
     ex.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
                     help="per-file limit: bytes, or e.g. 500MB, 5GB, 4GiB (default: 5GB)")
     ex.add_argument("--exclude-frozen", action="store_true", help="leave out parameters that did not train")
@@ -80,6 +93,18 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--workers", type=_positive, default=1, metavar="N",
                     help="share the export among N processes on this machine (under torchrun, the ranks "
                          "share it without this)")
+    peft = ex.add_mutually_exclusive_group()
+    peft.add_argument("--adapter", action="store_true",
+                      help="PEFT checkpoint: write adapter_model.safetensors + adapter_config.json, which "
+                           "PeftModel.from_pretrained loads")
+    peft.add_argument("--merge-adapters", action="store_true",
+                      help="PEFT (LoRA) checkpoint: write the base model with the adapter merged in, as "
+                           "merge_and_unload() computes it")
+    ex.add_argument("--base-model", metavar="DIR",
+                    help="with --merge-adapters: the base model's save_pretrained folder, for checkpoints saved "
+                         "without their frozen weights (default: adapter_config.json's base_model_name_or_path)")
+    ex.add_argument("--weights-only", action="store_true",
+                    help="write only the weight files: no config, generation config or tokenizer files")
     ex.set_defaults(run=_export)
     _add_zero_to_fp32(sub)
 
@@ -101,8 +126,6 @@ def _positive(text: str) -> int:
 
 
 def _size(text: str) -> int:
-    from .write_shards import parse_size
-
     try:
         return parse_size(text)
     except ValueError as e:
@@ -113,14 +136,7 @@ def _size(text: str) -> int:
 # export
 
 def _export(args: argparse.Namespace) -> int:
-    from . import distributed
-    from .ops import resolve_device
-    from .write_shards import export
-
-    try:
-        resolve_device(args.device)  # here, so that --workers starts no ranks for a device that is not there
-    except (RuntimeError, NotImplementedError) as e:
-        raise ZeroFastError(str(e)) from None
+    resolve_device(args.device)  # here, so that --workers starts no ranks for a device that is not there
     if args.workers > 1:
         distributed.launch_local(args.workers, _as_one_rank(args.argv))
         return 0
@@ -128,14 +144,16 @@ def _export(args: argparse.Namespace) -> int:
     leader = distributed.rank() == 0
     bar = _ProgressBar(enabled=leader and not args.quiet and _is_tty(sys.stderr))
     try:
-        result = run(args.ckpt, args.out, dtype=DTYPES[args.dtype], format=args.format,
+        result = run(args.ckpt, args.out, dtype=dtypes.CLI_NAMES[args.dtype], format=args.format,
                      max_shard_size=args.max_shard_size, tag=args.tag, exclude_frozen=args.exclude_frozen,
                      duplicate_tied=args.duplicate_tied, overwrite=args.overwrite,
-                     optimizer_states=args.optimizer_states, progress=bar, device=args.device)
+                     optimizer_states=args.optimizer_states, progress=bar, device=args.device,
+                     adapter=args.adapter, merge_adapters=args.merge_adapters, base_model=args.base_model,
+                     hf_files=not args.weights_only)
     finally:
         bar.close()
     if leader and not args.quiet:
-        count = len(result.files) + (1 if result.index else 0) + len(result.optimizer_files)
+        count = len(result.files) + (1 if result.index else 0) + len(result.optimizer_files) + len(result.other_files)
         tied = f", {len(result.aliases)} tied" if result.aliases else ""
         ranks = f" by {distributed.world_size()} ranks" if distributed.launched() else ""
         print(f"wrote {count} file{'s' if count != 1 else ''} ({human_bytes(result.total_size)}, "
@@ -152,9 +170,7 @@ def _as_one_rank(argv: Sequence[str]) -> list[str]:
 
 
 def _rank_prefix() -> str:
-    from .distributed import launched, rank, world_size
-
-    return f"[rank {rank()} of {world_size()}] " if launched() else ""
+    return f"[rank {distributed.rank()} of {distributed.world_size()}] " if distributed.launched() else ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,8 +193,6 @@ def _add_zero_to_fp32(sub) -> None:
 
 
 def _zero_to_fp32(args: argparse.Namespace) -> int:
-    from .compat import export_like_deepspeed
-
     bar = _ProgressBar(enabled=_is_tty(sys.stderr))
     try:
         result = export_like_deepspeed(args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
@@ -228,10 +242,7 @@ class _ProgressBar:
 
 def describe(ckpt_dir, tag: str | None = None) -> dict:
     """What ``inspect`` reports, as plain JSON-ready data. Reads metadata only, no tensor data."""
-    from .plan import out_dtype_for
-    from .reconstruct import prepare
-
-    prepared = prepare(ckpt_dir, None, tag=tag)
+    prepared = prepare(ckpt_dir, None, tag=tag, warn_absent=False)  # the report says it instead
     plan, ckpt = prepared.plan, prepared.checkpoint
     tensors = {k: {"count": 0, "elements": 0, "bytes": 0, "dtypes": set()} for k in KINDS}
     for tp in plan.tensors.values():
@@ -239,30 +250,50 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
         row["count"] += 1
         row["elements"] += tp.numel
         row["bytes"] += tp.numel * tp.stored_dtype.itemsize
-        row["dtypes"].add(_dtype_name(tp.stored_dtype))
+        row["dtypes"].add(dtypes.name(tp.stored_dtype))
     for row in tensors.values():
         row["dtypes"] = sorted(row["dtypes"])
     output = {label: sum(tp.numel * out_dtype_for(tp.stored_dtype, d).itemsize for tp in plan.tensors.values())
-              for label, d in DTYPES.items()}
+              for label, d in dtypes.CLI_NAMES.items()}
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
+        "universal": ckpt.universal is not None,
         "world_size": plan.world_size, "deepspeed_version": ckpt.ds_version,
-        "global_steps": ckpt.meta.raw.get("global_steps"),
-        "training_dtype": _training_dtype(ckpt.meta.raw.get("ds_config")),
+        "global_steps": ckpt.meta.raw.get(keys.GLOBAL_STEPS),
+        "training_dtype": _training_dtype(ckpt.meta.raw.get(keys.DS_CONFIG)),
         "model_dtype": _model_dtype(ckpt.meta),
+        "parallelism": ckpt.parallelism,
         "tensors": tensors, "tied": dict(plan.aliases), "output_bytes": output,
+        "frozen_excluded": plan.frozen_excluded, "absent_frozen": list(plan.absent_frozen),
     }
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _parallelism_line(p: dict) -> str:
+    """``data-parallel: dp 4`` / ``mixture-of-experts: dp 4, ep 2; experts per layer ...`` / ..."""
+    degrees = ", ".join(f"{k} {p[k]}" for k in ("pp", "dp", "ep", "tp") if k in p)
+    line = f"{p.get('family', 'data-parallel')}: {degrees}"
+    if p.get("experts_per_layer"):
+        line += "; experts per layer: " + ", ".join(f"{k} {n}" for k, n in p["experts_per_layer"].items())
+    if p.get("stages"):
+        line += "; stages: " + ", ".join(f"{s}: layers {_ranges(layers)}" for s, layers in enumerate(p["stages"]))
+    if p.get("tied_layers"):
+        line += "; tied: " + ", ".join(f"{k} (layer {i})" for k, i in p["tied_layers"].items())
+    return line
+
+
+def _ranges(indices: list[int]) -> str:
+    if not indices:
+        return "-"
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"{indices[0]}-{indices[-1]}" if len(indices) > 1 else str(indices[0])
+    return ",".join(map(str, indices))
 
 
 def _training_dtype(config) -> str | None:
     """What the DeepSpeed config trained in: its bf16/fp16 sections, else fp32."""
     if not isinstance(config, dict):
         return None
-    for key, label in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+    for key, label in dtypes.CONFIG_SECTIONS.items():
         section = config.get(key)
         if isinstance(section, dict) and section.get("enabled"):
             return label
@@ -272,7 +303,7 @@ def _training_dtype(config) -> str | None:
 def _model_dtype(meta) -> str | None:
     """The dtype the module's parameters were held in (stage 3 placeholders carry it too)."""
     buffers = set(meta.buffer_names)
-    counts = Counter(_dtype_name(v.dtype) for k, v in meta.module.items()
+    counts = Counter(dtypes.name(v.dtype) for k, v in meta.module.items()
                      if k not in buffers and isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
     return counts.most_common(1)[0][0] if counts else None
 
@@ -290,8 +321,9 @@ def format_report(r: dict) -> str:
     lines = [
         f"checkpoint    {r['checkpoint']}",
         f"tag           {r['tag']}" + (f"  (global step {r['global_steps']})" if r["global_steps"] is not None else ""),
-        f"stage         ZeRO-{r['stage']}",
+        f"stage         ZeRO-{r['stage']}" + ("  (universal checkpoint, from ds_to_universal)" if r.get("universal") else ""),
         f"world size    {r['world_size']}",
+        f"parallelism   {_parallelism_line(r['parallelism'])}",
         f"deepspeed     {r['deepspeed_version'] or 'unknown'}",
         f"training      {r['training_dtype'] or 'unknown'} (model held in {r['model_dtype'] or 'unknown'})",
         "",
@@ -304,6 +336,10 @@ def format_report(r: dict) -> str:
                      f"{', '.join(row['dtypes']) or '-'}")
         total = {k: total[k] + row[k] for k in total}
     lines.append(f"{'total':<10}{total['count']:>8,}{total['elements']:>14,}{human_bytes(total['bytes']):>12}")
+    if r.get("frozen_excluded"):
+        named = f" (named but absent: {', '.join(r['absent_frozen'])})" if r["absent_frozen"] else ""
+        lines += ["", "frozen        absent: saved with exclude_frozen_parameters=True (as the HF Trainer saves PEFT "
+                  f"models), so the frozen weights are not in this checkpoint{named}"]
     lines += ["", "tied          " + (", ".join(f"{a} -> {s}" for a, s in r["tied"].items()) or "none"), ""]
     lines.append(f"{'export as':<10}{'size':>12}")
     for label, nbytes in r["output_bytes"].items():

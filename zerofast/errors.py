@@ -14,6 +14,14 @@ def first_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
+def some(names, limit: int = 4) -> str:
+    """``names`` for a message: the first ``limit`` of them, then how many more, so that a folder
+    missing ten thousand files still gets a one-line error."""
+    names = [str(n) for n in names]
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
 class ZeroFastError(Exception):
     """Base class of every error zerofast raises about its input or its build."""
 
@@ -47,7 +55,7 @@ class InconsistentCheckpointError(ZeroFastError):
 
 
 class UnsupportedCheckpointError(ZeroFastError):
-    """A layout zerofast does not handle yet (tensor/pipeline parallel, MoE, unknown stage)."""
+    """A layout zerofast does not handle (an unknown stage, a layout no builder reads)."""
 
 
 class NativeExtensionError(ZeroFastError, ImportError):
@@ -67,3 +75,21 @@ class MissingOptimizerStateError(ZeroFastError, KeyError):
     A KeyError too, so that code probing for a state with ``except KeyError`` keeps working."""
 
     __str__ = ZeroFastError.__str__  # KeyError's would quote the message
+
+
+class DeviceError(ZeroFastError, RuntimeError):
+    """The requested device cannot run zerofast: an unknown device type, or no CUDA GPU visible."""
+
+
+class LoadIntoError(ZeroFastError, RuntimeError):
+    """The model does not fit the checkpoint: missing or unexpected names (strict), or shapes."""
+
+
+class FrozenWeightsAbsentWarning(UserWarning):
+    """The checkpoint was saved without its frozen parameters (``exclude_frozen_parameters=True``,
+    as the HF Trainer saves PEFT models): the full state dict asked for holds only the trainable
+    parameters and buffers."""
+
+
+class PeftExportWarning(UserWarning):
+    """A PEFT checkpoint exported as it is: its names are PEFT's, which transformers does not load."""

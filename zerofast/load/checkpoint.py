@@ -1,8 +1,8 @@
-"""Step 2: read checkpoint files without running code and without importing DeepSpeed.
+"""Typed views of the checkpoint files, read without running code and without importing DeepSpeed.
 
-Each file's zip directory is checked by :mod:`zerofast.archive`, then unpickled by
-:mod:`zerofast.unpickle`: the C unpickler, resolving only allowlisted globals (DeepSpeed's
-classes become the inert stand-ins of :mod:`zerofast.stand_ins`) and refusing every other one
+Each file's zip directory is checked by :mod:`.archive`, then unpickled by
+:mod:`.unpickle`: the C unpickler, resolving only allowlisted globals (DeepSpeed's
+classes become the inert stand-ins of :mod:`.stand_ins`) and refusing every other one
 while unpickling, before anything is built. Tensors are memory-mapped, so the large ones (fp32
 masters, Adam moments) are not read here at all. The metadata planning relies on is
 type-checked here, with the file in hand.
@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from .discover import CheckpointFiles
-from .errors import (
+from ..discover import UNIVERSAL_COMMON, CheckpointFiles, optim_file_name, zero3_model_file_name
+from ..plan import keys as K
+from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     InconsistentCheckpointError,
@@ -26,6 +27,7 @@ from .errors import (
     UnsupportedCheckpointError,
     ZeroFastError,
     first_line,
+    some,
 )
 from .stand_ins import RefusedState
 from .unpickle import Refused, load_archive
@@ -78,12 +80,27 @@ class OptimStates:
 
 
 @dataclass
+class UniversalState:
+    """A ds_to_universal checkpoint's ``zero`` folder: one folder of files per parameter, read by
+    :mod:`zerofast.plan.layouts.universal` when planned, and the optimizer's common state."""
+
+    zero_dir: Path
+    optimizer_state: dict  # zero/optimizer_state.pt: zero_stage, param_groups, ...
+
+    @property
+    def common_path(self) -> Path:
+        return self.zero_dir / UNIVERSAL_COMMON
+
+
+@dataclass
 class LoadedCheckpoint:
     files: CheckpointFiles
     stage: int
     world_size: int
     model_states: list[ModelStates]
     optim_states: list[OptimStates]
+    universal: UniversalState | None = None
+    family = "zero"  # plain data parallelism; families.FamilyCheckpoint names the others
 
     @property
     def meta(self) -> ModelStates:
@@ -92,15 +109,35 @@ class LoadedCheckpoint:
 
     @property
     def ds_version(self) -> str | None:
-        return self.meta.raw.get("ds_version")
+        return self.meta.raw.get(K.DS_VERSION)
+
+    @property
+    def last_ranks(self) -> frozenset[int]:
+        """Optimizer files holding the end of a flat buffer (whose padding DeepSpeed strips)."""
+        return frozenset({self.world_size - 1})
+
+    @property
+    def parallelism(self) -> dict:
+        return {"family": "data-parallel", "dp": self.world_size}
 
 
 def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
     """Read every file of one save and settle its stage and world size."""
+    if files.family != "zero":
+        from .families import load_family  # MoE, pipeline, AutoTP: their own loaders and layout builders
+
+        return load_family(files)
     model_states = [_model_states(p) for p in files.model_files]
+    _check_parallelism(model_states[0], files.universal is not None)
+    if files.other_mp_rank is not None:  # rank 00 records degree 1, yet another rank's file is here
+        raise UnsupportedCheckpointError(
+            f"tensor-parallel checkpoints are not supported yet (found {files.other_mp_rank}: model-parallel rank "
+            f"{int(files.other_mp_rank.split('mp_rank_')[1][:2])})", files.tag_dir)
+    if files.universal is not None:
+        return _load_universal(files, model_states)
     optim_states = [_optim_states(p) for p in files.optim_files]
-    _check_parallelism(model_states[0])
     stage = _stage(files, model_states, optim_states)
+    _agree_with_config(files, model_states[0], stage, "the optimizer files")
     world_size = _world_size(files, stage, model_states, optim_states)
     _check_flat_groups(stage, optim_states)
     return LoadedCheckpoint(files, stage, world_size, model_states, optim_states)
@@ -156,41 +193,45 @@ def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:
     return {name: _shape(path, name, s) for name, s in _expect_mapping(path, mapping, what, object, "shapes").items()}
 
 
-def _model_states(path: Path) -> ModelStates:
+def _model_states(path: Path, module_optional: bool = False) -> ModelStates:
+    """``module_optional``: a pipeline stage's file saves ``module`` as None (its layers have files)."""
     raw = _expect_dict(path, load_file(path), "the model-states file")
-    if "module" not in raw:
+    if K.MODULE not in raw:
         raise CorruptCheckpointError(f"expected a 'module' entry, found keys {sorted(map(str, raw))[:12]}", path)
-    module = _expect_mapping(path, raw["module"], "'module'", object, "tensors")
+    found = raw[K.MODULE]
+    module = _expect_mapping(path, {} if found is None and module_optional else found, "'module'", object, "tensors")
     for name, value in module.items():
         if not isinstance(value, torch.Tensor):
             raise UnsupportedCheckpointError(
                 f"expected every 'module' entry to be a tensor, found a {type(value).__name__} for {name!r} "
                 "(non-tensor extra state is not supported yet)", path)
-    shapes = raw.get("param_shapes")
+    shapes = raw.get(K.PARAM_SHAPES)
     if shapes is not None:
         if isinstance(shapes, dict):  # very old DeepSpeed saved a single group unwrapped
             shapes = [shapes]
         shapes = [_shapes(path, g, "a 'param_shapes' group") for g in _expect_list(path, shapes, "'param_shapes'")]
-    frozen = raw.get("frozen_param_shapes")
-    dp_world_size = raw.get("dp_world_size")
+    frozen = raw.get(K.FROZEN_PARAM_SHAPES)
+    dp_world_size = raw.get(K.DP_WORLD_SIZE)
     return ModelStates(
         path=path,
         module=module,
-        buffer_names=_expect_names(path, raw.get("buffer_names") or [], "'buffer_names'"),
+        buffer_names=_expect_names(path, raw.get(K.BUFFER_NAMES) or [], "'buffer_names'"),
         param_shapes=shapes,
         frozen_param_shapes=None if frozen is None else _shapes(path, frozen, "'frozen_param_shapes'"),
-        frozen_param_fragments=dict(_expect_mapping(path, raw.get("frozen_param_fragments") or {},
+        frozen_param_fragments=dict(_expect_mapping(path, raw.get(K.FROZEN_PARAM_FRAGMENTS) or {},
                                                     "'frozen_param_fragments'", torch.Tensor, "tensors")),
-        shared_params=dict(_expect_mapping(path, raw.get("shared_params") or {}, "'shared_params'", str, "names")),
+        shared_params=dict(_expect_mapping(path, raw.get(K.SHARED_PARAMS) or {}, "'shared_params'", str, "names")),
         dp_world_size=None if dp_world_size is None else _expect_int(path, dp_world_size, "'dp_world_size'", 1),
         raw=raw,
     )
 
 
-def _optim_states(path: Path) -> OptimStates:
+def _optim_states(path: Path, group_counts: bool = False) -> OptimStates:
+    """``group_counts``: accept a different ``partition_count`` per group (MoE expert groups are
+    partitioned over fewer ranks); ``partition_count`` is then the first group's."""
     raw = _expect_dict(path, load_file(path), "the optimizer-states file")
-    osd = _expect_dict(path, raw.get("optimizer_state_dict"), "'optimizer_state_dict'")
-    key = next((k for k in ("fp32_flat_groups", "single_partition_of_fp32_groups") if k in osd), None)
+    osd = _expect_dict(path, raw.get(K.OPTIMIZER_STATE_DICT), "'optimizer_state_dict'")
+    key = next((k for k in (K.ZERO3_FLAT, K.ZERO12_FLAT) if k in osd), None)
     if key is None:
         raise CorruptCheckpointError(
             "expected 'fp32_flat_groups' (stage 3) or 'single_partition_of_fp32_groups' (stages 1-2) in "
@@ -201,18 +242,18 @@ def _optim_states(path: Path) -> OptimStates:
             found = f"a {g.dim()}-D {g.dtype} tensor" if isinstance(g, torch.Tensor) else type(g).__name__
             raise CorruptCheckpointError(f"expected {key}[{i}] to be a 1-D floating-point tensor, found {found}",
                                          path)
-    count = osd.get("partition_count")
+    count = osd.get(K.PARTITION_COUNT)
     if isinstance(count, (list, tuple)):
         counts = {_expect_int(path, c, "each 'partition_count'", 1) for c in count}
-        if len(counts) > 1:
-            # Expert (MoE) groups are partitioned over their own, smaller data-parallel group; the
-            # flat buffers of those groups do not follow the dense layout.
-            raise UnsupportedCheckpointError(
-                f"mixture-of-experts checkpoints are not supported yet (per-group partition_count {list(count)})",
-                path)
-        count = counts.pop() if counts else None
-    stage = osd.get("zero_stage")
-    pads = osd.get("param_alignment_paddings")
+        if len(counts) > 1 and not group_counts:
+            # Expert (MoE) groups are partitioned over their own, smaller data-parallel group; a
+            # folder without expert files cannot be an MoE save, and no other layout does this.
+            raise InconsistentCheckpointError(
+                f"expected one partition_count for every group, found {list(count)}: a mixture-of-experts save, "
+                "but the folder holds no layer_*_expert_* files", path)
+        count = count[0] if count else None
+    stage = osd.get(K.ZERO_STAGE)
+    pads = osd.get(K.ALIGNMENT_PADDINGS)
     if pads is not None:
         pads = [_expect_list(path, g, "a 'param_alignment_paddings' group")
                 for g in _expect_list(path, pads, "'param_alignment_paddings'")]
@@ -232,8 +273,52 @@ def _optim_states(path: Path) -> OptimStates:
 _KNOWN_STAGES = (0, 1, 2, 3)
 
 
+def configured_stage(meta: ModelStates) -> int | None:
+    """The ZeRO stage the run's DeepSpeed config asked for; None when the file has no config.
+    DeepSpeed's default, with no ``zero_optimization`` section, is stage 0."""
+    config = meta.raw.get(K.DS_CONFIG)
+    if not isinstance(config, dict):
+        return None
+    section = config.get("zero_optimization")
+    if section is None:
+        return 0
+    stage = section.get("stage", 0) if isinstance(section, dict) else None
+    return stage if type(stage) is int else None
+
+
+def _bf16(meta: ModelStates) -> bool:
+    config = meta.raw.get(K.DS_CONFIG)
+    section = config.get("bf16", config.get("bfloat16")) if isinstance(config, dict) else None
+    return isinstance(section, dict) and bool(section.get("enabled"))
+
+
+def _agree_with_config(files: CheckpointFiles, meta: ModelStates, stage: int, source: str) -> None:
+    declared = configured_stage(meta)
+    if declared is not None and declared != stage:
+        raise InconsistentCheckpointError(
+            f"the DeepSpeed config (ds_config) says ZeRO stage {declared}, but {source} hold a stage-{stage} save",
+            meta.path)
+
+
+def _missing_optimizer_files(files: CheckpointFiles, meta: ModelStates) -> None:
+    """A ZeRO save whose optimizer files are all gone would read as stage 0: the bf16 module
+    weights upcast in place of the fp32 masters. Refuse it, naming the files."""
+    declared = configured_stage(meta)
+    if not files.partitioned_model_states and meta.param_shapes is None and not declared:
+        return
+    world = meta.dp_world_size or len(files.model_files)
+    bf16 = _bf16(meta)
+    names = [optim_file_name(r, bf16) for r in range(world)]
+    why = f"ds_config says ZeRO stage {declared}" if declared else "'param_shapes' is recorded"
+    if files.partitioned_model_states:
+        why = "the model states are partitioned per rank (ZeRO-3)"
+    raise IncompleteCheckpointError(
+        f"expected the ZeRO optimizer files ({why}), found none; missing: {some(names)}", files.tag_dir)
+
+
 def _stage(files: CheckpointFiles, models: list[ModelStates], optims: list[OptimStates]) -> int:
     if not optims:
+        _missing_optimizer_files(files, models[0])
         return 0
     recorded = optims[0].zero_stage
     for o in optims[1:]:
@@ -272,31 +357,86 @@ def _world_size(files: CheckpointFiles, stage: int, models: list[ModelStates], o
     recorded = optims[0].partition_count or meta.dp_world_size
     found = len(optims)
     if recorded is None:
-        return found
+        recorded = found
     recorded = int(recorded)
     if recorded < found:
         strays = [p.name for p in files.optim_files[recorded:]]
         raise IncompleteCheckpointError(
             f"partition_count is {recorded} but {found} rank files are present; stray files from another save: "
-            f"{strays}", files.tag_dir)
-    if recorded > found:
+            f"{strays if len(strays) <= 4 else some(strays)}", files.tag_dir)
+    bf16 = bool(files.bf16_optim_files)
+    missing = [(r, optim_file_name(r, bf16)) for r in range(found, recorded)]
+    if stage == 3:
+        _no_stray_model_files(files, recorded)
+        missing += [(r, zero3_model_file_name(r)) for r in range(len(files.model_files), recorded)]
+    if missing:
         raise IncompleteCheckpointError(
-            f"partition_count is {recorded} but only {found} optimizer rank files are present (ranks "
-            f"{found}..{recorded - 1} missing)", files.tag_dir)
+            f"expected the files of {recorded} ranks (partition_count {recorded}); missing: "
+            f"{some(name for _, name in sorted(missing))}", files.tag_dir)
     return recorded
 
 
-def _check_parallelism(meta: ModelStates) -> None:
+def _no_stray_model_files(files: CheckpointFiles, world: int) -> None:
+    if len(files.model_files) > world:
+        strays = [p.name for p in files.model_files[world:]]
+        raise IncompleteCheckpointError(
+            f"partition_count is {world} but {len(files.model_files)} model-states files are present; stray files "
+            f"from another save: {some(strays)}", files.tag_dir)
+
+
+def _load_universal(files: CheckpointFiles, models: list[ModelStates]) -> LoadedCheckpoint:
+    """A ds_to_universal folder: copies of the model states, and per-parameter files in place of
+    the optimizer files. Its stage comes from the files as well: per-rank model states mean a
+    ZeRO-3 source, and the optimizer's common state records the stage it was saved at."""
+    meta = models[0]
+    path = files.universal / UNIVERSAL_COMMON
+    if not path.is_file():
+        raise IncompleteCheckpointError(
+            f"expected {path.name} in the universal checkpoint's {files.universal.name!r} folder, found none", path.parent)
+    common = _expect_dict(path, load_file(path), "the universal optimizer state")
+    recorded = common.get(K.ZERO_STAGE)
+    recorded = None if recorded is None else _expect_int(path, recorded, "'zero_stage'")
+    # As in the source's own files, DeepSpeed's BF16_Optimizer (stage 1) records no stage.
+    stage = 3 if files.partitioned_model_states else (1 if recorded is None else recorded)
+    if stage not in (1, 2, 3) or (recorded is not None and recorded != stage):
+        raise InconsistentCheckpointError(
+            f"expected zero_stage {'3' if files.partitioned_model_states else '1 or 2'} next to "
+            f"{'per-rank model-states files' if files.partitioned_model_states else files.model_files[0].name}, "
+            f"found {recorded}", path)
+    if meta.param_shapes is None:
+        raise InconsistentCheckpointError("expected 'param_shapes' in a universal checkpoint's model states, found None",
+                                          meta.path)
+    _agree_with_config(files, meta, stage, "the universal checkpoint's files")
+    world = int(meta.dp_world_size or len(models))
+    if stage == 3:
+        _no_stray_model_files(files, world)
+        missing = [zero3_model_file_name(r) for r in range(len(models), world)]
+        if missing:
+            raise IncompleteCheckpointError(
+                f"dp_world_size is {world} but only {len(models)} model-states files are present; missing: "
+                f"{some(missing)}", files.tag_dir)
+    return LoadedCheckpoint(files, stage, world, models, [], UniversalState(files.universal, common))
+
+
+def _check_parallelism(meta: ModelStates, universal: bool) -> None:
     """Only the model-parallel rank 00 files are read; a save with tensor or pipeline parallelism
     has more, and they may simply be missing from this folder (so discovery cannot see them)."""
-    dims = meta.raw.get("checkpoint_parallel_dimensions")
+    dims = meta.raw.get(K.PARALLEL_DIMENSIONS)
     dims = dims if isinstance(dims, dict) else {}
-    for what, degree, kind in (("mp_world_size", meta.raw.get("mp_world_size"), "tensor-parallel"),
-                               ("tp_degree", dims.get("tp_degree"), "tensor-parallel"),
-                               ("pp_degree", dims.get("pp_degree"), "pipeline-parallel")):
-        if degree is not None and degree != 1:
+    # Pipeline first: a pipeline save's own mp_world_size may count its stages.
+    for what, degree, kind in (("pp_degree", dims.get(K.PP_DEGREE), "pipeline-parallel"),
+                               ("mp_world_size", meta.raw.get(K.MP_WORLD_SIZE), "tensor-parallel"),
+                               ("tp_degree", dims.get(K.TP_DEGREE), "tensor-parallel")):
+        if degree is None or degree == 1:
+            continue
+        if universal:  # ds_to_universal keeps neither a pipeline's layer files nor the tp ranks apart
             raise UnsupportedCheckpointError(
-                f"{kind} checkpoints are not supported yet (expected {what} 1, found {degree!r:.40})", meta.path)
+                f"universal checkpoints of {kind} saves are not supported yet (expected {what} 1, found "
+                f"{degree!r:.40})", meta.path)
+        missing = ("the layer_*-model_states.pt files of this pipeline-parallel save are missing" if kind[0] == "p"
+                   else "the other tensor-parallel ranks' files of this save are missing")
+        raise IncompleteCheckpointError(f"expected {what} 1 in a folder with only mp_rank_00 files, found "
+                                        f"{degree!r:.40}: {missing}", meta.path)
 
 
 def _check_flat_groups(stage: int, optims: list[OptimStates]) -> None:

@@ -16,24 +16,24 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import ops
-from .plan import SourceRef, TensorPlan
-from .unpickle import file_identity, file_location
+from .. import ops
+from ..load.unpickle import file_identity, file_location
+from ..plan.model import TensorPlan
 
 Location = tuple[int, tuple[int, int, int, int]]  # (byte offset in the file, file identity)
 
 
-def locate(refs: Sequence[SourceRef], sources: Sequence[torch.Tensor]) -> list[Location | None]:
+def locate(files: Sequence[str], sources: Sequence[torch.Tensor]) -> list[Location | None]:
     """Where each source's bytes sit in its file, for the sources that are views of one."""
-    return [file_location(ref.file, t) for ref, t in zip(refs, sources)]
+    return [file_location(file, t) for file, t in zip(files, sources)]
 
 
 class BatchReader:
     """Runs batches of :class:`TensorPlan` over ``sources`` in one native call each."""
 
-    def __init__(self, refs: Sequence[SourceRef], sources: Sequence[torch.Tensor],
+    def __init__(self, files: Sequence[str], sources: Sequence[torch.Tensor],
                  locations: Sequence[Location | None]):
-        self.refs = refs
+        self.files = files
         self.sources = list(sources)
         self.locations = locations
 
@@ -70,12 +70,12 @@ class BatchReader:
         opened: dict[str, int] = {}
         fds, offsets = [], []
         try:
-            for ref, loc in zip(self.refs, self.locations):
+            for file, loc in zip(self.files, self.locations):
                 fd = -1
                 if loc is not None:
-                    if ref.file not in opened:
-                        opened[ref.file] = _open_same(ref.file, loc[1])
-                    fd = opened[ref.file]
+                    if file not in opened:
+                        opened[file] = _open_same(file, loc[1])
+                    fd = opened[file]
                 fds.append(fd)
                 offsets.append(loc[0] if fd >= 0 else 0)
             yield fds, torch.tensor(offsets, dtype=torch.int64)
