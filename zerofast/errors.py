@@ -67,3 +67,8 @@ class MissingOptimizerStateError(ZeroFastError, KeyError):
     A KeyError too, so that code probing for a state with ``except KeyError`` keeps working."""
 
     __str__ = ZeroFastError.__str__  # KeyError's would quote the message
+
+
+class ReshardError(ZeroFastError, ValueError):
+    """The requested resharding cannot be written: a world size that cannot hold the model's
+    partitions, or a layout the target format cannot express."""
