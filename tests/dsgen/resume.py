@@ -124,19 +124,11 @@ def run_case(case, errors):
 
 
 def restore_module(engine, path):
-    """What a user does after a universal load: put the frozen params and buffers back."""
+    """What a user does after a universal load (README): put the frozen params and buffers back."""
     state = torch.load(path, weights_only=True)
-    for name, p in engine.module.named_parameters():
-        if name in state:
-            if hasattr(p, "ds_id"):
-                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-                    if dist.get_rank() == 0:
-                        p.data.copy_(state[name])
-            else:
-                p.data.copy_(state[name])
-    for name, b in engine.module.named_buffers():
-        if name in state:
-            b.data.copy_(state[name])
+    frozen = [p for n, p in engine.module.named_parameters() if n in state]
+    with deepspeed.zero.GatheredParameters(frozen, modifier_rank=0):
+        engine.module.load_state_dict(state, strict=False)
 
 
 def main():
