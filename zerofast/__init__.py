@@ -11,6 +11,7 @@ from .errors import (
     NativeExtensionError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
+    ReshardError,
     ZeroFastError,
 )
 from .write_shards import ExportResult, export, load_exported
@@ -18,6 +19,8 @@ from .reconstruct import reconstruct
 from .write import LazyStateDict, TensorMeta
 from .load_into import IncompatibleKeys, LoadIntoError, load_into
 from .optimizer_states import optimizer_state
+from .reshard import reshard
+from .universal import to_universal, universal_module_state
 from . import compat
 
 __version__ = "0.1.0"
@@ -32,6 +35,10 @@ __all__ = [
     "optimizer_state",
     "MissingOptimizerStateError",
     "compat",
+    "reshard",
+    "to_universal",
+    "universal_module_state",
+    "ReshardError",
     "ExportResult",
     "ExportError",
     "OutputExistsError",

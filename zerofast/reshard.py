@@ -267,7 +267,7 @@ class _Zero12:
             if total <= (world - 1) * size:
                 raise ReshardError(
                     f"world size {world} leaves rank {world - 1} without a single element of param group {g} "
-                    f"({total} elements); choose a world size of at most {max(1, total // NCCL_START_ALIGNMENT_FACTOR)}",
+                    f"({total} elements): ZeRO needs every rank to hold part of every group; choose a smaller one",
                     ckpt.meta.path)
             self.totals.append(total)
             self.sizes.append(size)
