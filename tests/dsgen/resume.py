@@ -106,9 +106,9 @@ def run_case(case, errors):
         errors.append(f"optimizer step {step} != {truth['optimizer_step']}")
     if engine.global_steps != source["global_steps"]:
         errors.append(f"global_steps {engine.global_steps} != {source['global_steps']}")
-    if engine.lr_scheduler is None or engine.lr_scheduler.state_dict() != source["lr_scheduler"]:
-        errors.append(f"lr scheduler {engine.lr_scheduler and engine.lr_scheduler.state_dict()} != "
-                      f"{source['lr_scheduler']}")
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    if scheduler != source["lr_scheduler"]:
+        errors.append(f"lr scheduler {scheduler} != {source['lr_scheduler']}")
     if checked != len(truth["trainable"]) + len(truth["frozen"]):
         errors.append(f"checked {checked} params, truth has {len(truth['trainable']) + len(truth['frozen'])}")
 
