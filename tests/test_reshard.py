@@ -28,6 +28,11 @@ from tests.dsgen.catalog import REPO_ROOT
 from tests.helpers import assert_bitwise_equal, real_root, real_truth
 
 SOURCES = {1: "s1_bf16_w4_resume", 2: "s2_bf16_w4_resume", 3: "s3_bf16_w4_resume"}
+# More variants from the catalog, resharded to one other size each and resumed in the same jobs:
+# the BF16_Optimizer wrapper, CPU offload, stage-3 sub-groups (re-split at the new size), fp32,
+# three param groups and empty parameters.
+VARIANTS = {2: ["s3_bf16_w4_offload", "s3_fp32_w3_3groups_subgroups", "s1_fp32_w3"],
+            3: ["s1_bf16_w2_fp32accum", "s2_bf16_w2_offload", "s2_fp32_w4_odd_3groups"]}
 RESUME = REPO_ROOT / "tests" / "dsgen" / "resume.py"
 KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -54,6 +59,9 @@ def outputs(tmp_path_factory):
         universal = to_universal(root, base / f"s{stage}_universal" / "global_step3")
         torch.save(universal_module_state(universal), base / f"s{stage}_universal" / "module_state.pt")
         out[stage] = {"w2": w2, "w3": w3, "w4": w4, "universal": universal.parent}
+    for world, layouts in VARIANTS.items():
+        for layout in layouts:
+            out[layout] = reshard(real_root(layout), base / f"{layout}_w{world}", world).parent
     return out
 
 
@@ -75,11 +83,11 @@ def _resume(tmp_path, world: int, cases: list[dict]) -> dict:
     return json.loads(result.read_text())
 
 
-def _case(stage: int, ckpt, world: int, universal: bool = False) -> dict:
-    layout = SOURCES[stage]
+def _case(layout: str, ckpt, world: int, universal: bool = False) -> dict:
     root = real_root(layout)
     truth = real_truth(layout)
-    case = {"name": f"s{stage}_{'universal' if universal else 'reshard'}_w{world}",
+    stage = truth["stage"]
+    case = {"name": f"{layout}_{'universal' if universal else 'reshard'}_w{world}",
             "spec": {**truth["spec"], "world_size": world}, "ckpt": str(ckpt), "truth": str(root / "ground_truth.pt"),
             "source_model_states": str(root / truth["tag"] / _model_states_name(stage))}
     if universal:
@@ -90,9 +98,10 @@ def _case(stage: int, ckpt, world: int, universal: bool = False) -> dict:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_deepspeed_resumes_at_the_new_world_size(outputs, tmp_path, world):
     """Reshard 4 -> 2, 4 -> 3 and 3 -> 4 (from the 4 -> 3 output); universal loaded at 2 and 3."""
-    cases = [_case(stage, outputs[stage][f"w{world}"], world) for stage in SOURCES]
+    cases = [_case(layout, outputs[stage][f"w{world}"], world) for stage, layout in SOURCES.items()]
     if world in (2, 3):
-        cases += [_case(stage, outputs[stage]["universal"], world, universal=True) for stage in SOURCES]
+        cases += [_case(layout, outputs[stage]["universal"], world, universal=True) for stage, layout in SOURCES.items()]
+    cases += [_case(layout, outputs[layout], world) for layout in VARIANTS.get(world, [])]
     results = _resume(tmp_path, world, cases)
     assert set(results) == {c["name"] for c in cases}
     assert {name: errors for name, errors in results.items() if errors} == {}
