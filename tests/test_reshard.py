@@ -20,8 +20,8 @@ import torch
 
 import zerofast
 from zerofast.cli import main
-from zerofast.reshard import reshard
-from zerofast.universal import LATEST, to_universal, universal_module_state
+from zerofast.export.formats.reshard import reshard
+from zerofast.export.formats.universal import LATEST, to_universal, universal_module_state
 
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import REPO_ROOT

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from zerofast.synthesize import LayoutSpec, ParamSpec, synthesize
+from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize
 
 from tests.dsgen.catalog import REPO_ROOT
 

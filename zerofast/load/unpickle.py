@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from .archive import ArchiveIndex, index_archive
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from .stand_ins import STAND_INS, DeepSpeedRecord
 
 
@@ -48,11 +48,10 @@ class _StorageRef:
     """A storage as the rebuild functions see it: its bytes (a slice of the file mapping) and
     dtype. Lighter than a TypedStorage, which the rebuild functions do not need."""
 
-    __slots__ = ("mapping", "dtype", "offset", "numel", "built")
+    __slots__ = ("mapping", "dtype", "numel", "built")
 
-    def __init__(self, mapping: torch.UntypedStorage, dtype: torch.dtype, offset: int, numel: int,
-                 built: list):
-        self.mapping, self.dtype, self.offset, self.numel = mapping, dtype, offset, numel
+    def __init__(self, mapping: torch.UntypedStorage, dtype: torch.dtype, numel: int, built: list):
+        self.mapping, self.dtype, self.numel = mapping, dtype, numel
         self.built = built  # every tensor rebuilt in this file, shared by its storages
 
 
@@ -73,7 +72,7 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> torch.T
         raise ValueError(f"a tensor of size {size} and stride {stride} at offset {storage_offset} reaches element "
                          f"{extent}, past the end of its {storage.numel}-element storage")
     t = torch.empty(0, dtype=storage.dtype)
-    t.set_(storage.mapping, storage.offset + storage_offset, size, stride)
+    t.set_(storage.mapping, storage_offset, size, stride)
     storage.built.append((t, t.data_ptr(), t.shape, t.stride()))
     return t
 
@@ -182,7 +181,7 @@ class _Storages:
         # One storage object per entry, not views of the whole mapping: tensors that share one
         # storage cannot be saved together by torch.save (mixed dtypes) or safetensors.
         offset = self.index.storage_offset(key, nbytes)
-        return _StorageRef(self.mapping[offset:offset + nbytes], dtype, 0, numel, self.built)
+        return _StorageRef(self.mapping[offset:offset + nbytes], dtype, numel, self.built)
 
 
 def load_archive(path: Path) -> Any:

@@ -25,18 +25,20 @@ from pathlib import Path
 
 import torch
 
-from . import ds_pickle
-from .discover import discover
-from .errors import ExportError, UnsupportedCheckpointError
-from .optimizer_states import group_states
-from .plan import BUFFER, FROZEN, TensorPlan
+from ...discover import discover
+from ...errors import ExportError, UnsupportedCheckpointError
+from ...load import ModelStates, load_checkpoint
+from ...load.checkpoint import _model_states
+from ...plan import keys
+from ...plan import BUFFER, FROZEN, TensorPlan, build_plan
+from ...plan.optimizer import group_states
+from .. import ds_pickle
+from ..outdir import os_error, output_dir
+from ..torch_stream import Skeleton, write_torch_file
 from .reshard import _Source, commit_tree, concat
-from .safe_load import ModelStates, _model_states, load_checkpoint
-from .torch_file import Skeleton, write_torch_file
-from .write_shards import _output_dir, _os_error
 
 LATEST = "latest_universal"
-_SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+_SHARDED = (keys.ZERO12_INNER, keys.SLICE_MAPPINGS, keys.ZERO12_FLAT)
 
 
 def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag: str | None = None,
@@ -51,7 +53,7 @@ def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag
             "already loads", ckpt.meta.path)
     source = _Source.read(ckpt)
     out = Path(out_dir)
-    with _output_dir(out, overwrite) as (tmp, previous):
+    with output_dir(out, overwrite) as (tmp, previous):
         names = []
         for path in files.model_files:
             shutil.copyfile(path, tmp / path.name)
@@ -75,34 +77,34 @@ def _write_latest(out: Path) -> None:
         staged.write_text(out.name)
         os.replace(staged, out.parent / LATEST)
     except OSError as e:
-        raise ExportError(f"cannot write {LATEST}: {_os_error(e)}", out.parent / LATEST) from e
+        raise ExportError(f"cannot write {LATEST}: {os_error(e)}", out.parent / LATEST) from e
 
 
 def _write_optimizer_state(source: _Source, path: Path) -> None:
     """What DeepSpeed's universal loader reads besides the parameters: loss scaling, clipping, the
     version, the step (stage 3) and the param groups; none of the partitioned tensors."""
     first = source.ckpt.optim_states[0]
-    osd = first.raw["optimizer_state_dict"]
+    osd = first.raw[keys.OPTIMIZER_STATE_DICT]
     sk = source.new_file()
     if source.ckpt.stage == 3:
-        inner = osd["optimizer_state_dict"]
+        inner = osd[keys.ZERO3_INNER]
         states = group_states(first, 3)
-        reduced = {"state": {i: {k: source.copy(v, first.path, f"state.{k}", sk) for k, v in s.items()
+        reduced = {keys.STATE: {i: {k: source.copy(v, first.path, f"state.{k}", sk) for k, v in s.items()
                                  if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
                              for i, (_, s) in enumerate(states)},
-                   "param_groups": source.copy(inner["param_groups"], first.path, "param_groups", sk)}
-        out = {k: _global(source, first, k, v, sk) for k, v in osd.items() if k != "fp32_flat_groups"}
-        out["optimizer_state_dict"] = reduced
-        out["param_groups"] = reduced["param_groups"]
+                   keys.PARAM_GROUPS: source.copy(inner[keys.PARAM_GROUPS], first.path, keys.PARAM_GROUPS, sk)}
+        out = {k: _global(source, first, k, v, sk) for k, v in osd.items() if k != keys.ZERO3_FLAT}
+        out[keys.ZERO3_INNER] = reduced
+        out[keys.PARAM_GROUPS] = reduced[keys.PARAM_GROUPS]
     else:
         out = {k: _global(source, first, k, v, sk) for k, v in osd.items() if k not in _SHARDED}
-        out["param_groups"] = source.copy(osd["base_optimizer_state"]["param_groups"], first.path,
-                                          "param_groups", sk)
+        out[keys.PARAM_GROUPS] = source.copy(osd[keys.ZERO12_INNER][keys.PARAM_GROUPS], first.path,
+                                          keys.PARAM_GROUPS, sk)
     write_torch_file(path, out, sk, source.executor)
 
 
 def _global(source: _Source, first, key, value, sk: Skeleton):
-    if key == "zero_stage":
+    if key == keys.ZERO_STAGE:
         return ds_pickle.ZeroStageEnum(int(value))
     return source.copy(value, first.path, str(key), sk)
 
@@ -135,8 +137,6 @@ def _param_obj(tp: TensorPlan, sk: Skeleton, flat: bool):
 
 def _module_entries(source: _Source) -> dict[str, TensorPlan]:
     """Frozen params and buffers, each whole, in the dtype the checkpoint holds them."""
-    from .plan import build_plan
-
     plan = build_plan(source.ckpt, source.table, None)
     return {n: tp for n, tp in plan.tensors.items() if tp.kind in (FROZEN, BUFFER)}
 

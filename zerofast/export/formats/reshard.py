@@ -34,17 +34,18 @@ from typing import Any
 
 import torch
 
-from . import ds_pickle
-from .discover import discover
-from .errors import InconsistentCheckpointError, ReshardError, UnsupportedCheckpointError
-from .execute import Executor
-from .optimizer_states import _checked_states, _state_flat_groups, available_keys, group_states
-from .plan import (FROZEN, SourceTable, TensorPlan, build_plan, master_flat_groups, partitioned_entries,
-                   tensor_identity)
-from .safe_load import LoadedCheckpoint, load_checkpoint
-from .stand_ins import DeepSpeedRecord
-from .torch_file import Skeleton, write_torch_file
-from .write_shards import _output_dir, _os_error, _write_marker, _write_text
+from ...discover import discover
+from ...errors import ExportError, InconsistentCheckpointError, ReshardError, UnsupportedCheckpointError
+from ...execute import Executor
+from ...load import LoadedCheckpoint, load_checkpoint
+from ...load.stand_ins import DeepSpeedRecord
+from ...plan import FROZEN, keys, SourceTable, TensorPlan, build_plan
+from ...plan.layouts import master_flat_groups, partitioned_entries
+from ...plan.model import tensor_identity
+from ...plan.optimizer import _checked_states, _state_flat_groups, available_keys, group_states
+from .. import ds_pickle
+from ..outdir import _write_marker, os_error, output_dir, write_text
+from ..torch_stream import Skeleton, write_torch_file
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # DeepSpeed's stage_1_and_2.py / bf16_optimizer.py
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size default
@@ -76,12 +77,12 @@ def reshard(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size:
     source = _Source.read(ckpt)
     writer = _LAYOUTS[ckpt.stage](source, world_size)
     out = Path(out_dir)
-    with _output_dir(out, overwrite) as (tmp, previous):
+    with output_dir(out, overwrite) as (tmp, previous):
         tag_dir = tmp / files.tag
         tag_dir.mkdir()
         for name, obj, skeleton in writer.files():
             write_torch_file(tag_dir / name, obj, skeleton, source.executor)
-        _write_text(tmp / "latest", files.tag)
+        write_text(tmp / "latest", files.tag)
         names = [files.tag, "latest"]
         for script in _RECOVERY_SCRIPTS:
             if (files.root / script).is_file():
@@ -95,8 +96,6 @@ def commit_tree(out_dir: Path, tmp: Path, names: list[str], previous: list[str])
     """Move files and folders from ``tmp`` into ``out_dir``, the last name last (``latest``), after
     removing what they replace and what the previous run wrote. The export's marker claims every
     name first, so a rerun after an interruption recognizes them as zerofast's."""
-    from .errors import ExportError
-
     _write_marker(out_dir, tmp, sorted(set(previous) | set(names)))
     try:
         for name in sorted(set(previous) | set(names), key=lambda n: n == "latest"):
@@ -108,7 +107,7 @@ def commit_tree(out_dir: Path, tmp: Path, names: list[str], previous: list[str])
         for name in names:
             os.replace(tmp / name, out_dir / name)
     except OSError as e:
-        raise ExportError(f"stopped while moving the new files into place: {_os_error(e)}; run it again",
+        raise ExportError(f"stopped while moving the new files into place: {os_error(e)}; run it again",
                           out_dir) from e
     _write_marker(out_dir, tmp, names)
 
@@ -177,8 +176,8 @@ def _plans(entries: dict) -> dict[str, TensorPlan]:
 
 
 def _check_optimizer(ckpt: LoadedCheckpoint) -> None:
-    zero = ckpt.meta.raw.get("ds_config", {}).get("zero_optimization", {}) if isinstance(
-        ckpt.meta.raw.get("ds_config"), dict) else {}
+    zero = ckpt.meta.raw.get(keys.DS_CONFIG, {}).get("zero_optimization", {}) if isinstance(
+        ckpt.meta.raw.get(keys.DS_CONFIG), dict) else {}
     if isinstance(zero, dict) and zero.get("round_robin_gradients"):
         raise UnsupportedCheckpointError(
             "resharding with round_robin_gradients is not supported: the flat order of the parameters depends on "
@@ -186,10 +185,10 @@ def _check_optimizer(ckpt: LoadedCheckpoint) -> None:
     if (ckpt.files.tag_dir / "offloaded_tensors").exists():
         raise UnsupportedCheckpointError("resharding NVMe-offloaded optimizer state is not supported",
                                          ckpt.files.tag_dir)
-    inner_key = "optimizer_state_dict" if ckpt.stage == 3 else "base_optimizer_state"
+    inner_key = keys.inner_key(ckpt.stage)
     for o in ckpt.optim_states:
-        inner = o.raw["optimizer_state_dict"].get(inner_key)
-        if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+        inner = o.raw[keys.OPTIMIZER_STATE_DICT].get(inner_key)
+        if not isinstance(inner, dict) or not isinstance(inner.get(keys.PARAM_GROUPS), list):
             raise UnsupportedCheckpointError(
                 f"resharding needs the wrapped optimizer's state_dict() in {inner_key!r}; found "
                 f"{type(inner).__name__} (an elastic_checkpoint save?)", o.path)
@@ -220,15 +219,15 @@ def _ds_config(cfg: Any, world: int) -> Any:
     return out
 
 
-def _replaced(raw: dict, source: _Source, file: Path, skeleton: Skeleton, world: int, **new: Any) -> dict:
+def _replaced(raw: dict, source: _Source, file: Path, skeleton: Skeleton, world: int, new: dict | None = None) -> dict:
     """A copy of a file's top-level dict with ``new`` values (same key order), world size updated."""
-    out = {}
+    out, new = {}, new or {}
     for key, value in raw.items():
         if key in new:
             out[key] = new[key]
-        elif key == "dp_world_size":
+        elif key == keys.DP_WORLD_SIZE:
             out[key] = world
-        elif key == "ds_config":
+        elif key == keys.DS_CONFIG:
             out[key] = _ds_config(value, world)
         else:
             out[key] = source.copy(value, file, str(key), skeleton)
@@ -309,28 +308,28 @@ class _Zero12:
 
     def _optim_file(self, r: int, sk: Skeleton) -> dict:
         src = self.first
-        osd = src.raw["optimizer_state_dict"]
+        osd = src.raw[keys.OPTIMIZER_STATE_DICT]
         n_groups = len(self.groups)
         masters = []
         for g in range(n_groups):
             length = self.sizes[g] - (0 if self.bf16_wrapper else self._padding(g, r))
             masters.append(sk.tensor(self._part(self.source.masters, g, r, length, "fp32 partition")))
         new = {
-            "base_optimizer_state": self._base_state(r, sk),
-            "single_partition_of_fp32_groups": masters,
-            "group_paddings": [self._padding(g, r) for g in range(n_groups)],
-            "partition_count": [self.world] * n_groups if isinstance(osd.get("partition_count"), list)
+            keys.ZERO12_INNER: self._base_state(r, sk),
+            keys.ZERO12_FLAT: masters,
+            keys.GROUP_PADDINGS: [self._padding(g, r) for g in range(n_groups)],
+            keys.PARTITION_COUNT: [self.world] * n_groups if isinstance(osd.get(keys.PARTITION_COUNT), list)
             else self.world,
-            "param_slice_mappings": [self._mappings(g, r) for g in range(n_groups)],
+            keys.SLICE_MAPPINGS: [self._mappings(g, r) for g in range(n_groups)],
         }
-        if "zero_stage" in osd:
-            new["zero_stage"] = ds_pickle.ZeroStageEnum(int(osd["zero_stage"]))
-        inner = _replaced(osd, self.source, src.path, sk, self.world, **new)
-        return _replaced(src.raw, self.source, src.path, sk, self.world, optimizer_state_dict=inner)
+        if keys.ZERO_STAGE in osd:
+            new[keys.ZERO_STAGE] = ds_pickle.ZeroStageEnum(int(osd[keys.ZERO_STAGE]))
+        inner = _replaced(osd, self.source, src.path, sk, self.world, new)
+        return _replaced(src.raw, self.source, src.path, sk, self.world, {keys.OPTIMIZER_STATE_DICT: inner})
 
     def _base_state(self, r: int, sk: Skeleton) -> dict:
         src = self.first
-        base = src.raw["optimizer_state_dict"]["base_optimizer_state"]
+        base = src.raw[keys.OPTIMIZER_STATE_DICT][keys.ZERO12_INNER]
         states = group_states(src, 1)
         state = {}
         for g, (where, group_state) in enumerate(states):
@@ -343,7 +342,7 @@ class _Zero12:
             state[g] = entry
         out = {}
         for key, value in base.items():
-            if key == "state":
+            if key == keys.STATE:
                 out[key] = state
             else:
                 out[key] = self.source.copy(value, src.path, f"base_optimizer_state.{key}", sk)
@@ -355,13 +354,13 @@ class _Zero3:
         self.source, self.world = source, world
         ckpt = source.ckpt
         first = ckpt.optim_states[0]
-        inner = first.raw["optimizer_state_dict"]["optimizer_state_dict"]
+        inner = first.raw[keys.OPTIMIZER_STATE_DICT][keys.ZERO3_INNER]
         shapes = ckpt.meta.param_shapes
-        self.param_groups = inner["param_groups"]
+        self.param_groups = inner[keys.PARAM_GROUPS]
         self.group_params: list[list[tuple[str, tuple]]] = []
         seen = set()
         for g, group in enumerate(self.param_groups):
-            subs = [i for i in group.get("params", [])]
+            subs = [i for i in group.get(keys.PARAMS, [])]
             if any(type(i) is not int or not 0 <= i < len(shapes) or i in seen for i in subs):
                 raise InconsistentCheckpointError(
                     f"expected param group {g} to list sub-groups of 'param_shapes' (0..{len(shapes) - 1}) once, "
@@ -373,7 +372,7 @@ class _Zero3:
                 f"the optimizer's param groups list {len(seen)} of {len(shapes)} 'param_shapes' sub-groups", first.path)
         # Scalar state (``step``) per param group, from the group's first sub-group.
         states = group_states(first, 3)
-        self.step_of = [states[group["params"][0]][1] if group["params"] else {} for group in self.param_groups]
+        self.step_of = [states[group[keys.PARAMS][0]][1] if group[keys.PARAMS] else {} for group in self.param_groups]
         self.sub_group_size = _sub_group_size(ckpt)
         self.sub_groups = [(g, sub) for g, params in enumerate(self.group_params)
                            for sub in self._split(params)]
@@ -430,13 +429,13 @@ class _Zero3:
                                                [(tp, lo, hi, 0)] if lo < hi else []))
         shapes = [OrderedDict((n, torch.Size(s)) for n, s in sub) for _, sub in self.sub_groups]
         # Only global rank 0 collects the shared params.
-        shared = self.source.copy(models[0].raw.get("shared_params"), src.path, "shared_params", sk) if r == 0 else {}
-        return _replaced(src.raw, self.source, src.path, sk, self.world, param_shapes=shapes,
-                         frozen_param_fragments=fragments, shared_params=shared)
+        shared = self.source.copy(models[0].raw.get(keys.SHARED_PARAMS), src.path, keys.SHARED_PARAMS, sk) if r == 0 else {}
+        return _replaced(src.raw, self.source, src.path, sk, self.world,
+                         {keys.PARAM_SHAPES: shapes, keys.FROZEN_PARAM_FRAGMENTS: fragments, keys.SHARED_PARAMS: shared})
 
     def _optim_file(self, r: int, sk: Skeleton) -> dict:
         src = self.source.ckpt.optim_states[0]
-        osd = src.raw["optimizer_state_dict"]
+        osd = src.raw[keys.OPTIMIZER_STATE_DICT]
         flats, state = [], {}
         for si, (g, sub) in enumerate(self.sub_groups):
             flats.append(sk.tensor(self._flat(self.source.masters, sub, r, f"fp32_flat_groups[{si}]")))
@@ -450,20 +449,20 @@ class _Zero3:
         groups = []
         for g, group in enumerate(self.param_groups):
             settings = {k: self.source.copy(v, src.path, f"param_groups[{g}].{k}", sk) for k, v in group.items()}
-            settings["params"] = [si for si, (owner, _) in enumerate(self.sub_groups) if owner == g]
+            settings[keys.PARAMS] = [si for si, (owner, _) in enumerate(self.sub_groups) if owner == g]
             groups.append(settings)
         new = {
-            "zero_stage": ds_pickle.ZeroStageEnum(int(osd["zero_stage"])),
-            "partition_count": self.world,
-            "optimizer_state_dict": {"state": state, "param_groups": groups},
-            "fp32_flat_groups": flats,
+            keys.ZERO_STAGE: ds_pickle.ZeroStageEnum(int(osd[keys.ZERO_STAGE])),
+            keys.PARTITION_COUNT: self.world,
+            keys.ZERO3_INNER: {keys.STATE: state, keys.PARAM_GROUPS: groups},
+            keys.ZERO3_FLAT: flats,
         }
-        inner = _replaced(osd, self.source, src.path, sk, self.world, **new)
-        return _replaced(src.raw, self.source, src.path, sk, self.world, optimizer_state_dict=inner)
+        inner = _replaced(osd, self.source, src.path, sk, self.world, new)
+        return _replaced(src.raw, self.source, src.path, sk, self.world, {keys.OPTIMIZER_STATE_DICT: inner})
 
 
 def _sub_group_size(ckpt: LoadedCheckpoint) -> int:
-    cfg = ckpt.meta.raw.get("ds_config")
+    cfg = ckpt.meta.raw.get(keys.DS_CONFIG)
     zero = cfg.get("zero_optimization") if isinstance(cfg, dict) else None
     value = zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE) if isinstance(zero, dict) else DEFAULT_SUB_GROUP_SIZE
     if isinstance(value, float) and value.is_integer():

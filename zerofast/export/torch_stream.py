@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from torch.serialization import skip_data
 
+from ..errors import ExportError
+from ..execute import Executor
+from ..plan import TensorPlan
 from . import ds_pickle
-from .errors import ExportError
-from .execute import Executor
-from .plan import TensorPlan
-from .write_shards import _fill, _pieces, _windows, _writing
+from .formats.safetensors import _fill, _pieces, _windows
+from .outdir import writing
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
 
@@ -54,7 +55,7 @@ def write_torch_file(path: Path, obj: Any, skeleton: Skeleton, executor: Executo
     pickler = type("Pickler", (ds_pickle.DeepSpeedNamePickler,), {"storage_hook": staticmethod(hook)})
     module = types.ModuleType(ds_pickle.PICKLE_MODULE.__name__)
     module.Pickler = pickler
-    with _writing(path):
+    with writing(path):
         with skip_data(), open(path, "wb") as f:
             torch.save(obj, f, pickle_module=module, pickle_protocol=2)
         entries = _entry_offsets(path)
