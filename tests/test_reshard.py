@@ -214,3 +214,34 @@ def test_cli(tmp_path, capsys):
     assert main(["reshard", str(root), str(tmp_path / "bad"), "--world-size", "3", "--tag", "nope"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("zerofast: error:")
+
+
+def test_broken_source_is_named_and_nothing_is_written(tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(real_root(SOURCES[2]), src)
+    victim = src / "global_step3" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(zerofast.CorruptCheckpointError) as e:
+        reshard(src, tmp_path / "out", 2)
+    assert e.value.path == str(victim)
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def test_failure_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
+    from zerofast.export.formats import reshard as module
+
+    written = []
+
+    def failing(path, obj, skeleton, executor):
+        if len(written) == 2:
+            raise zerofast.ExportError("disk full (simulated)", path)
+        written.append(path)
+        real(path, obj, skeleton, executor)
+
+    real = module.write_torch_file
+    monkeypatch.setattr(module, "write_torch_file", failing)
+    with pytest.raises(zerofast.ExportError, match="simulated"):
+        reshard(real_root(SOURCES[3]), tmp_path / "out", 2)
+    assert [p for p in os.listdir(tmp_path / "out") if not p.startswith(".zerofast")] == []
