@@ -30,9 +30,9 @@ from tests.helpers import assert_bitwise_equal, real_root, real_truth
 SOURCES = {1: "s1_bf16_w4_resume", 2: "s2_bf16_w4_resume", 3: "s3_bf16_w4_resume"}
 # More variants from the catalog, resharded to one other size each and resumed in the same jobs:
 # the BF16_Optimizer wrapper, CPU offload, stage-3 sub-groups (re-split at the new size), fp32,
-# three param groups and empty parameters.
+# three param groups, empty parameters, and stage 0 (its copy with the world size rewritten).
 VARIANTS = {2: ["s3_bf16_w4_offload", "s3_fp32_w3_3groups_subgroups", "s1_fp32_w3"],
-            3: ["s1_bf16_w2_fp32accum", "s2_bf16_w2_offload", "s2_fp32_w4_odd_3groups"]}
+            3: ["s1_bf16_w2_fp32accum", "s2_bf16_w2_offload", "s2_fp32_w4_odd_3groups", "s0_bf16_w2"]}
 RESUME = REPO_ROOT / "tests" / "dsgen" / "resume.py"
 KEYS = ("exp_avg", "exp_avg_sq")
 

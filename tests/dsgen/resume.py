@@ -77,9 +77,10 @@ def run_case(case, errors):
     train.relink_optimizer_state(engine)
 
     checked = 0
+    masters = train.stage0_fp32_masters(engine, stage)  # stage 0 has no safe_get_full_fp32_param
     for name, p in engine.module.named_parameters():
         if name in truth["trainable"]:
-            full = safe_get_full_fp32_param(p)
+            full = masters[id(p)] if stage == 0 else safe_get_full_fp32_param(p)
             if full is None or not same_bits(full.float().reshape(truth["trainable"][name].shape),
                                              truth["trainable"][name]):
                 errors.append(f"fp32 master {name} differs")
