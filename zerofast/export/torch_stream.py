@@ -9,7 +9,9 @@ whatever the tensor sizes. The pickle names DeepSpeed's classes through :mod:`ds
 """
 from __future__ import annotations
 
+import mmap
 import struct
+import sys
 import types
 import zipfile
 from pathlib import Path
@@ -26,6 +28,8 @@ from .formats.safetensors import _fill, _pieces, _windows
 from .outdir import writing
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
+_MAPPED_FROM = 1 << 20
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 class Skeleton:
@@ -37,11 +41,21 @@ class Skeleton:
 
     def tensor(self, tp: TensorPlan) -> torch.Tensor:
         """A placeholder for ``tp``: its own storage, never written in memory."""
-        t = torch.empty(tp.shape, dtype=tp.out_dtype)
+        t = _placeholder(tp.shape, tp.out_dtype, tp.nbytes)
         if tp.numel:
             self.plans[t.untyped_storage().data_ptr()] = tp
             self.keep.append(t)
         return t
+
+
+def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    """Memory that is never touched. Large ones are mapped without reserving swap: a tensor larger
+    than RAM (a whole model's fp32 partition on one rank) is refused by ``torch.empty`` under the
+    kernel's default overcommit heuristic, but not as a mapping nobody writes."""
+    if nbytes < _MAPPED_FROM:
+        return torch.empty(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def write_torch_file(path: Path, obj: Any, skeleton: Skeleton, executor: Executor) -> None:
