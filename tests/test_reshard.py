@@ -245,3 +245,29 @@ def test_failure_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(zerofast.ExportError, match="simulated"):
         reshard(real_root(SOURCES[3]), tmp_path / "out", 2)
     assert [p for p in os.listdir(tmp_path / "out") if not p.startswith(".zerofast")] == []
+
+
+def test_workers_share_the_files(outputs, tmp_path):
+    """Two local ranks (--workers 2) write what one process writes."""
+    root = real_root(SOURCES[3])
+    assert main(["reshard", str(root), str(tmp_path / "r"), "--world-size", "3", "--workers", "2"]) == 0
+    assert main(["to-universal", str(root), str(tmp_path / "u" / "global_step3"), "--workers", "2"]) == 0
+    alone = outputs[3]["w3"]
+    assert sorted(os.listdir(tmp_path / "r" / "global_step3")) == sorted(os.listdir(alone / "global_step3"))
+    for name, value in zerofast.reconstruct(alone, dtype=None).items():
+        assert_bitwise_equal(zerofast.reconstruct(tmp_path / "r", dtype=None)[name], value, name)
+    for key in KEYS:
+        want = zerofast.optimizer_state(alone, key)
+        got = zerofast.optimizer_state(tmp_path / "r", key)
+        for name in want:
+            assert_bitwise_equal(got[name], want[name], f"{key} {name}")
+    universal = outputs[3]["universal"] / "global_step3"
+    files = sorted(p.relative_to(universal) for p in universal.rglob("*.pt"))
+    assert sorted(p.relative_to(tmp_path / "u" / "global_step3")
+                  for p in (tmp_path / "u" / "global_step3").rglob("*.pt")) == files
+    for rel in files:
+        if rel.parts[0] == "zero" and rel.name != "optimizer_state.pt":
+            a = torch.load(universal / rel, weights_only=True)
+            b = torch.load(tmp_path / "u" / "global_step3" / rel, weights_only=True)
+            a, b = (a["param"], b["param"]) if isinstance(a, dict) else (a, b)
+            assert_bitwise_equal(b, a, str(rel))

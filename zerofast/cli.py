@@ -197,6 +197,8 @@ def _add_resume(sub, common) -> None:
     r.add_argument("--world-size", type=_positive_int, required=True, metavar="N",
                    help="the new data-parallel world size")
     r.add_argument("--overwrite", action="store_true", help="write into a non-empty folder zerofast did not write")
+    r.add_argument("--workers", type=_positive, default=1, metavar="N",
+                   help="share the files among N processes on this machine (under torchrun, the ranks share them)")
     r.set_defaults(run=_reshard)
     u = sub.add_parser("to-universal", parents=[common], help="write DeepSpeed's universal checkpoint layout",
                        description="Write the checkpoint in the layout of deepspeed.checkpoint.ds_to_universal "
@@ -206,6 +208,8 @@ def _add_resume(sub, common) -> None:
     u.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     u.add_argument("out", metavar="OUT", help="the universal tag folder, e.g. ckpt_universal/global_step100")
     u.add_argument("--overwrite", action="store_true", help="write into a non-empty folder zerofast did not write")
+    u.add_argument("--workers", type=_positive, default=1, metavar="N",
+                   help="share the files among N processes on this machine (under torchrun, the ranks share them)")
     u.set_defaults(run=_to_universal)
 
 
@@ -222,17 +226,32 @@ def _positive_int(text: str) -> int:
 def _reshard(args: argparse.Namespace) -> int:
     from .export.formats.reshard import reshard
 
-    out = reshard(args.ckpt, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite)
-    print(f"wrote {out} for {args.world_size} data-parallel ranks")
+    out = _shared(args, reshard, args.ckpt, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite)
+    if out is not None:
+        print(f"wrote {out} for {args.world_size} data-parallel ranks")
     return 0
 
 
 def _to_universal(args: argparse.Namespace) -> int:
     from .export.formats.universal import to_universal
 
-    out = to_universal(args.ckpt, args.out, tag=args.tag, overwrite=args.overwrite)
-    print(f"wrote the universal checkpoint {out} (latest_universal in {out.parent})")
+    out = _shared(args, to_universal, args.ckpt, args.out, tag=args.tag, overwrite=args.overwrite)
+    if out is not None:
+        print(f"wrote the universal checkpoint {out} (latest_universal in {out.parent})")
     return 0
+
+
+def _shared(args: argparse.Namespace, write, *positional, **options):
+    """Run ``write`` alone, as the ranks of this torchrun job, or as --workers local ranks. Returns
+    its result on the process that reports it, else None."""
+    if args.workers > 1:
+        distributed.launch_local(args.workers, _as_one_rank(args.argv))
+        return None
+    if not distributed.launched():
+        return write(*positional, **options)
+    with distributed.joined(torch.device("cpu")) as team, distributed._sigterm_raises(team):
+        result = write(*positional, team=team, **options)
+    return result if team.leader else None
 
 
 def _is_tty(stream: TextIO) -> bool:

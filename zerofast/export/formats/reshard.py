@@ -30,7 +30,7 @@ import shutil
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,7 +45,11 @@ from ...plan.model import tensor_identity
 from ...plan.optimizer import _checked_states, _state_flat_groups, available_keys, group_states
 from .. import ds_pickle
 from ..outdir import _write_marker, os_error, output_dir, write_text
+from ..run import _ALONE
 from ..torch_stream import Skeleton, write_torch_file
+
+if TYPE_CHECKING:
+    from ..distributed import Team
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # DeepSpeed's stage_1_and_2.py / bf16_optimizer.py
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size default
@@ -54,7 +58,7 @@ _RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 def reshard(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
-            overwrite: bool = False) -> Path:
+            overwrite: bool = False, team: Team | None = None) -> Path:
     """Write the checkpoint at ``ckpt_dir`` as DeepSpeed would have saved it at ``world_size``
     data-parallel ranks, so that a plain ``engine.load_checkpoint(out_dir)`` at that size resumes.
 
@@ -66,30 +70,59 @@ def reshard(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size:
         world_size: the new data-parallel world size.
         tag: which save to read when the root holds several (the output keeps its tag).
         overwrite: write into a folder that holds files zerofast did not write.
+        team: the ranks sharing the files (``zerofast.export.distributed``); None writes them all.
 
     Returns:
         The tag folder written.
     """
     if type(world_size) is not int or world_size < 1:
         raise ReshardError(f"expected a world size (an int >= 1), got {world_size!r}")
-    files = discover(ckpt_dir, tag)
-    ckpt = load_checkpoint(files)
-    source = _Source.read(ckpt)
-    writer = _LAYOUTS[ckpt.stage](source, world_size)
+    team = team or _ALONE
     out = Path(out_dir)
-    with output_dir(out, overwrite) as (tmp, previous):
-        tag_dir = tmp / files.tag
-        tag_dir.mkdir()
-        for name, obj, skeleton in writer.files():
-            write_torch_file(tag_dir / name, obj, skeleton, source.executor)
-        write_text(tmp / "latest", files.tag)
-        names = [files.tag, "latest"]
-        for script in _RECOVERY_SCRIPTS:
-            if (files.root / script).is_file():
-                shutil.copyfile(files.root / script, tmp / script)
-                names.append(script)
-        commit_tree(out, tmp, names, previous)
+    with team.step("reading the checkpoint", out):
+        files = discover(ckpt_dir, tag)
+        ckpt = load_checkpoint(files)
+        source = _Source.read(ckpt)
+        writer = _LAYOUTS[ckpt.stage](source, world_size)
+    with team.output_dir(out, overwrite) as (tmp, previous):
+        produce = lambda: ((f"{files.tag}/{name}", obj, sk) for name, obj, sk in writer.files())  # noqa: E731
+        write_shared(team, out, tmp, files.tag, produce, source.executor)
+        with team.step("committing", out):
+            if team.leader:
+                write_text(tmp / "latest", files.tag)
+                names = [files.tag, "latest"]
+                for script in _RECOVERY_SCRIPTS:
+                    if (files.root / script).is_file():
+                        shutil.copyfile(files.root / script, tmp / script)
+                        names.append(script)
+                commit_tree(out, tmp, names, previous)
     return out / files.tag
+
+
+@dataclass(frozen=True)
+class FileWrite:
+    """One output file as the ranks share them out (``Team.share`` reads ``file.name``,
+    ``file.keys`` and ``nbytes``)."""
+
+    name: str  # the path under the output folder
+    nbytes: int
+    keys: tuple = ()
+
+    @property
+    def file(self) -> "FileWrite":
+        return self
+
+
+def write_shared(team, out: Path, tmp: Path, tag: str, produce, executor: Executor) -> None:
+    """Write this rank's share of the files ``produce()`` yields as (path, object, skeleton).
+    Every rank plans every file (metadata only, one file at a time) and writes its own."""
+    planned = [FileWrite(path, sum(tp.nbytes for tp in sk.plans.values())) for path, _, sk in produce()]
+    mine = {w.name for w in team.share(planned, tag, out)}
+    with team.step("writing the files", out):
+        for path, obj, skeleton in produce():
+            if path in mine:
+                (tmp / path).parent.mkdir(parents=True, exist_ok=True)
+                write_torch_file(tmp / path, obj, skeleton, executor)
 
 
 def commit_tree(out_dir: Path, tmp: Path, names: list[str], previous: list[str]) -> None:

@@ -22,6 +22,7 @@ import os
 import shutil
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,41 +35,50 @@ from ...plan import BUFFER, FROZEN, TensorPlan, build_plan
 from ...plan.optimizer import group_states
 from .. import ds_pickle
 from ..outdir import os_error, output_dir
-from ..torch_stream import Skeleton, write_torch_file
-from .reshard import _Source, commit_tree, concat
+from ..run import _ALONE
+from ..torch_stream import Skeleton
+from .reshard import _Source, commit_tree, concat, write_shared
+
+if TYPE_CHECKING:
+    from ..distributed import Team
 
 LATEST = "latest_universal"
 _SHARDED = (keys.ZERO12_INNER, keys.SLICE_MAPPINGS, keys.ZERO12_FLAT)
 
 
 def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag: str | None = None,
-                 overwrite: bool = False) -> Path:
+                 overwrite: bool = False, team: "Team | None" = None) -> Path:
     """Write the ZeRO stage 1-3 checkpoint at ``ckpt_dir`` as a universal checkpoint in ``out_dir``
-    (a tag folder: ``latest_universal`` in its parent names it). Returns ``out_dir``."""
-    files = discover(ckpt_dir, tag)
-    ckpt = load_checkpoint(files)
-    if ckpt.stage == 0:
-        raise UnsupportedCheckpointError(
-            "universal checkpoints are made from ZeRO stage 1-3 saves; this is stage 0, which every world size "
-            "already loads", ckpt.meta.path)
-    source = _Source.read(ckpt)
+    (a tag folder: ``latest_universal`` in its parent names it). Returns ``out_dir``. ``team``:
+    the ranks sharing the files (``zerofast.export.distributed``); None writes them all."""
+    team = team or _ALONE
     out = Path(out_dir)
-    with output_dir(out, overwrite) as (tmp, previous):
-        names = []
-        for path in files.model_files:
-            shutil.copyfile(path, tmp / path.name)
-            names.append(path.name)
-        (tmp / "zero").mkdir()
-        _write_optimizer_state(source, tmp / "zero" / "optimizer_state.pt")
-        for name, items in _param_files(source):
-            folder = tmp / "zero" / name
-            folder.mkdir()
-            for key, obj, skeleton in items:
-                write_torch_file(folder / f"{key}.pt", obj, skeleton, source.executor)
-        names.append("zero")
-        commit_tree(out, tmp, names, previous)
-    _write_latest(out)
+    with team.step("reading the checkpoint", out):
+        files = discover(ckpt_dir, tag)
+        ckpt = load_checkpoint(files)
+        if ckpt.stage == 0:
+            raise UnsupportedCheckpointError(
+                "universal checkpoints are made from ZeRO stage 1-3 saves; this is stage 0, which every world "
+                "size already loads", ckpt.meta.path)
+        source = _Source.read(ckpt)
+    with team.output_dir(out, overwrite) as (tmp, previous):
+        write_shared(team, out, tmp, files.tag, lambda: _files(source), source.executor)
+        with team.step("committing", out):
+            if team.leader:
+                for path in files.model_files:
+                    shutil.copyfile(path, tmp / path.name)
+                names = [p.name for p in files.model_files] + ["zero"]
+                commit_tree(out, tmp, names, previous)
+                _write_latest(out)
     return out
+
+
+def _files(source: _Source):
+    """(path under the output folder, object, skeleton) of every file under ``zero/``."""
+    yield "zero/optimizer_state.pt", *_optimizer_state(source)
+    for name, items in _param_files(source):
+        for key, obj, skeleton in items:
+            yield f"zero/{name}/{key}.pt", obj, skeleton
 
 
 def _write_latest(out: Path) -> None:
@@ -80,7 +90,7 @@ def _write_latest(out: Path) -> None:
         raise ExportError(f"cannot write {LATEST}: {os_error(e)}", out.parent / LATEST) from e
 
 
-def _write_optimizer_state(source: _Source, path: Path) -> None:
+def _optimizer_state(source: _Source) -> tuple[dict, Skeleton]:
     """What DeepSpeed's universal loader reads besides the parameters: loss scaling, clipping, the
     version, the step (stage 3) and the param groups; none of the partitioned tensors."""
     first = source.ckpt.optim_states[0]
@@ -100,7 +110,7 @@ def _write_optimizer_state(source: _Source, path: Path) -> None:
         out = {k: _global(source, first, k, v, sk) for k, v in osd.items() if k not in _SHARDED}
         out[keys.PARAM_GROUPS] = source.copy(osd[keys.ZERO12_INNER][keys.PARAM_GROUPS], first.path,
                                           keys.PARAM_GROUPS, sk)
-    write_torch_file(path, out, sk, source.executor)
+    return out, sk
 
 
 def _global(source: _Source, first, key, value, sk: Skeleton):
