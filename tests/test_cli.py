@@ -261,7 +261,7 @@ def _truncate(root: Path, tag_dir: Path) -> tuple[Path, str]:
 
 def _remove_rank(root: Path, tag_dir: Path) -> tuple[Path, str]:
     (tag_dir / OPTIM).unlink()
-    return tag_dir, "partition_count is 2 but only 1 optimizer rank files are present"
+    return tag_dir, "missing: bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
 
 def _unknown_stage(root: Path, tag_dir: Path) -> tuple[Path, str]:

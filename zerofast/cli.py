@@ -306,6 +306,7 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
               for label, d in dtypes.CLI_NAMES.items()}
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
+        "universal": ckpt.universal is not None,
         "world_size": plan.world_size, "deepspeed_version": ckpt.ds_version,
         "global_steps": ckpt.meta.raw.get(keys.GLOBAL_STEPS),
         "training_dtype": _training_dtype(ckpt.meta.raw.get(keys.DS_CONFIG)),
@@ -346,7 +347,7 @@ def format_report(r: dict) -> str:
     lines = [
         f"checkpoint    {r['checkpoint']}",
         f"tag           {r['tag']}" + (f"  (global step {r['global_steps']})" if r["global_steps"] is not None else ""),
-        f"stage         ZeRO-{r['stage']}",
+        f"stage         ZeRO-{r['stage']}" + ("  (universal checkpoint, from ds_to_universal)" if r.get("universal") else ""),
         f"world size    {r['world_size']}",
         f"deepspeed     {r['deepspeed_version'] or 'unknown'}",
         f"training      {r['training_dtype'] or 'unknown'} (model held in {r['model_dtype'] or 'unknown'})",

@@ -14,6 +14,14 @@ def first_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
+def some(names, limit: int = 4) -> str:
+    """``names`` for a message: the first ``limit`` of them, then how many more, so that a folder
+    missing ten thousand files still gets a one-line error."""
+    names = [str(n) for n in names]
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
 class ZeroFastError(Exception):
     """Base class of every error zerofast raises about its input or its build."""
 
