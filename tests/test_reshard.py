@@ -156,6 +156,10 @@ def test_universal_layout(outputs, stage):
     assert set(module) == set(truth["frozen"]) | set(truth["buffers"])
     for name, value in {**truth["frozen"], **truth["buffers"]}.items():
         assert_bitwise_equal(module[name], value, name)
+    # zerofast's own universal reader sees the run's values too, frozen params and buffers included.
+    state = zerofast.reconstruct(folder, dtype=None)
+    for name, value in {**truth["trainable"], **truth["frozen"], **truth["buffers"]}.items():
+        assert_bitwise_equal(state[name], value, f"read back {name}")
 
 
 def test_stage0_is_a_copy_with_the_world_size_rewritten(tmp_path):
