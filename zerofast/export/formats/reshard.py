@@ -4,7 +4,7 @@ DeepSpeed refuses to load a ZeRO checkpoint at another data-parallel size. The p
 already know where every element of the fp32 masters and of the Adam moments sits; here the
 other direction is laid out: for each target rank, the flat partitions DeepSpeed 0.19.8 builds
 at world size N, each described as a :class:`TensorPlan` over the source files, written through
-the native executor straight into the new files (see :mod:`torch_file`).
+the native executor straight into the new files (see :mod:`..torch_stream`).
 
 How DeepSpeed lays the partitions out at world size N:
 
@@ -85,7 +85,9 @@ def reshard(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size:
         source = _Source.read(ckpt)
         writer = _LAYOUTS[ckpt.stage](source, world_size)
     with team.output_dir(out, overwrite) as (tmp, previous):
-        produce = lambda: ((f"{files.tag}/{name}", obj, sk) for name, obj, sk in writer.files())  # noqa: E731
+        def produce():
+            return ((f"{files.tag}/{name}", obj, sk) for name, obj, sk in writer.files())
+
         write_shared(team, out, tmp, files.tag, produce, source.executor)
         with team.step("committing", out):
             if team.leader:
@@ -126,12 +128,13 @@ def write_shared(team, out: Path, tmp: Path, tag: str, produce, executor: Execut
 
 
 def commit_tree(out_dir: Path, tmp: Path, names: list[str], previous: list[str]) -> None:
-    """Move files and folders from ``tmp`` into ``out_dir``, the last name last (``latest``), after
-    removing what they replace and what the previous run wrote. The export's marker claims every
-    name first, so a rerun after an interruption recognizes them as zerofast's."""
+    """Move files and folders from ``tmp`` into ``out_dir`` in the order of ``names`` (``latest``
+    after the tag folder it names), after removing what they replace and what the previous run
+    wrote (``latest`` first, so it never names a folder that is gone). The export's marker claims
+    every name first, so a rerun after an interruption recognizes them as zerofast's."""
     _write_marker(out_dir, tmp, sorted(set(previous) | set(names)))
     try:
-        for name in sorted(set(previous) | set(names), key=lambda n: n == "latest"):
+        for name in sorted(set(previous) | set(names), key=lambda n: n != "latest"):
             path = out_dir / name
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -209,8 +212,8 @@ def _plans(entries: dict) -> dict[str, TensorPlan]:
 
 
 def _check_optimizer(ckpt: LoadedCheckpoint) -> None:
-    zero = ckpt.meta.raw.get(keys.DS_CONFIG, {}).get("zero_optimization", {}) if isinstance(
-        ckpt.meta.raw.get(keys.DS_CONFIG), dict) else {}
+    cfg = ckpt.meta.raw.get(keys.DS_CONFIG)
+    zero = cfg.get("zero_optimization") if isinstance(cfg, dict) else None
     if isinstance(zero, dict) and zero.get("round_robin_gradients"):
         raise UnsupportedCheckpointError(
             "resharding with round_robin_gradients is not supported: the flat order of the parameters depends on "
