@@ -15,12 +15,14 @@ from .errors import (
     CorruptCheckpointError,
     DeviceError,
     ExportError,
+    FrozenWeightsAbsentWarning,
     IncompleteCheckpointError,
     InconsistentCheckpointError,
     LoadIntoError,
     MissingOptimizerStateError,
     NativeExtensionError,
     OutputExistsError,
+    PeftExportWarning,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
     ReshardError,
@@ -32,6 +34,7 @@ from .load_into import IncompatibleKeys, load_into
 from .optimizer_states import optimizer_state
 from .export.formats.reshard import reshard
 from .export.formats.universal import to_universal, universal_module_state
+from .names import sequential_names
 from . import compat
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "IncompatibleKeys",
     "LoadIntoError",
     "optimizer_state",
+    "sequential_names",
     "MissingOptimizerStateError",
     "compat",
     "reshard",
@@ -54,6 +58,8 @@ __all__ = [
     "LazyStateDict",
     "TensorMeta",
     "ZeroFastError",
+    "FrozenWeightsAbsentWarning",
+    "PeftExportWarning",
     "AmbiguousTagError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",

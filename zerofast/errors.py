@@ -88,3 +88,13 @@ class LoadIntoError(ZeroFastError, RuntimeError):
 class ReshardError(ZeroFastError, ValueError):
     """The requested resharding cannot be written: a world size that cannot hold the model's
     partitions, or a layout the target format cannot express."""
+
+
+class FrozenWeightsAbsentWarning(UserWarning):
+    """The checkpoint was saved without its frozen parameters (``exclude_frozen_parameters=True``,
+    as the HF Trainer saves PEFT models): the full state dict asked for holds only the trainable
+    parameters and buffers."""
+
+
+class PeftExportWarning(UserWarning):
+    """A PEFT checkpoint exported as it is: its names are PEFT's, which transformers does not load."""

@@ -21,7 +21,12 @@ from typing import Iterator, Sequence
 
 from ..errors import ExportError, OutputExistsError, ZeroFastError
 
-MARKER = ".zerofast-export.json"  # lists the files the last export put in the folder
+# Lists the files the last export put in the folder. It sits under .cache/huggingface/, which
+# huggingface_hub's upload_folder never uploads (its default ignore patterns); older versions
+# wrote LEGACY_MARKER at the top, which is still read and then removed.
+MARKER = ".cache/huggingface/zerofast-export.json"
+LEGACY_MARKER = ".zerofast-export.json"
+_HIDDEN = (".cache", LEGACY_MARKER)  # never counted as the user's files
 TMP_DIR = re.compile(r"^\.zerofast-tmp-\d+$")
 # Files an export replaces even in a folder it did not write (``overwrite``): model weights.
 WEIGHT_FILE = re.compile(r"^(model(-\d{5,}-of-\d{5,})?\.safetensors|pytorch_model(-\d{5,}-of-\d{5,})?\.bin)"
@@ -69,24 +74,29 @@ def _lock(fd: int, out_dir: Path) -> None:
         raise OutputExistsError("another zerofast export is writing into this folder", out_dir) from None
 
 
-def _read_marker(out_dir: Path) -> list[str]:
-    try:
-        files = json.loads((out_dir / MARKER).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
+def _read_marker(out_dir: Path) -> list[str] | None:
+    """The files the previous export wrote; None where no zerofast export was ever committed."""
+    for name in (MARKER, LEGACY_MARKER):
+        try:
+            files = json.loads((out_dir / name).read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
+    return None
 
 
 def _check_owner(out_dir: Path, overwrite: bool) -> list[str]:
+    """The previous export's files. A folder zerofast never exported into must be empty (or
+    ``overwrite`` given); files a user added to an export of ours stay and do not block a rerun."""
     previous = _read_marker(out_dir)
-    ours = set(previous) | {MARKER}
+    ours = set(previous or ()) | set(_HIDDEN)
     foreign = sorted(n for n in os.listdir(out_dir) if n not in ours and not TMP_DIR.match(n))
-    if foreign and not overwrite:
+    if foreign and not overwrite and previous is None:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise OutputExistsError(
             f"the folder holds files zerofast did not write ({shown}); pass overwrite=True (--overwrite) to "
             "export into it anyway, replacing only model weight files", out_dir)
-    return previous
+    return previous or []
 
 
 def commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | None, previous: Sequence[str]) -> None:
@@ -116,9 +126,16 @@ def commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | Non
 
 
 def _write_marker(out_dir: Path, tmp: Path, files: Sequence[str]) -> None:
-    staged = tmp / MARKER
+    staged = tmp / Path(MARKER).name
     write_text(staged, json.dumps({"written_by": "zerofast", "files": list(files)}, indent=2) + "\n")
-    os.replace(staged, out_dir / MARKER)
+    final = out_dir / MARKER
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create the folder for zerofast's list of files: {os_error(e)}", final.parent) from e
+    os.replace(staged, final)
+    with contextlib.suppress(FileNotFoundError):
+        (out_dir / LEGACY_MARKER).unlink()
 
 
 @contextmanager
@@ -138,6 +155,11 @@ def writing(path: Path) -> Iterator[None]:
 def write_text(path: Path, text: str) -> None:
     with writing(path):
         path.write_text(text)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    with writing(path):
+        path.write_bytes(data)
 
 
 def _final_name(path: Path) -> Path:
