@@ -438,9 +438,11 @@ def _frozen_shapes(plan: _Plan) -> OrderedDict:
 # --------------------------------------------------------------------------------------------
 
 
-def _flat_masters(plan: _Plan, vals: _Values, align: int):
-    """One fp32 flat buffer per group, padded to `align`; returns (flats, totals, views)."""
+def _flat_masters(plan: _Plan, vals: _Values, align: int, unambiguous: bool = False):
+    """One fp32 flat buffer per group, padded to `align`; returns (flats, totals, views).
+    ``unambiguous``: stage 0's flat masters, which readers cut by value (see _unambiguous_master)."""
     flats, totals, views = [], [], {}
+    taken: set[bytes] = set()
     for g in plan.groups:
         total = sum(p.numel for p in g)
         padded = math.ceil(total / align) * align
@@ -448,7 +450,12 @@ def _flat_masters(plan: _Plan, vals: _Values, align: int):
         flat[total:] = 0
         off = 0
         for p in g:
-            views[p.name] = vals.fill(flat[off:off + p.numel]).view(p.shape)
+            piece = flat[off:off + p.numel]
+            if unambiguous:
+                _unambiguous_master(vals, piece, plan.dtype, taken)
+            else:
+                vals.fill(piece)
+            views[p.name] = piece.view(p.shape)
             off += p.numel
         flats.append(flat)
         totals.append(total)
@@ -474,6 +481,25 @@ def _per_param_adam(plan: _Plan, vals: _Values, groups: list[list[ParamSpec]]) -
     return {"state": state, "param_groups": param_groups}
 
 
+def _unambiguous_master(vals: _Values, out: torch.Tensor, dtype: torch.dtype, taken: set[bytes]) -> torch.Tensor:
+    """Fill ``out`` (a fresh fp32 master) so that its first element in the model dtype starts no
+    earlier master.
+
+    Stage 0 names no parameter for its masters, so a reader can only match them by value, and a
+    real save whose masters round alike is ambiguous (zerofast refuses it; see the stage-0 tests).
+    Random layouts are meant to be readable: with distinct first elements, at most one parameter
+    can match at any offset, so both the per-parameter matching and the cutting of flat masters
+    have exactly one answer. Colliding draws are redrawn."""
+    while True:
+        vals.fill(out)
+        if dtype == torch.float32 or out.numel() == 0:
+            return out
+        key = out.reshape(-1)[:1].to(dtype).view(torch.uint8).numpy().tobytes()
+        if key not in taken:
+            taken.add(key)
+            return out
+
+
 def _write_stage0(plan: _Plan, vals: _Values, tag_dir: str, cfg: dict):
     spec = plan.spec
     frozen_vals = _frozen_values(plan, vals)
@@ -481,7 +507,7 @@ def _write_stage0(plan: _Plan, vals: _Values, tag_dir: str, cfg: dict):
     params: dict[str, torch.Tensor] = dict(frozen_vals)
     masters: dict[str, torch.Tensor] = {}
     if spec.stage0_flat_masters:
-        flats, _, masters = _flat_masters(plan, vals, 1)
+        flats, _, masters = _flat_masters(plan, vals, 1, unambiguous=True)
         lp_flats = [f.to(plan.dtype) for f in flats]
         for g, lp in zip(plan.groups, lp_flats):
             off = 0
@@ -489,9 +515,10 @@ def _write_stage0(plan: _Plan, vals: _Values, tag_dir: str, cfg: dict):
                 params[p.name] = lp[off:off + p.numel].view(p.shape)
                 off += p.numel
     else:
+        taken: set[bytes] = set()
         for g in plan.groups:
             for p in g:
-                masters[p.name] = vals.fill(torch.empty(p.shape, dtype=torch.float32))
+                masters[p.name] = _unambiguous_master(vals, torch.empty(p.shape), plan.dtype, taken)
                 params[p.name] = masters[p.name] if plan.dtype == torch.float32 else masters[p.name].to(plan.dtype)
     module = _module(plan, params, buffer_vals)
 
