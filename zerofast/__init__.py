@@ -35,6 +35,7 @@ from .errors import (
     PeftExportWarning,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
+    ReshardError,
     ZeroFastError,
 )
 
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from .export import ExportResult, LazyStateDict, TensorMeta, export, load_exported
     from .load_into import IncompatibleKeys, load_into
     from .names import sequential_names
+    from .export.formats.reshard import reshard
+    from .export.formats.universal import to_universal, universal_module_state
     from .optimizer_states import optimizer_state
     from .reconstruct import reconstruct
 
@@ -58,6 +61,9 @@ _LAZY = {
     "IncompatibleKeys": ".load_into",
     "optimizer_state": ".optimizer_states",
     "sequential_names": ".names",
+    "reshard": ".export.formats.reshard",
+    "to_universal": ".export.formats.universal",
+    "universal_module_state": ".export.formats.universal",
 }
 
 
@@ -101,6 +107,10 @@ __all__ = [
     "sequential_names",
     "MissingOptimizerStateError",
     "compat",
+    "reshard",
+    "to_universal",
+    "universal_module_state",
+    "ReshardError",
     "ExportResult",
     "ExportError",
     "OutputExistsError",

@@ -53,14 +53,15 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import random
 import re
-import types
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+
+from ..export import ds_pickle
+from ..export.ds_pickle import ZeroStageEnum as _ZeroStageEnum, ds_global
 
 __all__ = [
     "ParamSpec",
@@ -144,17 +145,7 @@ class GroundTruth:
 # --------------------------------------------------------------------------------------------
 
 
-class _ZeroStageEnum:
-    """Stands in for deepspeed.runtime.zero.config.ZeroStageEnum (an int Enum)."""
-
-    def __init__(self, value: int):
-        self.value = value
-
-    def __reduce_ex__(self, protocol):
-        # What Enum.__reduce_ex__ returns: the class called with the value.
-        return (type(self), (self.value,))
-
-
+@ds_global("deepspeed.utils.tensor_fragment", "fragment_address")
 class _FragmentAddress:
     """Stands in for the dataclass deepspeed.utils.tensor_fragment.fragment_address."""
 
@@ -163,6 +154,7 @@ class _FragmentAddress:
         self.start = start
 
 
+@ds_global("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 class _LossScaler:
     """Stands in for deepspeed.runtime.fp16.loss_scaler.LossScaler (static scale)."""
 
@@ -171,6 +163,7 @@ class _LossScaler:
         self.dynamic = False
 
 
+@ds_global("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
 class _DynamicLossScaler:
     """Stands in for deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler, fp16 defaults."""
 
@@ -198,42 +191,8 @@ def _fp16_loss_scale(steps: int):
     return 2**16 if doublings == 0 else 2.0**16 * 2.0**doublings
 
 
-_DS_GLOBALS = {
-    _ZeroStageEnum: ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-    _FragmentAddress: ("deepspeed.utils.tensor_fragment", "fragment_address"),
-    _LossScaler: ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    _DynamicLossScaler: ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-}
-
-
-class _DeepSpeedNamePickler(pickle._Pickler):
-    """Pure-python pickler that writes the stand-in classes under DeepSpeed's names.
-
-    The stock save_global imports the module to check the name; for the stand-ins the opcode is
-    written directly, so `deepspeed` is neither needed nor imported.
-    """
-
-    def save_global(self, obj, name=None):
-        target = _DS_GLOBALS.get(obj) if isinstance(obj, type) else None
-        if target is None:
-            return super().save_global(obj, name)
-        module, qualname = target
-        if self.proto >= 4:
-            self.save(module)
-            self.save(qualname)
-            self.write(pickle.STACK_GLOBAL)
-        else:
-            self.write(pickle.GLOBAL + module.encode("utf-8") + b"\n" + qualname.encode("utf-8") + b"\n")
-        self.memoize(obj)
-
-
-# torch.save(pickle_module=...) only needs `Pickler` (and `__name__`). Not put in sys.modules.
-_PICKLE_MODULE = types.ModuleType("zerofast._deepspeed_names_pickle")
-_PICKLE_MODULE.Pickler = _DeepSpeedNamePickler
-
-
 def _save(obj, path: str) -> None:
-    torch.save(obj, path, pickle_module=_PICKLE_MODULE, pickle_protocol=2)
+    ds_pickle.save(obj, path)
 
 
 # --------------------------------------------------------------------------------------------
