@@ -27,6 +27,7 @@ from .errors import (
     ZeroFastError,
     first_line,
 )
+from .pickle_bounds import BoundsExceeded
 from .stand_ins import RefusedState
 from .unpickle import Refused, load_archive
 
@@ -41,6 +42,11 @@ def load_file(path: Path) -> Any:
     except RefusedState as e:
         raise UnsafeCheckpointError(
             f"refused pickle global {e.global_name!r}: {e.reason}; nothing was executed", path) from None
+    except BoundsExceeded as e:
+        raise UnsafeCheckpointError(f"refused data.pkl: {e}; nothing was executed", path) from None
+    except RecursionError:
+        raise UnsafeCheckpointError("refused data.pkl: its objects nest too deeply; nothing was executed",
+                                    path) from None
     except ZeroFastError:
         raise
     # A malformed pickle fails inside the unpickler or a rebuild function with any of these (bad
