@@ -9,6 +9,7 @@ type-checked here, with the file in hand.
 """
 from __future__ import annotations
 
+import itertools
 import pickle
 import struct
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
     ZeroFastError,
+    few,
     first_line,
+    short_repr,
 )
 from .pickle_bounds import BoundsExceeded
 from .stand_ins import RefusedState
@@ -112,6 +115,11 @@ def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
     return LoadedCheckpoint(files, stage, world_size, model_states, optim_states)
 
 
+def _keys(mapping: dict) -> str:
+    shown = sorted(str(k)[:40] if isinstance(k, str) else short_repr(k, 40) for k in itertools.islice(mapping, 12))
+    return str(shown) if len(mapping) <= 12 else f"{str(shown)[:-1]}, ... ({len(mapping)} in all)]"
+
+
 def _expect_dict(path: Path, obj: Any, what: str) -> dict:
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"expected {what} to be a dict, found {type(obj).__name__}", path)
@@ -129,7 +137,7 @@ def _expect_list(path: Path, obj: Any, what: str) -> list:
 
 def _expect_int(path: Path, obj: Any, what: str, minimum: int = 0) -> int:
     if type(obj) is not int or obj < minimum:  # bool is an int to Python, never to DeepSpeed
-        raise CorruptCheckpointError(f"expected {what} to be an int >= {minimum}, found {obj!r:.80}", path)
+        raise CorruptCheckpointError(f"expected {what} to be an int >= {minimum}, found {short_repr(obj)}", path)
     return obj
 
 
@@ -147,13 +155,13 @@ def _expect_mapping(path: Path, obj: Any, what: str, value_type: type, value_wha
         if not isinstance(k, str) or not isinstance(v, value_type):
             raise CorruptCheckpointError(
                 f"expected {what} to map names (str) to {value_what}, found {type(k).__name__} -> "
-                f"{type(v).__name__} for {k!r:.80}", path)
+                f"{type(v).__name__} for {short_repr(k)}", path)
     return mapping
 
 
 def _shape(path: Path, name: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(type(d) is int and d >= 0 for d in value):
-        raise InconsistentCheckpointError(f"expected a shape (non-negative ints) for {name!r}, found {value!r:.80}",
+        raise InconsistentCheckpointError(f"expected a shape (non-negative ints) for {name!r}, found {short_repr(value)}",
                                           path)
     return tuple(value)
 
@@ -165,12 +173,12 @@ def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:
 def _model_states(path: Path) -> ModelStates:
     raw = _expect_dict(path, load_file(path), "the model-states file")
     if "module" not in raw:
-        raise CorruptCheckpointError(f"expected a 'module' entry, found keys {sorted(map(str, raw))[:12]}", path)
+        raise CorruptCheckpointError(f"expected a 'module' entry, found keys {_keys(raw)}", path)
     module = _expect_mapping(path, raw["module"], "'module'", object, "tensors")
     for name, value in module.items():
         if not isinstance(value, torch.Tensor):
             raise UnsupportedCheckpointError(
-                f"expected every 'module' entry to be a tensor, found a {type(value).__name__} for {name!r} "
+                f"expected every 'module' entry to be a tensor, found a {type(value).__name__} for {short_repr(name)} "
                 "(non-tensor extra state is not supported yet)", path)
     shapes = raw.get("param_shapes")
     if shapes is not None:
@@ -200,7 +208,7 @@ def _optim_states(path: Path) -> OptimStates:
     if key is None:
         raise CorruptCheckpointError(
             "expected 'fp32_flat_groups' (stage 3) or 'single_partition_of_fp32_groups' (stages 1-2) in "
-            f"'optimizer_state_dict', found keys {sorted(map(str, osd))[:12]}", path)
+            f"'optimizer_state_dict', found keys {_keys(osd)}", path)
     groups = _expect_list(path, osd[key], f"{key!r}")
     for i, g in enumerate(groups):
         if not isinstance(g, torch.Tensor) or g.dim() != 1 or not g.is_floating_point():
@@ -302,7 +310,7 @@ def _check_parallelism(meta: ModelStates) -> None:
                                ("pp_degree", dims.get("pp_degree"), "pipeline-parallel")):
         if degree is not None and degree != 1:
             raise UnsupportedCheckpointError(
-                f"{kind} checkpoints are not supported yet (expected {what} 1, found {degree!r:.40})", meta.path)
+                f"{kind} checkpoints are not supported yet (expected {what} 1, found {short_repr(degree, 40)})", meta.path)
 
 
 def _check_flat_groups(stage: int, optims: list[OptimStates]) -> None:
