@@ -15,7 +15,7 @@ from typing import Sequence, TextIO
 
 import torch
 
-from .errors import ZeroFastError
+from .errors import ZeroFastError, short_repr
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
 KINDS = ("trainable", "frozen", "buffer")
@@ -246,12 +246,23 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
               for label, d in DTYPES.items()}
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
-        "world_size": plan.world_size, "deepspeed_version": ckpt.ds_version,
-        "global_steps": ckpt.meta.raw.get("global_steps"),
+        "world_size": plan.world_size, "deepspeed_version": _text_or_none(ckpt.ds_version),
+        "global_steps": _int_or_none(ckpt.meta.raw.get("global_steps")),
         "training_dtype": _training_dtype(ckpt.meta.raw.get("ds_config")),
         "model_dtype": _model_dtype(ckpt.meta),
         "tensors": tensors, "tied": dict(plan.aliases), "output_bytes": output,
     }
+
+
+# The file decides these values; the report holds them only as JSON types (a tensor, NaN or a
+# stand-in object would make ``--json`` fail or print what is not JSON).
+
+def _text_or_none(value) -> str | None:
+    return value[:200] if isinstance(value, str) else None if value is None else short_repr(value)
+
+
+def _int_or_none(value) -> int | None:
+    return value if type(value) is int and abs(value) < 2 ** 63 else None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -264,7 +275,7 @@ def _training_dtype(config) -> str | None:
         return None
     for key, label in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
         section = config.get(key)
-        if isinstance(section, dict) and section.get("enabled"):
+        if isinstance(section, dict) and section.get("enabled") is True:
             return label
     return "fp32"
 
@@ -280,7 +291,7 @@ def _model_dtype(meta) -> str | None:
 def _inspect(args: argparse.Namespace) -> int:
     report = describe(args.ckpt, tag=args.tag)
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2, allow_nan=False))
     else:
         print(format_report(report))
     return 0

@@ -115,6 +115,10 @@ def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
     return LoadedCheckpoint(files, stage, world_size, model_states, optim_states)
 
 
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value  # not ``or``: the truth of a tensor raises
+
+
 def _keys(mapping: dict) -> str:
     shown = sorted(str(k)[:40] if isinstance(k, str) else short_repr(k, 40) for k in itertools.islice(mapping, 12))
     return str(shown) if len(mapping) <= 12 else f"{str(shown)[:-1]}, ... ({len(mapping)} in all)]"
@@ -190,12 +194,12 @@ def _model_states(path: Path) -> ModelStates:
     return ModelStates(
         path=path,
         module=module,
-        buffer_names=_expect_names(path, raw.get("buffer_names") or [], "'buffer_names'"),
+        buffer_names=_expect_names(path, _default(raw.get("buffer_names"), []), "'buffer_names'"),
         param_shapes=shapes,
         frozen_param_shapes=None if frozen is None else _shapes(path, frozen, "'frozen_param_shapes'"),
-        frozen_param_fragments=dict(_expect_mapping(path, raw.get("frozen_param_fragments") or {},
+        frozen_param_fragments=dict(_expect_mapping(path, _default(raw.get("frozen_param_fragments"), {}),
                                                     "'frozen_param_fragments'", torch.Tensor, "tensors")),
-        shared_params=dict(_expect_mapping(path, raw.get("shared_params") or {}, "'shared_params'", str, "names")),
+        shared_params=dict(_expect_mapping(path, _default(raw.get("shared_params"), {}), "'shared_params'", str, "names")),
         dp_world_size=None if dp_world_size is None else _expect_int(path, dp_world_size, "'dp_world_size'", 1),
         raw=raw,
     )
@@ -308,7 +312,7 @@ def _check_parallelism(meta: ModelStates) -> None:
     for what, degree, kind in (("mp_world_size", meta.raw.get("mp_world_size"), "tensor-parallel"),
                                ("tp_degree", dims.get("tp_degree"), "tensor-parallel"),
                                ("pp_degree", dims.get("pp_degree"), "pipeline-parallel")):
-        if degree is not None and degree != 1:
+        if degree is not None and not (type(degree) is int and degree == 1):
             raise UnsupportedCheckpointError(
                 f"{kind} checkpoints are not supported yet (expected {what} 1, found {short_repr(degree, 40)})", meta.path)
 
