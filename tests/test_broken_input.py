@@ -342,12 +342,14 @@ def test_flat_group_count_disagrees_with_param_shapes(ckpt):
             r"^expected 2 flat fp32 groups \(one per 'param_shapes' group\), found 1$", root)
 
 
-@pytest.mark.parametrize("shape", [(-4, 4), 5, ("16",), (16.0,), None], ids=repr)
+@pytest.mark.parametrize("shape", [(-4, 4), 5, ("16",), (16.0,), None, (0, 2 ** 64), (2 ** 40, 2 ** 40),
+                                   (1,) * 65], ids=repr)
 def test_param_shape_that_is_not_a_shape(ckpt, shape):
     root, tag_dir = ckpt(S2)
     rewrite(tag_dir / MODEL, lambda o: o["param_shapes"][0].__setitem__("embed.weight", shape))
     _raises(zerofast.InconsistentCheckpointError, tag_dir / MODEL,
-            rf"^expected a shape \(non-negative ints\) for 'embed.weight', found {re.escape(repr(shape))}$", root)
+            r"^expected a shape \(at most 64 non-negative ints, product below 2\*\*63\) for 'embed.weight', found "
+            rf"{re.escape(zerofast.errors.short_repr(shape))}$", root)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -257,7 +257,7 @@ def _zero3_trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: 
     for group in shapes:
         for name, shape in group.items():
             n = math.prod(shape)
-            k = math.ceil(n / W)
+            k = -(-n // W)  # integers: n / W rounds past 2**53
             for r, buf in enumerate(rank_bufs):
                 if offset + k > buf.numel:
                     raise InconsistentCheckpointError(
@@ -295,7 +295,7 @@ def _declared_frozen_entries(ckpt: LoadedCheckpoint, table: SourceTable) -> dict
 
 def _zero3_frozen(ckpt: LoadedCheckpoint, table: SourceTable, name: str, shape: tuple[int, ...]) -> _Entry:
     n = math.prod(shape)
-    k = math.ceil(n / ckpt.world_size)
+    k = -(-n // ckpt.world_size)
     segs: Segments = []
     dtype = None
     for r, ms in enumerate(ckpt.model_states):

@@ -10,6 +10,7 @@ type-checked here, with the file in hand.
 from __future__ import annotations
 
 import itertools
+import math
 import pickle
 import struct
 from dataclasses import dataclass
@@ -163,10 +164,18 @@ def _expect_mapping(path: Path, obj: Any, what: str, value_type: type, value_wha
     return mapping
 
 
+INT64_MAX = 2 ** 63 - 1
+
+
 def _shape(path: Path, name: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(type(d) is int and d >= 0 for d in value):
-        raise InconsistentCheckpointError(f"expected a shape (non-negative ints) for {name!r}, found {short_repr(value)}",
-                                          path)
+    # Dims and their product must fit int64, as in torch: a zero-element shape could otherwise
+    # carry a dim of 2**64 into an output file's header.
+    if not isinstance(value, (tuple, list)) or len(value) > 64 \
+            or not all(type(d) is int and 0 <= d <= INT64_MAX for d in value) \
+            or math.prod(d or 1 for d in value) > INT64_MAX:
+        raise InconsistentCheckpointError(
+            f"expected a shape (at most 64 non-negative ints, product below 2**63) for {short_repr(name)}, found "
+            f"{short_repr(value)}", path)
     return tuple(value)
 
 
