@@ -27,11 +27,11 @@ test: build cuda-headers
 	$(PY) -m pytest -q
 
 cuda-headers: venv
-	$(PY) -m tests.cuda_build fetch
+	$(PY) -m tools.cuda_build fetch
 
 # The same checks alone, strict: no nvcc or no headers is a failure here, not a skip.
 cuda-check: venv
-	$(PY) -m tests.cuda_build fetch --strict
+	$(PY) -m tools.cuda_build fetch --strict
 	ZEROFAST_REQUIRE_CUDA_CHECK=1 $(PY) -m pytest -q -rs -p no:cacheprovider tests/test_cuda_build.py
 
 demo: build

@@ -101,7 +101,7 @@ def floor(ckpt, out):
     """One plain copy of every byte the consolidation must read, into fresh buffers."""
     import torch
 
-    from zerofast.reconstruct import prepare
+    from zerofast.pipeline import prepare
 
     prepared = prepare(ckpt)  # metadata only: the sources stay memory-mapped
     t0 = time.perf_counter()

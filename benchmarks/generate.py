@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from zerofast.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
+from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
 
 DIM = 2048
 

@@ -1,4 +1,4 @@
-"""device="cuda" against the CPU on a synthesized checkpoint; run by benchmarks/gpu_check.sh.
+"""device="cuda" against the CPU on a synthesized checkpoint; run by tools/gpu_check.sh.
 
 The checkpoint is ZeRO-3, world size 4, bf16 training, without optimizer moments (they only
 cost synthesis time here: reconstruct never reads them), about ``--gb`` GB of fp32 masters.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import zerofast  # noqa: E402
 from benchmarks.generate import workload  # noqa: E402
 from zerofast import ops  # noqa: E402
-from zerofast.synthesize import synthesize  # noqa: E402
+from zerofast.testing.synthesize import synthesize  # noqa: E402
 
 
 # The device under test; `--device cpu` runs every case on the CPU twice, a dry run of this script

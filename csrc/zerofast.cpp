@@ -3,8 +3,13 @@
 // Ops are declared once here; each device registers its kernels under csrc/<device>/.
 // The Python module exists so `import zerofast._C` loads this library (registering the ops)
 // and so the loader can compare the torch it was compiled against with the running one.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 #include <torch/library.h>
+
+#include <string>
+#include <utility>
+#include <vector>
 
 #ifndef ZEROFAST_TORCH_VERSION
 #define ZEROFAST_TORCH_VERSION "unknown"
@@ -22,14 +27,25 @@ TORCH_LIBRARY(zerofast, m) {
   m.def("gather_cast(Tensor[] sources, Tensor segments, Tensor(a!) out, bool stream_sources=False) -> ()");
 }
 
+namespace {
+
+// The devices whose kernels registered themselves when this library loaded: a device directory
+// compiled in registers under its dispatch key, so no build flag needs to be repeated here.
+std::vector<std::string> built_devices() {
+  static const std::pair<c10::DispatchKey, const char*> kDevices[] = {
+      {c10::DispatchKey::CPU, "cpu"}, {c10::DispatchKey::CUDA, "cuda"}};
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow("zerofast::gather_cast", "");
+  std::vector<std::string> out;
+  for (const auto& [key, name] : kDevices) {
+    if (op.hasKernelForDispatchKey(key)) out.emplace_back(name);
+  }
+  return out;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("torch_version", [] { return std::string(ZEROFAST_TORCH_VERSION); },
         "torch version this extension was compiled against");
-  m.def("cuda_built", [] {
-#ifdef ZEROFAST_WITH_CUDA
-    return true;
-#else
-    return false;
-#endif
-  }, "whether CUDA kernels were compiled in");
+  m.def("built_devices", &built_devices, "device types with compiled gather_cast kernels, e.g. ['cpu', 'cuda']");
 }

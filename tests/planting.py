@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from zerofast.safe_load import load_file
-from zerofast.stand_ins import DeepSpeedRecord
+from zerofast.load import load_file
+from zerofast.load.stand_ins import DeepSpeedRecord
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ZERO_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"

@@ -15,7 +15,8 @@ import torch
 
 import zerofast
 from zerofast.cli import main
-from zerofast.write_shards import MARKER, load_exported
+from zerofast.export import load_exported
+from zerofast.export.outdir import MARKER
 
 from tests.dsgen.catalog import LAYOUTS
 from tests.planting import ZERO_STAGE_ENUM, Call, copy_checkpoint, rewrite

@@ -2,7 +2,7 @@
 
 The GPU tests are marked ``cuda`` and skip, saying why, without a GPU or without the CUDA build of
 the extension. They need torch and pytest only (no hypothesis, safetensors or DeepSpeed), so they
-run on a bare GPU machine (benchmarks/gpu_check.sh); the real-checkpoint case needs DeepSpeed.
+run on a bare GPU machine (tools/gpu_check.sh); the real-checkpoint case needs DeepSpeed.
 
 What "bit for bit" means on the GPU: the op must equal torch's CUDA ``Tensor.to`` on a GPU copy of
 the source. torch casts a CPU source on the CPU before an upload (``out.copy_(cpu_src)``), and the
@@ -19,9 +19,9 @@ import torch
 
 import zerofast
 from zerofast import ops, reference
-from zerofast.errors import NativeExtensionError
-from zerofast.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
-from zerofast.write_shards import export
+from zerofast.errors import DeviceError, NativeExtensionError
+from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
+from zerofast.export import export
 from tests.helpers import assert_bitwise_equal
 
 HAVE_GPU = torch.cuda.is_available()
@@ -35,7 +35,7 @@ def _cuda_kernels() -> bool:
         return False
     from zerofast import _C
 
-    return _C.cuda_built()
+    return "cuda" in _C.built_devices()
 
 
 def on_gpu(test):
@@ -297,7 +297,7 @@ def test_cuda_without_a_gpu_says_so(tmp_path):
 
 
 def test_other_devices_are_refused(tmp_path):
-    with pytest.raises(NotImplementedError, match="runs on 'cpu' or 'cuda'"):
+    with pytest.raises(DeviceError, match="runs on 'cpu' or 'cuda'"):
         zerofast.reconstruct(tmp_path, device="meta")
 
 
@@ -306,6 +306,6 @@ def test_cpu_only_build_on_a_gpu_machine_says_so(monkeypatch, tmp_path):
     from zerofast import _C
 
     ops.load_native()
-    monkeypatch.setattr(_C, "cuda_built", lambda: False)
+    monkeypatch.setattr(_C, "built_devices", lambda: ["cpu"])
     with pytest.raises(NativeExtensionError, match="built without its CUDA kernels"):
         zerofast.reconstruct(tmp_path, device="cuda")

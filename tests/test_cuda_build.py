@@ -1,4 +1,4 @@
-"""Every CUDA source compiles, checked without a GPU (see tests/cuda_build.py).
+"""Every CUDA source compiles, checked without a GPU (see tools/cuda_build.py).
 
 ``ZEROFAST_REQUIRE_CUDA_CHECK=1`` (set by ``make cuda-check``) turns the skips for a missing nvcc
 or missing headers into failures, so the explicit check cannot pass vacuously.
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests import cuda_build
+from tools import cuda_build
 
 REQUIRED = os.environ.get("ZEROFAST_REQUIRE_CUDA_CHECK") == "1"
 
@@ -46,5 +46,5 @@ def test_glue_compiles_against_cuda_torch_headers(src, tmp_path):
         _unavailable("nvcc is not on the PATH")
     if not cuda_build.headers_ready():
         _unavailable("torch's CUDA headers are not fetched: `make cuda-check` (or "
-                     "`python -m tests.cuda_build fetch`) puts them under .cache/")
+                     "`python -m tools.cuda_build fetch`) puts them under .cache/")
     _check(cuda_build.compile_glue(src, tmp_path))

@@ -16,10 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zerofast.cli import _as_one_rank, main
-from zerofast.distributed import Team, share
+from zerofast.export.distributed import Team, share
 from zerofast.errors import ExportError
-from zerofast.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
-from zerofast.write_shards import export
+from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
+from zerofast.export import export
 
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint

@@ -24,10 +24,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zerofast
-from zerofast import write_shards as export_mod
+from zerofast.export.formats import safetensors as export_mod
 from zerofast.errors import ExportError, OutputExistsError
 from zerofast.execute import Executor
-from zerofast.write_shards import MARKER, TIED_KEY, export, load_exported, parse_size, plan_shards
+from zerofast.export import export, load_exported
+from zerofast.export.formats import TIED_KEY
+from zerofast.export.outdir import MARKER
+from zerofast.export.shards import parse_size, plan_shards
 
 from tests.dsgen.catalog import LAYOUTS
 from tests.helpers import assert_bitwise_equal, expected_value
@@ -328,7 +331,7 @@ _KILL_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, sys.argv[4])
     from zerofast.execute import Executor
-    from zerofast.write_shards import export
+    from zerofast.export import export
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)

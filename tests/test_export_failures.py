@@ -30,8 +30,9 @@ import torch
 import zerofast
 from zerofast.cli import main
 from zerofast.errors import ExportError
-from zerofast.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
-from zerofast.write_shards import MARKER, export, load_exported
+from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
+from zerofast.export import export, load_exported
+from zerofast.export.outdir import MARKER
 
 from tests.helpers import assert_bitwise_equal
 
@@ -124,7 +125,7 @@ def _assert_rerun_succeeds(ref: Reference, out: Path, fmt: str, shard: str) -> N
 
 _UNDER_LIMITS = textwrap.dedent("""
     import json, resource, signal, sys
-    from zerofast.write_shards import export
+    from zerofast.export import export
 
     # Past the limit the kernel sends SIGXFSZ, whose default action kills the process; ignored, the
     # write fails with EFBIG instead.
@@ -329,8 +330,8 @@ def test_marker_that_cannot_shrink_does_not_fail_a_complete_export(ref, tmp_path
 
 _KILLED = textwrap.dedent("""
     import os, signal, sys, threading, time
-    from zerofast import write_shards
-    from zerofast.write_shards import export
+    from zerofast.export.formats import safetensors as write_shards
+    from zerofast.export import export
 
     ckpt, out, fmt, shard, mode, value = sys.argv[1:7]
     value = float(value)

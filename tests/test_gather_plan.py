@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.cuda_build import CUDA_DIR, REPO
+from tools.cuda_build import CUDA_DIR, REPO
 
 SOURCE = REPO / "tests" / "native" / "gather_plan_test.cpp"
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]

@@ -116,3 +116,20 @@ def test_native_is_the_default(monkeypatch):
     out = torch.zeros(2)
     ops.gather_cast([torch.ones(2)], torch.tensor([[0, 0, 0, 2]]), out)
     assert out.tolist() == [1.0, 1.0]
+
+
+@settings(max_examples=15, deadline=None)
+@given(gather_problems())
+def test_opcheck(problem):
+    """torch's own operator checks: schema (the `out` mutation declared), fake kernel, autograd
+    registration and AOT dispatch, on random problems."""
+    sources, segments, out_len, out_dtype = problem
+    ops.load_native()
+    out = torch.zeros(out_len, dtype=out_dtype)
+    torch.library.opcheck(torch.ops.zerofast.gather_cast.default, (sources, segments, out, False))
+
+
+def test_built_devices_come_from_the_dispatcher():
+    devices = ops.built_devices()
+    assert "cpu" in devices
+    assert ("cuda" in devices) == torch._C._dispatch_has_kernel_for_dispatch_key("zerofast::gather_cast", "CUDA")

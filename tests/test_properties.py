@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 import zerofast
 from tests.helpers import assert_bitwise_equal, expected_value
-from zerofast.synthesize import layouts, synthesize
-from zerofast.write_shards import export, load_exported
+from zerofast.testing.strategies import layouts
+from zerofast.testing.synthesize import synthesize
+from zerofast.export import export, load_exported
 
 DTYPES = [torch.float32, None, torch.bfloat16, torch.float16]
 
@@ -89,7 +90,7 @@ def test_exclude_frozen_on_random_layouts(spec):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fp16_training(tmp_path, stage, dtype):
     """DeepSpeed cannot train fp16 on a CPU, so fp16 runs are synthesized."""
-    from zerofast.synthesize import BufferSpec, LayoutSpec, ParamSpec
+    from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec
 
     spec = LayoutSpec(
         stage=stage, world_size=3, model_dtype=torch.float16,

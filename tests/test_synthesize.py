@@ -1,4 +1,4 @@
-"""Self-tests of zerofast.synthesize.
+"""Self-tests of zerofast.testing.synthesize.
 
 * An independent reader (below, from the documented layout rules) reads synthesized checkpoints
   back without DeepSpeed and must give the ground truth, for random layouts (hypothesis).
@@ -25,8 +25,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-import zerofast.synthesize as synth
-from zerofast.synthesize import BufferSpec, LayoutSpec, ParamSpec, layouts, synthesize
+import zerofast.testing.synthesize as synth
+from zerofast.testing.strategies import layouts
+from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None  # does not import it
@@ -374,7 +375,7 @@ def test_no_deepspeed_or_hypothesis_imported():
     code = textwrap.dedent(
         """
         import sys, tempfile, torch
-        from zerofast.synthesize import synthesize, LayoutSpec, ParamSpec, BufferSpec
+        from zerofast.testing.synthesize import synthesize, LayoutSpec, ParamSpec, BufferSpec
         assert "hypothesis" not in sys.modules
         for stage in range(4):
             for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -1,26 +1,35 @@
-"""zerofast: consolidate DeepSpeed ZeRO checkpoints on a native core, without DeepSpeed."""
+"""zerofast: consolidate DeepSpeed ZeRO checkpoints on a native core, without DeepSpeed.
+
+The package tree is the pipeline: ``discover`` -> ``load`` -> ``plan`` -> ``execute`` -> ``export``.
+"""
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("zerofast")  # the one place it is set is pyproject.toml
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
 from .errors import (
     AmbiguousTagError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DeviceError,
     ExportError,
-    OutputExistsError,
     IncompleteCheckpointError,
     InconsistentCheckpointError,
+    LoadIntoError,
     MissingOptimizerStateError,
     NativeExtensionError,
+    OutputExistsError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
     ZeroFastError,
 )
-from .write_shards import ExportResult, export, load_exported
+from .export import ExportResult, LazyStateDict, TensorMeta, export, load_exported
 from .reconstruct import reconstruct
-from .write import LazyStateDict, TensorMeta
-from .load_into import IncompatibleKeys, LoadIntoError, load_into
+from .load_into import IncompatibleKeys, load_into
 from .optimizer_states import optimizer_state
 from . import compat
-
-__version__ = "0.1.0"
 
 __all__ = [
     "reconstruct",
@@ -41,6 +50,7 @@ __all__ = [
     "AmbiguousTagError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "DeviceError",
     "IncompleteCheckpointError",
     "InconsistentCheckpointError",
     "NativeExtensionError",

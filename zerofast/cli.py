@@ -15,10 +15,17 @@ from typing import Sequence, TextIO
 
 import torch
 
+from . import __version__, dtypes
+from .compat import export_like_deepspeed
 from .errors import ZeroFastError, short_repr
+from .export import distributed, export
+from .export.formats import FORMATS
+from .export.shards import parse_size
+from .ops import resolve_device
+from .pipeline import prepare
+from .plan import BUFFER, FROZEN, TRAINABLE, out_dtype_for
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
-KINDS = ("trainable", "frozen", "buffer")
+KINDS = (TRAINABLE, FROZEN, BUFFER)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,8 +54,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--tag", help="which save to read when the root holds several (default: 'latest')")
     common.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -61,9 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                                     "an index when larger than --max-shard-size).")
     ex.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     ex.add_argument("out", metavar="OUT", help="output folder")
-    ex.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+    ex.add_argument("--dtype", choices=list(dtypes.CLI_NAMES), default="fp32",
                     help="dtype of floating tensors; 'keep' keeps what the checkpoint holds (default: fp32)")
-    ex.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    ex.add_argument("--format", choices=list(FORMATS), default="safetensors")
     ex.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
                     help="per-file limit: bytes, or e.g. 500MB, 5GB, 4GiB (default: 5GB)")
     ex.add_argument("--exclude-frozen", action="store_true", help="leave out parameters that did not train")
@@ -101,8 +106,6 @@ def _positive(text: str) -> int:
 
 
 def _size(text: str) -> int:
-    from .write_shards import parse_size
-
     try:
         return parse_size(text)
     except ValueError as e:
@@ -113,14 +116,7 @@ def _size(text: str) -> int:
 # export
 
 def _export(args: argparse.Namespace) -> int:
-    from . import distributed
-    from .ops import resolve_device
-    from .write_shards import export
-
-    try:
-        resolve_device(args.device)  # here, so that --workers starts no ranks for a device that is not there
-    except (RuntimeError, NotImplementedError) as e:
-        raise ZeroFastError(str(e)) from None
+    resolve_device(args.device)  # here, so that --workers starts no ranks for a device that is not there
     if args.workers > 1:
         distributed.launch_local(args.workers, _as_one_rank(args.argv))
         return 0
@@ -128,7 +124,7 @@ def _export(args: argparse.Namespace) -> int:
     leader = distributed.rank() == 0
     bar = _ProgressBar(enabled=leader and not args.quiet and _is_tty(sys.stderr))
     try:
-        result = run(args.ckpt, args.out, dtype=DTYPES[args.dtype], format=args.format,
+        result = run(args.ckpt, args.out, dtype=dtypes.CLI_NAMES[args.dtype], format=args.format,
                      max_shard_size=args.max_shard_size, tag=args.tag, exclude_frozen=args.exclude_frozen,
                      duplicate_tied=args.duplicate_tied, overwrite=args.overwrite,
                      optimizer_states=args.optimizer_states, progress=bar, device=args.device)
@@ -152,9 +148,7 @@ def _as_one_rank(argv: Sequence[str]) -> list[str]:
 
 
 def _rank_prefix() -> str:
-    from .distributed import launched, rank, world_size
-
-    return f"[rank {rank()} of {world_size()}] " if launched() else ""
+    return f"[rank {distributed.rank()} of {distributed.world_size()}] " if distributed.launched() else ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,8 +171,6 @@ def _add_zero_to_fp32(sub) -> None:
 
 
 def _zero_to_fp32(args: argparse.Namespace) -> int:
-    from .compat import export_like_deepspeed
-
     bar = _ProgressBar(enabled=_is_tty(sys.stderr))
     try:
         result = export_like_deepspeed(args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
@@ -228,9 +220,6 @@ class _ProgressBar:
 
 def describe(ckpt_dir, tag: str | None = None) -> dict:
     """What ``inspect`` reports, as plain JSON-ready data. Reads metadata only, no tensor data."""
-    from .plan import out_dtype_for
-    from .reconstruct import prepare
-
     prepared = prepare(ckpt_dir, None, tag=tag)
     plan, ckpt = prepared.plan, prepared.checkpoint
     tensors = {k: {"count": 0, "elements": 0, "bytes": 0, "dtypes": set()} for k in KINDS}
@@ -239,11 +228,11 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
         row["count"] += 1
         row["elements"] += tp.numel
         row["bytes"] += tp.numel * tp.stored_dtype.itemsize
-        row["dtypes"].add(_dtype_name(tp.stored_dtype))
+        row["dtypes"].add(dtypes.name(tp.stored_dtype))
     for row in tensors.values():
         row["dtypes"] = sorted(row["dtypes"])
     output = {label: sum(tp.numel * out_dtype_for(tp.stored_dtype, d).itemsize for tp in plan.tensors.values())
-              for label, d in DTYPES.items()}
+              for label, d in dtypes.CLI_NAMES.items()}
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
         "world_size": plan.world_size, "deepspeed_version": _text_or_none(ckpt.ds_version),
@@ -265,15 +254,11 @@ def _int_or_none(value) -> int | None:
     return value if type(value) is int and abs(value) < 2 ** 63 else None
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _training_dtype(config) -> str | None:
     """What the DeepSpeed config trained in: its bf16/fp16 sections, else fp32."""
     if not isinstance(config, dict):
         return None
-    for key, label in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+    for key, label in dtypes.CONFIG_SECTIONS.items():
         section = config.get(key)
         if isinstance(section, dict) and section.get("enabled") is True:
             return label
@@ -283,7 +268,7 @@ def _training_dtype(config) -> str | None:
 def _model_dtype(meta) -> str | None:
     """The dtype the module's parameters were held in (stage 3 placeholders carry it too)."""
     buffers = set(meta.buffer_names)
-    counts = Counter(_dtype_name(v.dtype) for k, v in meta.module.items()
+    counts = Counter(dtypes.name(v.dtype) for k, v in meta.module.items()
                      if k not in buffers and isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
     return counts.most_common(1)[0][0] if counts else None
 

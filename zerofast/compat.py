@@ -15,14 +15,11 @@ from collections import OrderedDict
 
 import torch
 
+from . import dtypes
+from .export import ExportResult, LazyStateDict, Progress, export
 from .load_into import load_into
 from .reconstruct import reconstruct
-from .write import LazyStateDict
-from .write_shards import ExportResult, Progress, export
 
-# Every spelling DeepSpeed's converter accepts for its output dtype.
-_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _NO_LIMIT = 1 << 62  # max_shard_size=None: one file, as DeepSpeed writes then
 
 
@@ -101,19 +98,8 @@ def export_like_deepspeed(checkpoint_dir, output_dir, *, dtype=torch.float32, ma
                           safe_serialization=False, tag=None, exclude_frozen_parameters=False,
                           progress: Progress | None = None) -> ExportResult:
     """The conversion behind the compat functions and ``zerofast zero-to-fp32``."""
-    return export(checkpoint_dir, output_dir, dtype=resolve_dtype(dtype),
+    return export(checkpoint_dir, output_dir, dtype=dtypes.resolve(dtype),
                   format="safetensors" if safe_serialization else "torch",
                   max_shard_size=_NO_LIMIT if max_shard_size is None else max_shard_size, tag=tag,
                   exclude_frozen=exclude_frozen_parameters, overwrite=True, progress=progress)
 
-
-def resolve_dtype(dtype) -> torch.dtype | None:
-    """DeepSpeed's accepted dtypes and names (``"bf16"``, ``"torch.float16"``, ...), plus ``None``."""
-    requested = dtype
-    if isinstance(dtype, str):
-        dtype = _DTYPE_NAMES.get(dtype.removeprefix("torch.").lower())
-    if dtype is None and requested is None:
-        return None
-    if dtype not in _DTYPE_NAMES.values():
-        raise ValueError(f"Unsupported output dtype {requested!r}. Choose one of: {', '.join(sorted(_DTYPE_NAMES))}")
-    return dtype

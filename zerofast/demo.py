@@ -13,7 +13,7 @@ import time
 import torch
 
 import zerofast
-from zerofast.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
+from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
 
 
 def demo_layout() -> LayoutSpec:

@@ -109,7 +109,7 @@ class InconsistentCheckpointError(ZeroFastError):
 
 
 class UnsupportedCheckpointError(ZeroFastError):
-    """A layout zerofast does not handle yet (tensor/pipeline parallel, MoE, unknown stage)."""
+    """A layout zerofast does not handle (an unknown stage, a layout no builder reads)."""
 
 
 class NativeExtensionError(ZeroFastError, ImportError):
@@ -129,3 +129,11 @@ class MissingOptimizerStateError(ZeroFastError, KeyError):
     A KeyError too, so that code probing for a state with ``except KeyError`` keeps working."""
 
     __str__ = ZeroFastError.__str__  # KeyError's would quote the message
+
+
+class DeviceError(ZeroFastError, RuntimeError):
+    """The requested device cannot run zerofast: an unknown device type, or no CUDA GPU visible."""
+
+
+class LoadIntoError(ZeroFastError, RuntimeError):
+    """The model does not fit the checkpoint: missing or unexpected names (strict), or shapes."""

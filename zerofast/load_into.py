@@ -14,13 +14,11 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import ZeroFastError
+from . import dtypes
+from .errors import LoadIntoError
 from .execute import Executor
+from .pipeline import prepare
 from .plan import Plan, TensorPlan, out_dtype_for
-from .reconstruct import prepare
-
-# The dtypes the native op casts between; any other pair must match exactly.
-_CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 class IncompatibleKeys(NamedTuple):
@@ -28,10 +26,6 @@ class IncompatibleKeys(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
-
-
-class LoadIntoError(ZeroFastError, RuntimeError):
-    """The model does not fit the checkpoint: missing or unexpected names (strict), or shapes."""
 
 
 def load_into(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, strict: bool = True, tag: str | None = None,
@@ -108,17 +102,13 @@ def _check_shapes(pairs, targets: dict, where) -> None:
 
 def _load_one(executor: Executor, tp: TensorPlan, target: torch.Tensor, dtype: torch.dtype | None) -> None:
     value_dtype = target.dtype if dtype is None else out_dtype_for(tp.stored_dtype, dtype)
-    if not _castable(tp.stored_dtype, value_dtype):
+    if not dtypes.castable(tp.stored_dtype, value_dtype):
         value_dtype = tp.stored_dtype  # e.g. an int64 buffer into a float one: torch's copy_ casts
     planned = tp if tp.out_dtype == value_dtype else dataclasses.replace(tp, out_dtype=value_dtype)
     if _writable_in_place(target, value_dtype):
         executor.run(planned, out=target.data)
     else:
         target.copy_(executor.run(planned))
-
-
-def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
-    return src == dst or (src in _CASTABLE and dst in _CASTABLE)
 
 
 def _writable_in_place(target: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -12,9 +12,11 @@ from typing import Sequence
 import torch
 
 from . import reference
-from .errors import NativeExtensionError
+from .errors import DeviceError, NativeExtensionError
 
 _BUILD_HINT = "build it with `pip install --no-build-isolation -e .` (or `make build`) in the zerofast checkout"
+# Device types the executor knows how to feed; the extension says which it was built with.
+DEVICE_TYPES = ("cpu", "cuda")
 _loaded = False
 
 
@@ -36,26 +38,43 @@ def load_native() -> None:
         raise NativeExtensionError(
             f"zerofast's native extension was built for torch {built_for} but torch {torch.__version__} is "
             f"running; rebuild it: {_BUILD_HINT}")
+    if not _fake_registered():
+        _register_fake()
     _loaded = True
 
 
+def built_devices() -> list[str]:
+    """Device types the loaded extension has kernels for (``["cpu"]``, ``["cpu", "cuda"]``)."""
+    load_native()
+    from . import _C
+
+    return list(_C.built_devices())
+
+
+def _fake_registered() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("zerofast::gather_cast", "Meta")
+
+
+def _register_fake() -> None:
+    # The op only writes into `out`, so its fake kernel has nothing to compute; having one lets
+    # FakeTensor tracing (torch.compile, torch.library.opcheck) pass through the op.
+    torch.library.register_fake("zerofast::gather_cast")(lambda sources, segments, out, stream_sources=False: None)
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``device`` as a place the executor can run, or an error that says what is missing."""
+    """``device`` as a place the executor can run, or a :class:`DeviceError` that says what is missing."""
     device = torch.device(device)
     if device.type == "cpu":
         return device
-    if device.type != "cuda":
-        raise NotImplementedError(f"device={str(device)!r}: zerofast runs on 'cpu' or 'cuda'")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"device={str(device)!r}: this torch ({torch.__version__}) sees no CUDA GPU")
-    if native_enabled():
-        load_native()
-        from . import _C
-
-        if not _C.cuda_built():
-            raise NativeExtensionError(
-                "zerofast's native extension was built without its CUDA kernels (torch without CUDA, or no nvcc "
-                "at build time); rebuild it with `FORCE_CUDA=1 pip install --no-build-isolation -e .`")
+    if device.type not in DEVICE_TYPES:
+        raise DeviceError(f"device={str(device)!r}: zerofast runs on {' or '.join(map(repr, DEVICE_TYPES))}")
+    if not getattr(torch, device.type).is_available():
+        raise DeviceError(f"device={str(device)!r}: this torch ({torch.__version__}) sees no {device.type.upper()} GPU")
+    if native_enabled() and device.type not in built_devices():
+        raise NativeExtensionError(
+            f"zerofast's native extension was built without its {device.type.upper()} kernels (torch without "
+            f"{device.type.upper()}, or no compiler for it at build time); rebuild it with "
+            "`FORCE_CUDA=1 pip install --no-build-isolation -e .`")
     return device
 
 

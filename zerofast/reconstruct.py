@@ -2,48 +2,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
 from . import ops
-from .discover import discover
-from .execute import Executor
-from .plan import Plan, SourceTable, build_plan, check_dtype
-from .safe_load import LoadedCheckpoint, load_checkpoint
-from .write import LazyStateDict, eager_state_dict
-
-
-
-@dataclass
-class Prepared:
-    """A checkpoint read and planned: everything but the data movement."""
-
-    checkpoint: LoadedCheckpoint
-    plan: Plan
-    sources: list[torch.Tensor]
-    mapped: list[bool]  # per source: a view of a file mapping, not a copy
-
-    def lazy_executor(self, device: str | torch.device = "cpu") -> Executor:
-        """An executor for the lazy mapping: sources it may hand out as views are never dropped;
-        the rest are streamed, so reading every tensor once keeps one tensor resident."""
-        viewable = {tp.segments[0][0] for tp in self.plan.tensors.values() if Executor.may_view(tp)}
-        streamable = [m and i not in viewable for i, m in enumerate(self.mapped)]
-        return Executor(self.sources, device, streamable=streamable)
-
-    def streaming_executor(self, device: str | torch.device = "cpu",
-                           compute: str | torch.device | None = None) -> Executor:
-        """An executor for one pass that hands no source views out (eager dict, export)."""
-        return Executor(self.sources, device, streamable=self.mapped, compute=compute)
-
-
-def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
-            exclude_frozen: bool = False) -> Prepared:
-    check_dtype(dtype)
-    ckpt = load_checkpoint(discover(ckpt_dir, tag))
-    table = SourceTable()
-    plan = build_plan(ckpt, table, dtype, exclude_frozen=exclude_frozen)
-    return Prepared(ckpt, plan, table.tensors, table.mapped)
+from .export.materialize import LazyStateDict, eager_state_dict
+from .pipeline import prepare
 
 
 def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
@@ -64,7 +28,7 @@ def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.f
 
     Returns:
         An ``OrderedDict`` in the model's own ``state_dict()`` order (tied parameters share
-        storage), or a :class:`~zerofast.write.LazyStateDict` when ``lazy`` is set.
+        storage), or a :class:`~zerofast.LazyStateDict` when ``lazy`` is set.
     """
     device = ops.resolve_device(device)
     prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)

@@ -6,8 +6,8 @@ The kernels (``csrc/cuda/*.cu``) are torch-free and compile with nvcc alone. The
 the include folders of the CUDA libraries ATen's headers include, and keeps only the headers
 (about 65 MB) under ``.cache/``. The wheels themselves (1.3 GB) are deleted once unpacked.
 
-    python -m tests.cuda_build fetch            # what `make test` runs: a refused download skips
-    python -m tests.cuda_build fetch --strict   # what `make cuda-check` runs: it fails instead
+    python -m tools.cuda_build fetch            # what `make test` runs: a refused download skips
+    python -m tools.cuda_build fetch --strict   # what `make cuda-check` runs: it fails instead
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def _unpack_headers(wheel: Path, dest: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.cuda_build")
+    parser = argparse.ArgumentParser(prog="python -m tools.cuda_build")
     parser.add_argument("command", choices=["fetch"])
     parser.add_argument("--strict", action="store_true", help="fail, rather than skip, without nvcc or the wheels")
     args = parser.parse_args(argv)

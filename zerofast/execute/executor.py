@@ -1,13 +1,13 @@
-"""Step 4: run a plan's tensors through the native gather-and-cast op."""
+"""Run a plan's tensors through the native gather-and-cast op."""
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
 
-from . import ops
-from .download import Download
-from .plan import TensorPlan
+from .. import ops
+from ..plan.model import TensorPlan
+from .pinned_copy import PinnedCopy
 
 
 class Executor:
@@ -29,7 +29,7 @@ class Executor:
         self.device = torch.device(device)
         self.compute = self.device if compute is None else torch.device(compute)
         self.streamable = streamable
-        self._download: Download | None = None
+        self._pinned: PinnedCopy | None = None
 
     def run(self, tp: TensorPlan, out: torch.Tensor | None = None) -> torch.Tensor:
         """Write ``tp`` into ``out`` (a fresh tensor when None) and return it in its shape."""
@@ -41,22 +41,24 @@ class Executor:
                              f"{flat.numel()} x {flat.dtype}")
         if tp.segments:
             sources, segments = self._local(tp)
-            if self.compute.type == "cuda" and flat.device.type == "cpu":
-                self._gather_on_gpu(tp, sources, segments, flat)
+            if self.compute.type != flat.device.type:
+                self._gather_elsewhere(tp, sources, segments, flat)
             else:
                 ops.gather_cast(sources, segments, flat, stream_sources=self._streams(tp))
         return out.view(tp.shape)
 
-    def _gather_on_gpu(self, tp: TensorPlan, sources: list[torch.Tensor], segments: torch.Tensor,
-                       flat: torch.Tensor) -> None:
+    def _gather_elsewhere(self, tp: TensorPlan, sources: list[torch.Tensor], segments: torch.Tensor,
+                          flat: torch.Tensor) -> None:
+        """Build the tensor on the compute device (a GPU), then bring it back into ``flat`` (host
+        memory) through pinned buffers."""
         with torch.cuda.device(self.compute):
             # Elements no segment writes must keep what ``flat`` holds, as on the CPU.
             covered = sum(s[3] for s in tp.segments) == tp.numel
             scratch = torch.empty_like(flat, device=self.compute) if covered else flat.to(self.compute)
             ops.gather_cast(sources, segments, scratch, stream_sources=self._streams(tp))
-            if self._download is None:
-                self._download = Download()
-            self._download(scratch, flat)
+            if self._pinned is None:
+                self._pinned = PinnedCopy()
+            self._pinned(scratch, flat)
 
     def _streams(self, tp: TensorPlan) -> bool:
         return self.streamable is not None and all(self.streamable[s[0]] for s in tp.segments)

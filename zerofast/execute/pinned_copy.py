@@ -16,7 +16,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
-class Download:
+class PinnedCopy:
     """Copies 1-D contiguous GPU tensors into host tensors of the same dtype and size."""
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES):

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from .archive import ArchiveIndex, index_archive
-from .errors import CorruptCheckpointError, UnsafeCheckpointError, short_repr
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError, short_repr
 from .pickle_bounds import BoundsExceeded, check_pickle
 from .stand_ins import STAND_INS, DeepSpeedRecord, Frozen
 
@@ -78,10 +78,10 @@ class _StorageRef(_Immutable):
     """A storage as the rebuild functions see it: its bytes (a slice of the file mapping) and
     dtype. Lighter than a TypedStorage, which the rebuild functions do not need."""
 
-    __slots__ = ("mapping", "dtype", "offset", "numel", "built")
+    __slots__ = ("mapping", "dtype", "numel", "built")
 
-    def __init__(self, mapping: torch.UntypedStorage, dtype: torch.dtype, offset: int, numel: int, built: _Built):
-        for name, value in (("mapping", mapping), ("dtype", dtype), ("offset", offset), ("numel", numel),
+    def __init__(self, mapping: torch.UntypedStorage, dtype: torch.dtype, numel: int, built: _Built):
+        for name, value in (("mapping", mapping), ("dtype", dtype), ("numel", numel),
                             ("built", built)):  # built: shared by the file's storages
             object.__setattr__(self, name, value)
 
@@ -110,7 +110,7 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> torch.T
     if built.nbytes > built.limit:
         raise _TooManyViews(built.limit)
     t = torch.empty(0, dtype=storage.dtype)
-    t.set_(storage.mapping, storage.offset + storage_offset, size, stride)
+    t.set_(storage.mapping, storage_offset, size, stride)
     built.tensors.append((t, t.data_ptr(), t.shape, t.stride()))
     return t
 
@@ -239,7 +239,7 @@ class _Storages:
         # One storage object per entry, not views of the whole mapping: tensors that share one
         # storage cannot be saved together by torch.save (mixed dtypes) or safetensors.
         offset = self.index.storage_offset(key, nbytes)
-        return _StorageRef(self.mapping[offset:offset + nbytes], dtype, 0, numel, self.built)
+        return _StorageRef(self.mapping[offset:offset + nbytes], dtype, numel, self.built)
 
 
 def load_archive(path: Path) -> Any:

@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CorruptCheckpointError, first_line
+from ..errors import CorruptCheckpointError, first_line
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
 

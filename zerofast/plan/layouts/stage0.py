@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CorruptCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
-from .plan import SourceTable, _Entry, tensor_identity
-from .safe_load import LoadedCheckpoint
+from ...errors import CorruptCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
+from ...load import LoadedCheckpoint
+from .. import keys
+from ..model import Entry, SourceTable, tensor_identity
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,11 @@ class _Slot:
     where: str
 
 
-def stage0_trainable_entries(ckpt: LoadedCheckpoint, table: SourceTable, exclude_frozen: bool) -> dict[str, _Entry]:
+def trainable(ckpt: LoadedCheckpoint, table: SourceTable, exclude_frozen: bool) -> dict[str, Entry]:
     meta = ckpt.meta
     params = _module_parameters(ckpt)
-    opt = meta.raw.get("optimizer")
-    if not isinstance(opt, dict) or not ({"fp32_groups", "fp32_groups_flat"} & set(opt)):
+    opt = meta.raw.get(keys.STAGE0_OPTIMIZER)
+    if not isinstance(opt, dict) or not ({keys.STAGE0_FP32_GROUPS, keys.STAGE0_FP32_FLAT} & set(opt)):
         # Plain fp32 training keeps no masters: the module holds the trained values.
         if exclude_frozen:
             _require_no_frozen(ckpt, opt, len(params))
@@ -46,7 +47,7 @@ def stage0_trainable_entries(ckpt: LoadedCheckpoint, table: SourceTable, exclude
 def _require_no_frozen(ckpt: LoadedCheckpoint, opt, n_params: int) -> None:
     """Plain fp32 stage 0 names no parameter as frozen. Only the optimizer's per-parameter state,
     kept for parameters that were trained and keyed by index, shows whether any exist."""
-    state = opt.get("state") if isinstance(opt, dict) else None
+    state = opt.get(keys.STATE) if isinstance(opt, dict) else None
     trained = len(state) if isinstance(state, dict) else None
     if trained != n_params:
         raise UnsupportedCheckpointError(
@@ -71,22 +72,20 @@ def _module_parameters(ckpt: LoadedCheckpoint) -> dict[str, torch.Tensor]:
     return out
 
 
-def _module_entry(table: SourceTable, ckpt: LoadedCheckpoint, name: str) -> _Entry:
-    t = ckpt.meta.module[name]
-    src = table.add(str(ckpt.meta.path), f"module[{name!r}]", t)
-    return tuple(t.shape), t.dtype, [(src, 0, 0, t.numel())]
+def _module_entry(table: SourceTable, ckpt: LoadedCheckpoint, name: str) -> Entry:
+    return table.whole(str(ckpt.meta.path), f"{keys.MODULE}[{name!r}]", ckpt.meta.module[name])
 
 
 def _slots(ckpt, table, opt, params, model_dtype) -> list[_Slot]:
     path = str(ckpt.meta.path)
     slots: list[_Slot] = []
-    if "fp32_groups" in opt:
-        for g, group in enumerate(_masters(ckpt, opt["fp32_groups"], "optimizer.fp32_groups")):
+    if keys.STAGE0_FP32_GROUPS in opt:
+        for g, group in enumerate(_masters(ckpt, opt[keys.STAGE0_FP32_GROUPS], "optimizer.fp32_groups")):
             for i, t in enumerate(_masters(ckpt, group, f"optimizer.fp32_groups[{g}]", tensors=True)):
                 where = f"optimizer.fp32_groups[{g}][{i}]"
                 slots.append(_Slot(table.add(path, where, t), 0, tuple(t.shape), where))
         return slots
-    for g, flat in enumerate(_masters(ckpt, opt["fp32_groups_flat"], "optimizer.fp32_groups_flat", tensors=True)):
+    for g, flat in enumerate(_masters(ckpt, opt[keys.STAGE0_FP32_FLAT], "optimizer.fp32_groups_flat", tensors=True)):
         where = f"optimizer.fp32_groups_flat[{g}]"
         slots += _walk_flat(ckpt, table.add(path, where, flat), flat.reshape(-1), params, model_dtype, where)
     return slots
@@ -187,7 +186,7 @@ def _digest(t: torch.Tensor) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def _assign(ckpt, table, slots, params, model_dtype) -> dict[str, _Entry]:
+def _assign(ckpt, table, slots, params, model_dtype) -> dict[str, Entry]:
     sources = table.tensors
     names_by_key: dict[tuple, list[str]] = {}
     for name, t in params.items():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import logging
 import os
 import re
 import signal
@@ -24,7 +25,10 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .errors import ExportError, ZeroFastError
+from ..errors import ExportError, ZeroFastError
+from ..ops import resolve_device
+from .outdir import output_dir
+from .run import export as export_files
 
 TIMEOUT_ENV = "ZEROFAST_DIST_TIMEOUT"
 # A collective waits for the slowest rank to finish its share of the files, so the timeout must
@@ -151,14 +155,12 @@ class Team:
 
     @contextlib.contextmanager
     def output_dir(self, out: Path, overwrite: bool) -> Iterator[tuple[Path, list[str]]]:
-        """Rank 0's output folder and temporary folder (see ``write_shards._output_dir``), shared."""
-        from .write_shards import _output_dir
-
+        """Rank 0's output folder and temporary folder (see :func:`.outdir.output_dir`), shared."""
         with contextlib.ExitStack() as stack:
             tmp, previous = None, []
             with self.step("opening the output folder", out):
                 if self.leader:
-                    tmp, previous = stack.enter_context(_output_dir(out, overwrite))
+                    tmp, previous = stack.enter_context(output_dir(out, overwrite))
             tmp = Path(self._gather(str(tmp) if self.leader else None, "opening the output folder", out)[0])
             with self.step("opening the output folder", out):
                 if not tmp.is_dir():
@@ -238,8 +240,6 @@ def export(ckpt_dir, out_dir, *, device: str | torch.device = "cpu", **options):
     joins the job from torchrun's environment unless the default process group already exists.
     ``device="cuda"`` gives each rank the GPU of its ``LOCAL_RANK``.
     """
-    from .ops import resolve_device
-    from .write_shards import export as export_files
 
     device = resolve_device(_local_device(device))  # before NCCL needs the GPU
     with joined(device) as team, _sigterm_raises(team):
@@ -295,8 +295,6 @@ def _environ(**values: str) -> Iterator[None]:
 def _quiet_launcher() -> Iterator[None]:
     """The launcher logs each rank's exit and a traceback of its own; the ranks' own one-line
     errors, and ours, say what went wrong."""
-    import logging
-
     log = logging.getLogger("torch.distributed.elastic")
     level = log.level
     log.setLevel(logging.CRITICAL)

@@ -1,8 +1,8 @@
-"""Step 2: read checkpoint files without running code and without importing DeepSpeed.
+"""Typed views of the checkpoint files: read checkpoint files without running code and without importing DeepSpeed.
 
-Each file's zip directory is checked by :mod:`zerofast.archive`, then unpickled by
-:mod:`zerofast.unpickle`: the C unpickler, resolving only allowlisted globals (DeepSpeed's
-classes become the inert stand-ins of :mod:`zerofast.stand_ins`) and refusing every other one
+Each file's zip directory is checked by :mod:`.archive`, then unpickled by
+:mod:`.unpickle`: the C unpickler, resolving only allowlisted globals (DeepSpeed's
+classes become the inert stand-ins of :mod:`.stand_ins`) and refusing every other one
 while unpickling, before anything is built. Tensors are memory-mapped, so the large ones (fp32
 masters, Adam moments) are not read here at all. The metadata planning relies on is
 type-checked here, with the file in hand.
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .discover import CheckpointFiles
-from .errors import (
+from ..discover import CheckpointFiles
+from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     InconsistentCheckpointError,

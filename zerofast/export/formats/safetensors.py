@@ -1,0 +1,141 @@
+"""safetensors, streamed: the header is laid out first and the data region sized up front, then
+each tensor is gathered and cast by the executor straight into a memory-mapped window of the
+file. The data is written once, and one window (``_WINDOW_BYTES``) is mapped at a time, so
+memory stays flat whatever the model size.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from ...dtypes import SAFETENSORS_CODES
+from ...errors import ExportError
+from ...execute import Executor
+from ...plan.model import TensorPlan
+from ..outdir import writing
+from ..shards import ShardFile
+from . import TIED_KEY, Advance, WeightFormat
+
+_WINDOW_BYTES = 64 << 20
+
+
+def _code(tp: TensorPlan) -> str:
+    try:
+        return SAFETENSORS_CODES[tp.out_dtype]
+    except KeyError:
+        raise ExportError(f"{tp.name!r} has dtype {tp.out_dtype}, which safetensors cannot store; "
+                          "use --format torch") from None
+
+
+def header(items: Sequence[TensorPlan], metadata: dict[str, str]) -> tuple[bytes, list[tuple[TensorPlan, int]]]:
+    """The file's first bytes (length prefix and JSON header) and each tensor's data offset.
+
+    safetensors wants the data packed without gaps, so tensors go in by falling itemsize: every
+    offset is then a multiple of its tensor's itemsize, and the typed views of the mapping are
+    aligned (the header is padded so the data region starts at a multiple of 8).
+    """
+    head: dict = {"__metadata__": metadata}
+    placed = []
+    pos = 0
+    for tp in sorted(items, key=lambda t: -t.out_dtype.itemsize):
+        head[tp.name] = {"dtype": _code(tp), "shape": list(tp.shape), "data_offsets": [pos, pos + tp.nbytes]}
+        placed.append((tp, pos))
+        pos += tp.nbytes
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, placed
+
+
+def write(path: Path, file: ShardFile, metadata: dict[str, str] | None, executor: Executor,
+          advance: Advance) -> None:
+    head, placed = header(file.items, metadata or {})
+    with writing(path), open(path, "w+b") as f:
+        f.write(head)
+        f.flush()
+        _reserve(f.fileno(), len(head) + sum(tp.nbytes for tp, _ in placed))
+        for start, end, batch in _windows(_pieces(placed, len(head))):
+            _fill(f.fileno(), start, end, batch, executor)
+            advance(end - start)
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate the file's blocks up front: a full disk (ENOSPC) or a file-size limit (EFBIG) then
+    fails here, as an OSError, rather than killing the process with SIGBUS when a mapped page finds
+    no room."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except AttributeError:  # no posix_fallocate on this platform
+        os.ftruncate(fd, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)
+
+
+def _pieces(placed: Iterable[tuple[TensorPlan, int]], base: int) -> Iterator[tuple[TensorPlan, int]]:
+    """(tensor or slice of one, file offset), each at most one window long."""
+    for tp, off in placed:
+        size = tp.out_dtype.itemsize
+        step = max(1, _WINDOW_BYTES // size)
+        for lo in range(0, tp.numel, step):
+            hi = min(tp.numel, lo + step)
+            yield (tp if hi - lo == tp.numel else tp.slice(lo, hi)), base + off + lo * size
+
+
+def _windows(pieces: Iterable[tuple[TensorPlan, int]]) -> Iterator[tuple[int, int, list[tuple[TensorPlan, int]]]]:
+    """Consecutive pieces grouped into byte ranges of at most one window."""
+    batch: list[tuple[TensorPlan, int]] = []
+    start = end = 0
+    for tp, off in pieces:
+        if batch and off + tp.nbytes - start > _WINDOW_BYTES:
+            yield start, end, batch
+            batch = []
+        if not batch:
+            start = off
+        batch.append((tp, off))
+        end = off + tp.nbytes
+    if batch:
+        yield start, end, batch
+
+
+def _fill(fd: int, start: int, end: int, batch: Sequence[tuple[TensorPlan, int]], executor: Executor) -> None:
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    # The tensor holds the only reference to the mapping, so returning unmaps it: written pages
+    # leave this process's memory and wait in the page cache for write-back.
+    window = torch.frombuffer(mmap.mmap(fd, end - base, offset=base), dtype=torch.uint8)
+    for tp, off in batch:
+        executor.run(tp, out=window[off - base:off - base + tp.nbytes].view(tp.out_dtype))
+
+
+def read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    # safetensors is an optional dependency (the ``export`` extra): import it only to read.
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata() or {}
+    return load_file(path), metadata
+
+
+def file_metadata(tied: dict[str, str], count: int) -> dict[str, str]:
+    # transformers refuses a safetensors file whose metadata lacks format "pt"
+    metadata = {"format": "pt"}
+    if tied and count == 1:
+        metadata[TIED_KEY] = json.dumps(tied, sort_keys=True)
+    return metadata
+
+
+def index_metadata(tied: dict[str, str]) -> dict:
+    return {TIED_KEY: json.dumps(tied, sort_keys=True)} if tied else {}
+
+
+FORMAT = WeightFormat("safetensors", "model.safetensors", "model-{:05d}-of-{:05d}.safetensors",
+                      "model.safetensors.index.json", aliases_in_files=False, write=write, read=read,
+                      file_metadata=file_metadata, index_metadata=index_metadata)

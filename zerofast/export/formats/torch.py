@@ -1,0 +1,63 @@
+"""``torch.save`` files (``pytorch_model.bin``): tied aliases stay in the file sharing storage.
+
+torch.save needs every tensor of a file in memory at once, so this format holds one shard (at
+most max_shard_size, or a single larger tensor) instead of streaming tensor by tensor.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from ...execute import Executor
+from ..outdir import writing
+from ..shards import ShardFile
+from . import Advance, WeightFormat
+
+
+def write(path: Path, file: ShardFile, metadata: dict[str, str] | None, executor: Executor,
+          advance: Advance) -> None:
+    made = {}
+    for tp in file.items:
+        made[tp.name] = executor.run(tp)
+        advance(tp.nbytes)
+    for alias, source in file.aliases:
+        made[alias] = made[source]
+    with writing(path), open(path, "wb") as f:
+        sink = _Sink(f)
+        try:
+            torch.save(OrderedDict((k, made[k]) for k in file.keys), sink)
+        except RuntimeError:
+            if sink.error is None:
+                raise
+            raise sink.error from None
+
+
+class _Sink:
+    """The file object torch.save writes through. torch turns a failed write into a RuntimeError
+    about stream positions; holding on to the OSError lets the export say what failed (EFBIG, ENOSPC).
+    (Given a path instead, torch writes from C++ and the OS error is lost entirely.)"""
+
+    def __init__(self, f):
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    return torch.load(path, map_location="cpu", weights_only=True), {}
+
+
+FORMAT = WeightFormat("torch", "pytorch_model.bin", "pytorch_model-{:05d}-of-{:05d}.bin",
+                      "pytorch_model.bin.index.json", aliases_in_files=True, write=write, read=read,
+                      file_metadata=lambda tied, count: None, index_metadata=lambda tied: {})

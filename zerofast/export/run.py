@@ -1,0 +1,235 @@
+"""``zerofast.export``: write a checkpoint out in the Hugging Face layout, streaming.
+
+The export runs as a sequence of steps (read, open the folder, write the data files, commit) led
+by a ``team``: one process alone, or the ranks of :mod:`.distributed`, which share the data files
+out and agree after each step. The files are laid out by :mod:`.shards`, written by the format's
+writer (:mod:`.formats`) into the temporary folder of :mod:`.outdir`, and committed there.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from ..errors import ExportError
+from ..execute import Executor
+from ..load import LoadedCheckpoint
+from ..ops import resolve_device
+from ..pipeline import Prepared, plan_checkpoint, prepare
+from ..plan.optimizer import available_keys, scalar_states
+from . import formats
+from .formats import WeightFormat
+from .outdir import commit, output_dir, write_text
+from .shards import ShardFile, index_doc, layout, parse_size
+
+if TYPE_CHECKING:
+    from .distributed import Team
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What an export wrote. ``files`` are the data files in shard order; ``index`` is None for one file."""
+
+    out_dir: Path
+    format: str
+    dtype: torch.dtype | None
+    files: tuple[str, ...]
+    index: str | None
+    total_size: int  # tensor bytes written, as the index's metadata counts them
+    tensors: int  # entries stored with their own data
+    aliases: dict[str, str]  # tied names recorded as {alias: source} rather than stored again
+    seconds: float
+    optimizer_files: tuple[str, ...] = ()  # optimizer-state shards, their index, the scalars' JSON
+
+    @property
+    def paths(self) -> list[Path]:
+        names = (*self.files, *([self.index] if self.index else []), *self.optimizer_files)
+        return [self.out_dir / n for n in names]
+
+
+def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32,
+           format: str = "safetensors", max_shard_size: int | str = "5GB", tag: str | None = None,
+           exclude_frozen: bool = False, duplicate_tied: bool = False, overwrite: bool = False,
+           optimizer_states: bool | Sequence[str] = False, progress: Progress | None = None,
+           device: str | torch.device = "cpu", team: Team | None = None) -> ExportResult:
+    """Write a DeepSpeed ZeRO checkpoint out as Hugging Face-layout weight files.
+
+    Args:
+        ckpt_dir: the checkpoint root (holding ``latest``) or a tag folder.
+        out_dir: the folder to write; created if missing. A folder holding files zerofast did not
+            write is refused unless ``overwrite`` is set; a previous zerofast export is replaced.
+        dtype: as for :func:`zerofast.reconstruct` (``None`` keeps the checkpoint's dtypes).
+        format: a name from :data:`zerofast.export.formats.FORMATS`: ``"safetensors"`` (streamed
+            into the files) or ``"torch"`` (``torch.save``, one shard in memory at a time).
+        max_shard_size: per-file limit, an int of bytes or a string such as ``"5GB"``/``"4GiB"``.
+        tag, exclude_frozen: as for :func:`zerofast.reconstruct`.
+        duplicate_tied: write tied weights as real copies instead of recording the aliases.
+        overwrite: write into a non-empty folder that zerofast did not write; only model weight
+            files (``model*.safetensors``, ``pytorch_model*.bin`` and their indexes) are replaced.
+        optimizer_states: also write the wrapped optimizer's per-element states (stages 1-3):
+            ``True`` for all of them, or a list of keys such as ``["exp_avg"]``. They go to
+            ``optimizer.safetensors`` (sharded like the weights) as ``<param>.<key>``, as stored
+            (fp32) whatever ``dtype`` is, and their scalars (``step``) and hyperparameters to
+            ``optimizer_state.json``.
+        progress: called as ``progress(bytes_done, bytes_total)``, first with 0, then as data lands.
+        device: where the weights are gathered and cast: ``"cpu"``, or ``"cuda"``/``"cuda:N"``, which
+            builds each tensor on the GPU and copies it back through pinned buffers to the writer.
+        team: the ranks sharing this export (:class:`zerofast.export.distributed.Team`); None writes
+            every file here. Use :func:`zerofast.export.distributed.export` rather than passing one.
+    """
+    fmt = formats.get(format)
+    limit = parse_size(max_shard_size)
+    compute = resolve_device(device)
+    started = time.monotonic()
+    team = team or _ALONE
+    out = Path(out_dir)
+    with team.step("reading the checkpoint", out):
+        prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)
+        files, tied = layout(prepared.plan, fmt.names, limit, aliases_in_files=fmt.aliases_in_files,
+                             duplicate_tied=duplicate_tied)
+        optim = _optimizer_layout(prepared.checkpoint, optimizer_states, limit)
+        writes = _data_writes(files, tied, fmt, prepared.streaming_executor(compute=compute), optim)
+    index = fmt.index if len(files) > 1 else None
+    extra = _optimizer_names(optim) if optim else []
+    with team.output_dir(out, overwrite) as (tmp, previous):
+        mine = team.share(writes, prepared.checkpoint.files.tag, out)
+        advance = _counter(progress, sum(w.nbytes for w in mine))
+        with team.step("writing the files", out):
+            for w in mine:
+                w.write(tmp, advance)
+        with team.step("committing the export", out):
+            if team.leader:
+                _write_indexes(tmp, fmt, files, tied, index, optim)
+                commit(out, tmp, [f.name for f in files] + extra, index, previous)
+    total = sum(f.nbytes for f in files)
+    return ExportResult(out, fmt.name, dtype, tuple(f.name for f in files), index, total,
+                        sum(len(f.items) for f in files), tied, time.monotonic() - started, tuple(extra))
+
+
+@dataclass(frozen=True)
+class _Write:
+    """One data file to write: the unit the ranks of a distributed export share out."""
+
+    file: ShardFile
+    fmt: WeightFormat
+    executor: Executor
+    metadata: dict[str, str] | None  # the file's own metadata, where the format keeps any
+
+    @property
+    def nbytes(self) -> int:
+        return self.file.nbytes
+
+    def write(self, tmp: Path, advance: Callable[[int], None]) -> None:
+        self.fmt.write(tmp / self.file.name, self.file, self.metadata, self.executor, advance)
+
+
+def _data_writes(files: Sequence[ShardFile], tied: dict[str, str], fmt: WeightFormat, executor: Executor,
+                 optim: _OptimizerFiles | None) -> list[_Write]:
+    metadata = fmt.file_metadata(tied, len(files))
+    writes = [_Write(f, fmt, executor, metadata) for f in files]
+    if optim:
+        st = formats.get("safetensors")
+        states = optim.prepared.streaming_executor()
+        writes += [_Write(f, st, states, st.file_metadata({}, len(optim.files))) for f in optim.files]
+    return writes
+
+
+def _write_index(tmp: Path, fmt: WeightFormat, name: str, files: Sequence[ShardFile], tied: dict[str, str]) -> None:
+    metadata = {"total_size": sum(f.nbytes for f in files), **fmt.index_metadata(tied)}
+    write_text(tmp / name, json.dumps(index_doc(files, metadata), indent=2, sort_keys=True) + "\n")
+
+
+def _write_indexes(tmp: Path, fmt: WeightFormat, files: Sequence[ShardFile], tied: dict[str, str],
+                   index: str | None, optim: _OptimizerFiles | None) -> None:
+    """What only rank 0 writes, once every data file is in: the indexes and the optimizer's JSON."""
+    if index:
+        _write_index(tmp, fmt, index, files, tied)
+    if optim:
+        _write_optimizer_index(tmp, optim)
+
+
+class _Alone:
+    """The one process of a plain export: it writes every file, and steps need no agreement.
+    ``zerofast.export.distributed.Team`` stands in for it when several processes share the work."""
+
+    leader = True
+
+    def step(self, what: str, where: Path) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def output_dir(self, out: Path, overwrite: bool):
+        return output_dir(out, overwrite)
+
+    def share(self, writes: list[_Write], tag: str, where: Path) -> list[_Write]:
+        return writes
+
+
+_ALONE = _Alone()
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer states: the same shard layout and safetensors writer as the weights, under their own
+# names, next to them in the output folder.
+
+OPTIMIZER_NAMES = ("optimizer.safetensors", "optimizer-{:05d}-of-{:05d}.safetensors", "optimizer.safetensors.index.json")
+OPTIMIZER_JSON = "optimizer_state.json"
+
+
+@dataclass(frozen=True)
+class _OptimizerFiles:
+    prepared: Prepared
+    files: list[ShardFile]
+    keys: list[str]
+
+
+def _optimizer_layout(ckpt: LoadedCheckpoint, wanted: bool | Sequence[str], max_bytes: int) -> _OptimizerFiles | None:
+    if wanted is False or (not isinstance(wanted, bool) and not wanted):
+        return None
+    keys = available_keys(ckpt) if wanted is True else list(wanted)
+    if not keys:
+        raise ExportError("optimizer_states: the optimizer keeps no per-element state in this checkpoint",
+                          ckpt.files.tag_dir)
+    prepared = plan_checkpoint(ckpt, None, optimizer_keys=keys, qualified=True)
+    files, _ = layout(prepared.plan, OPTIMIZER_NAMES[:2], max_bytes, aliases_in_files=False)
+    return _OptimizerFiles(prepared, files, keys)
+
+
+def _optimizer_names(optim: _OptimizerFiles) -> list[str]:
+    """The files the optimizer states take: shards, their index when there are several, the JSON."""
+    names = [f.name for f in optim.files]
+    if len(optim.files) > 1:
+        names.append(OPTIMIZER_NAMES[2])
+    return [*names, OPTIMIZER_JSON]
+
+
+def _write_optimizer_index(tmp: Path, optim: _OptimizerFiles) -> None:
+    """Everything but the shards: the index when there are several, and the JSON."""
+    names = _optimizer_names(optim)
+    if len(optim.files) > 1:
+        _write_index(tmp, formats.get("safetensors"), OPTIMIZER_NAMES[2], optim.files, {})
+    ckpt = optim.prepared.checkpoint
+    doc = {"keys": optim.keys, "tensors": names[-2], "stage": ckpt.stage, "world_size": ckpt.world_size,
+           "tag": ckpt.files.tag, **scalar_states(ckpt)}
+    write_text(tmp / OPTIMIZER_JSON, json.dumps(doc, indent=2) + "\n")
+
+
+def _counter(progress: Progress | None, total: int) -> Callable[[int], None]:
+    done = 0
+    if progress is not None:
+        progress(0, total)
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
+
+    return advance

@@ -1,0 +1,114 @@
+"""How an export splits a plan into files: pure functions of the plan and the size limit.
+
+Nothing here touches the disk; :mod:`.run` writes what :func:`layout` returns through the
+writer of the chosen format (:mod:`.formats`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+from ..plan.model import Plan, TensorPlan
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in a size limit as huggingface_hub reads it: ``"5GB"`` is 5*10**9, ``"5GiB"`` 5*2**30,
+    and an int (or a string of digits) is a count of bytes."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ValueError(f"max_shard_size must be an int or a string such as '5GB', got {size!r}")
+    if isinstance(size, int):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", size)
+        unit = m.group(2).upper() if m else None
+        if unit not in _UNITS:
+            raise ValueError(f"max_shard_size {size!r}: expected a number of bytes or a size such as '500MB', "
+                             "'5GB' or '4GiB'")
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+def plan_shards(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Group ``(name, nbytes)`` into shards as huggingface_hub does.
+
+    Names stay in order; a shard closes when the next tensor would take it over ``max_bytes``; a
+    tensor larger than the limit gets a shard of its own (appended as soon as it is met, while the
+    open shard stays open). There is always at least one shard.
+    """
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, nbytes in sizes:
+        if nbytes > max_bytes:
+            shards.append([name])
+            continue
+        if used + nbytes > max_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    name: str
+    items: tuple[TensorPlan, ...]  # stored with their own data; ``tp.name`` is the name in the file
+    aliases: tuple[tuple[str, str], ...]  # (alias, source) the file holds sharing the source's storage
+    keys: tuple[str, ...]  # every key of the file, in the model's order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tp.nbytes for tp in self.items)
+
+
+def shard_names(single: str, pattern: str, count: int) -> list[str]:
+    """``model.safetensors`` alone, or ``model-00001-of-00003.safetensors``, ... for several."""
+    return [single] if count == 1 else [pattern.format(i + 1, count) for i in range(count)]
+
+
+def _stored_entries(plan: Plan, duplicate_tied: bool) -> list[TensorPlan]:
+    """Every tensor that gets its own data, in model order: tied aliases too when duplicated."""
+    out = []
+    for name in plan.order:
+        source = plan.aliases.get(name)
+        if source is None:
+            out.append(plan.tensors[name])
+        elif duplicate_tied:
+            out.append(dataclasses.replace(plan.tensors[source], name=name))
+    return out
+
+
+def layout(plan: Plan, names: tuple[str, str], max_bytes: int, *, aliases_in_files: bool,
+           duplicate_tied: bool = False) -> tuple[list[ShardFile], dict[str, str]]:
+    """The files an export writes (named by ``names``: single file, shard pattern), and the tied
+    names it records instead of storing them again.
+
+    An alias costs no bytes: with ``aliases_in_files`` (torch) a file holds it next to its source
+    so that the two keep sharing storage; otherwise (safetensors) only the metadata lists it.
+    """
+    entries = {tp.name: tp for tp in _stored_entries(plan, duplicate_tied)}
+    groups = plan_shards(((n, tp.nbytes) for n, tp in entries.items()), max_bytes)
+    tied = {} if duplicate_tied else {a: plan.aliases[a] for a in plan.order if a in plan.aliases}
+    files = []
+    for name, group in zip(shard_names(*names, len(groups)), groups):
+        members = set(group)
+        aliases = tuple((a, s) for a, s in tied.items() if s in members) if aliases_in_files else ()
+        members.update(a for a, _ in aliases)
+        keys = tuple(k for k in plan.order if k in members)
+        files.append(ShardFile(name, tuple(entries[n] for n in group), aliases, keys))
+    return files, tied
+
+
+def index_doc(files: Iterable[ShardFile], metadata: dict) -> dict:
+    """The ``*.index.json`` document: ``metadata`` (``total_size`` first) and the weight map."""
+    return {"metadata": metadata, "weight_map": {key: f.name for f in files for key in f.keys}}

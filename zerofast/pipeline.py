@@ -1,0 +1,61 @@
+"""Steps 1-3 composed: discover, load safely and plan. Every entry point starts here.
+
+``prepare`` returns a :class:`Prepared`: the checkpoint read, its plan built, and the source
+tensors the plan indexes. Only the executor (step 4) moves bytes after that.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import dtypes
+from .discover import discover
+from .execute import Executor
+from .load import LoadedCheckpoint, load_checkpoint
+from .plan import Plan, SourceTable, build_optimizer_plan, build_plan
+
+
+@dataclass
+class Prepared:
+    """A checkpoint read and planned: everything but the data movement."""
+
+    checkpoint: LoadedCheckpoint
+    plan: Plan
+    sources: list[torch.Tensor]
+    mapped: list[bool]  # per source: a view of a file mapping, not a copy
+
+    def lazy_executor(self, device: str | torch.device = "cpu") -> Executor:
+        """An executor for the lazy mapping: sources it may hand out as views are never dropped;
+        the rest are streamed, so reading every tensor once keeps one tensor resident."""
+        viewable = {tp.segments[0][0] for tp in self.plan.tensors.values() if Executor.may_view(tp)}
+        streamable = [m and i not in viewable for i, m in enumerate(self.mapped)]
+        return Executor(self.sources, device, streamable=streamable)
+
+    def streaming_executor(self, device: str | torch.device = "cpu",
+                           compute: str | torch.device | None = None) -> Executor:
+        """An executor for one pass that hands no source views out (eager dict, export)."""
+        return Executor(self.sources, device, streamable=self.mapped, compute=compute)
+
+
+def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
+            exclude_frozen: bool = False, optimizer_keys: Sequence[str] | None = None) -> Prepared:
+    """Read and plan the state dict, or with ``optimizer_keys`` (exactly one) that per-element
+    state of the wrapped optimizer, named like the parameters."""
+    dtypes.check(dtype)
+    return plan_checkpoint(load_checkpoint(discover(ckpt_dir, tag)), dtype, exclude_frozen=exclude_frozen,
+                           optimizer_keys=optimizer_keys)
+
+
+def plan_checkpoint(ckpt: LoadedCheckpoint, dtype: torch.dtype | None, *, exclude_frozen: bool = False,
+                    optimizer_keys: Sequence[str] | None = None, qualified: bool = False) -> Prepared:
+    """The planning half of :func:`prepare`, for a checkpoint already loaded. With ``qualified``
+    the optimizer states are named ``<param>.<key>``, so that several keys fit in one plan."""
+    table = SourceTable()
+    if optimizer_keys is None:
+        plan = build_plan(ckpt, table, dtype, exclude_frozen=exclude_frozen)
+    else:
+        plan = build_optimizer_plan(ckpt, table, optimizer_keys, dtype, qualified=qualified)
+    return Prepared(ckpt, plan, table.tensors, table.mapped)

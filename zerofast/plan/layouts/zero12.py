@@ -1,0 +1,43 @@
+"""ZeRO stages 1 and 2: each param group's flat buffer is the ranks' partitions end to end.
+
+Parameters follow each other in ``param_shapes`` order; after parameter i come
+``param_alignment_paddings[g][i]`` unused elements, and the buffer's end is padding.
+"""
+from __future__ import annotations
+
+import math
+
+from ...errors import InconsistentCheckpointError
+from ...load import LoadedCheckpoint
+from ..model import Entry, FlatGroups, SourceTable, VirtualBuffer
+
+
+def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGroups) -> dict[str, Entry]:
+    out: dict[str, Entry] = {}
+    for g, group in enumerate(shapes):
+        parts = [groups[g][1] for groups in flats]
+        buf = VirtualBuffer([table.add(str(o.path), groups[g][0], groups[g][1])
+                             for o, groups in zip(ckpt.optim_states, flats)], [p.numel() for p in parts])
+        pads = _alignment_paddings(ckpt, g, len(group))
+        offset = 0
+        for i, (name, shape) in enumerate(group.items()):
+            n = math.prod(shape)
+            if offset + n > buf.numel:
+                raise InconsistentCheckpointError(
+                    f"'param_shapes' places {name!r} at elements [{offset}, {offset + n}) of group {g}, but the "
+                    f"{ckpt.world_size} ranks' partitions hold only {buf.numel}", ckpt.optim_states[0].path)
+            out[name] = (shape, parts[0].dtype, buf.pieces(offset, n, 0))
+            offset += n + pads[i]
+    return out
+
+
+def _alignment_paddings(ckpt: LoadedCheckpoint, group: int, count: int) -> list[int]:
+    o = ckpt.optim_states[0]
+    pads = o.param_alignment_paddings
+    if pads is None:
+        return [0] * count
+    if group >= len(pads) or len(pads[group]) != count:
+        raise InconsistentCheckpointError(
+            f"expected {count} 'param_alignment_paddings' for group {group}, found "
+            f"{len(pads[group]) if group < len(pads) else 'none'}", o.path)
+    return [int(p) for p in pads[group]]

@@ -1,0 +1,129 @@
+"""The plan: a plain-data description of every output tensor, and the vocabulary builders use.
+
+For each output tensor the plan lists which ranges of which source tensors land where, the
+dtype they are stored in and the dtype they come out as. Building a plan reads only metadata;
+executing it (``zerofast.execute``) is the only step that moves bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+TRAINABLE, FROZEN, BUFFER = "trainable", "frozen", "buffer"
+
+Segment = tuple[int, int, int, int]  # (source index, source offset, output offset, length)
+Segments = list[Segment]
+# What a layout builder says about one tensor: its shape, stored dtype, and where its elements are.
+Entry = tuple[tuple[int, ...], torch.dtype, Segments]
+# Per rank, per flat group: (where the tensor sits in its file's pickle, the 1-D tensor). The fp32
+# masters and every per-element optimizer state (Adam's moments) are partitioned alike, so one set
+# of builders lays out either; only the tensors they read differ.
+FlatGroups = list[list[tuple[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One output tensor: ``segments`` rows are (source index, source offset, output offset, length)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    stored_dtype: torch.dtype
+    out_dtype: torch.dtype
+    segments: tuple[Segment, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.out_dtype.itemsize
+
+    def slice(self, lo: int, hi: int) -> "TensorPlan":
+        """Elements ``[lo, hi)`` of this tensor (flattened) as a 1-D plan of their own."""
+        segments = []
+        for src, src_off, dst_off, length in self.segments:
+            a, b = max(dst_off, lo), min(dst_off + length, hi)
+            if a < b:
+                segments.append((src, src_off + a - dst_off, a - lo, b - a))
+        return dataclasses.replace(self, shape=(hi - lo,), segments=tuple(segments))
+
+
+@dataclass(frozen=True)
+class Plan:
+    tensors: dict[str, TensorPlan]  # output name -> plan; aliases are not repeated here
+    aliases: dict[str, str]  # tied name -> name in ``tensors``
+    order: tuple[str, ...]  # every output key, the model's own state_dict() order
+    stage: int
+    world_size: int
+
+
+class SourceTable:
+    """Collects the source tensors a plan refers to, each registered once by its place in a file."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.mapped: list[bool] = []  # still a view of the file mapping (not copied to fit)
+        self._index: dict[tuple[str, str], int] = {}
+
+    def add(self, file: str, key: str, tensor: torch.Tensor) -> int:
+        ident = (file, key)
+        if ident not in self._index:
+            flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
+            self._index[ident] = len(self.tensors)
+            self.tensors.append(flat)
+            self.mapped.append(tensor.is_contiguous())
+        return self._index[ident]
+
+    def whole(self, file: str, key: str, tensor: torch.Tensor) -> Entry:
+        """The entry of a tensor stored whole under ``key`` of ``file``."""
+        return tuple(tensor.shape), tensor.dtype, [(self.add(file, key, tensor), 0, 0, tensor.numel())]
+
+
+class VirtualBuffer:
+    """Several source tensors seen end to end as one flat buffer."""
+
+    def __init__(self, sources: Sequence[int], lengths: Sequence[int]):
+        self.sources = list(sources)
+        self.starts = [0]
+        for n in lengths:
+            self.starts.append(self.starts[-1] + n)
+
+    @property
+    def numel(self) -> int:
+        return self.starts[-1]
+
+    def pieces(self, offset: int, length: int, dst: int) -> Segments:
+        """Segments that copy ``[offset, offset+length)`` of the buffer to output offset ``dst``."""
+        out = []
+        for i, src in enumerate(self.sources):
+            lo, hi = max(offset, self.starts[i]), min(offset + length, self.starts[i + 1])
+            if lo < hi:
+                out.append((src, lo - self.starts[i], dst + lo - offset, hi - lo))
+        return out
+
+
+def tensor_identity(t) -> tuple:
+    """Same value for two module entries exactly when they are one tensor saved under two names.
+
+    Sharing a storage is not enough: fused fp16/bf16 optimizers keep every parameter as a view
+    into one flat buffer, so distinct parameters share storages at different offsets.
+    """
+    if not isinstance(t, torch.Tensor):
+        return ("object", id(t))
+    return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
+def ceil_div(n: int, k: int) -> int:
+    """Integer ceil(n / k): float division loses exactness past 2**53 elements."""
+    return -(-n // k)
+
+
+def rank_share(n: int, k: int, rank: int) -> int:
+    """Elements of an n-element tensor cut into k-element partitions that ``rank`` holds."""
+    return max(0, min(k, n - rank * k))
