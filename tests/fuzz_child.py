@@ -23,6 +23,7 @@ import torch
 import zerofast
 from zerofast import cli
 from tests.planting import load, save
+from zerofast.load.stand_ins import DeepSpeedRecord
 
 
 def _shared_nest(levels: int, width: int):
@@ -70,7 +71,7 @@ def _pick_slot(rng: random.Random, root):
     container, key = None, None
     node = root
     while True:
-        if isinstance(node, zerofast.stand_ins.DeepSpeedRecord):
+        if isinstance(node, DeepSpeedRecord):
             node = vars(node)
         keys = _children(node)
         if not keys or (container is not None and rng.random() < 1 / 3):

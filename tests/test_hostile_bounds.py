@@ -257,7 +257,7 @@ def test_stage0_matching_of_same_valued_params_is_bounded():
     k**2 and each costs a digest per size; past a budget linear in the buffer it is refused."""
     from types import SimpleNamespace
 
-    from zerofast import stage0
+    from zerofast.plan.layouts import stage0
 
     k = 100
     params = {f"p{i}": torch.zeros(i + 1, dtype=torch.bfloat16) for i in range(k)}
