@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -22,7 +23,9 @@ from typing import Iterator, Sequence
 from ..errors import ExportError, OutputExistsError, ZeroFastError
 
 MARKER = ".zerofast-export.json"  # lists the files the last export put in the folder
+MARKER_LIMIT = 64 << 20  # a marker lists names and their identities; never read more
 TMP_DIR = re.compile(r"^\.zerofast-tmp-\d+$")
+TMP_MARK = ".zerofast-tmp"  # inside each temporary folder: only such folders are ever removed
 # Files an export replaces even in a folder it did not write (``overwrite``): model weights.
 WEIGHT_FILE = re.compile(r"^(model(-\d{5,}-of-\d{5,})?\.safetensors|pytorch_model(-\d{5,}-of-\d{5,})?\.bin)"
                          r"(\.index\.json)?$")
@@ -38,11 +41,12 @@ def output_dir(out_dir: Path, overwrite: bool) -> Iterator[tuple[Path, list[str]
         _lock(fd, out_dir)
         previous = _check_owner(out_dir, overwrite)
         for name in os.listdir(out_dir):
-            if TMP_DIR.match(name):  # the lock says no export is alive to own it
+            if _our_tmp(out_dir / name):  # the lock says no export is alive to own it
                 shutil.rmtree(out_dir / name, ignore_errors=True)
         tmp = out_dir / f".zerofast-tmp-{os.getpid()}"
         try:
             tmp.mkdir()
+            (tmp / TMP_MARK).touch()
         except OSError as e:
             raise ExportError(f"cannot create the temporary folder: {os_error(e)}", tmp) from e
         try:
@@ -69,18 +73,51 @@ def _lock(fd: int, out_dir: Path) -> None:
         raise OutputExistsError("another zerofast export is writing into this folder", out_dir) from None
 
 
-def _read_marker(out_dir: Path) -> list[str]:
+def _our_tmp(path: Path) -> bool:
+    """A temporary folder of an earlier zerofast export: the name, a real folder, and our mark.
+    A user's folder that happens to be named ``.zerofast-tmp-7`` is left alone."""
+    return bool(TMP_DIR.match(path.name)) and not path.is_symlink() and path.is_dir() and (path / TMP_MARK).is_file()
+
+
+def _identity(path: Path) -> list[int] | None:
+    """What tells a file zerofast moved into place from another file under the same name: a
+    forged marker can name a user's files, but not their inode and nanosecond mtime."""
     try:
-        files = json.loads((out_dir / MARKER).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_ino, st.st_mtime_ns] if stat.S_ISREG(st.st_mode) else None
+
+
+def _read_marker(out_dir: Path) -> list[str]:
+    """The files the marker lists whose identity still matches: those zerofast wrote."""
+    try:
+        # Not followed if it is a link, never blocks on a FIFO, and read to a bounded size: the
+        # folder may come from anywhere (a marker linked to /dev/zero would never end).
+        fd = os.open(out_dir / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
         return []
-    return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return []
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MARKER_LIMIT + 1)
+        record = json.loads(data) if len(data) <= MARKER_LIMIT else {}
+        files, identities = record["files"], record["identities"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return []
+    finally:
+        os.close(fd)
+    if not isinstance(files, list) or not isinstance(identities, dict):
+        return []
+    return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..", MARKER)
+            and identities.get(f) is not None and identities.get(f) == _identity(out_dir / f)]
 
 
 def _check_owner(out_dir: Path, overwrite: bool) -> list[str]:
     previous = _read_marker(out_dir)
     ours = set(previous) | {MARKER}
-    foreign = sorted(n for n in os.listdir(out_dir) if n not in ours and not TMP_DIR.match(n))
+    foreign = sorted(n for n in os.listdir(out_dir) if n not in ours and not _our_tmp(out_dir / n))
     if foreign and not overwrite:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise OutputExistsError(
@@ -97,7 +134,7 @@ def commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | Non
     that are missing or half replaced.
     """
     final = [*data_files, *([index] if index else [])]
-    _write_marker(out_dir, tmp, sorted(set(previous) | set(final)))
+    _write_marker(out_dir, tmp, sorted(set(previous) | set(final)))  # identities: the staged files
     try:
         stale = set(previous) | {n for n in os.listdir(out_dir) if WEIGHT_FILE.match(n)}
         for name in sorted(stale, key=lambda n: not n.endswith(".index.json")):
@@ -116,8 +153,11 @@ def commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | Non
 
 
 def _write_marker(out_dir: Path, tmp: Path, files: Sequence[str]) -> None:
+    # A staged file keeps its inode and mtime when it is moved into place.
+    identities = {n: _identity(tmp / n) or _identity(out_dir / n) for n in files}
     staged = tmp / MARKER
-    write_text(staged, json.dumps({"written_by": "zerofast", "files": list(files)}, indent=2) + "\n")
+    write_text(staged, json.dumps({"written_by": "zerofast", "files": list(files), "identities": identities},
+                                  indent=2) + "\n")
     os.replace(staged, out_dir / MARKER)
 
 
