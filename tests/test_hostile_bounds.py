@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import struct
 import subprocess
 import sys
 import time
@@ -382,3 +383,141 @@ def test_links_inside_the_checkpoint_are_followed(ckpt):
     (tag_dir / OPTIM0).rename(moved)
     (tag_dir / OPTIM0).symlink_to(moved)
     assert list(zerofast.reconstruct(root)) == list(zerofast.reconstruct(ensure_checkpoint(S2)))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6, 7. The export's output folder: names that would corrupt the file, files that are not ours
+
+def test_a_tensor_named_metadata_is_refused_by_safetensors(ckpt, tmp_path):
+    root, tag_dir = ckpt
+
+    def edit(obj):
+        obj["module"]["__metadata__"] = torch.zeros(2)
+        obj["buffer_names"].append("__metadata__")
+    rewrite(tag_dir / MODEL, edit)
+    out = tmp_path / "out"
+    with pytest.raises(zerofast.ExportError, match="a tensor named '__metadata__' cannot be stored in safetensors"):
+        zerofast.export(root, out)
+    assert sorted(os.listdir(out)) == []
+    zerofast.export(root, out, format="torch")  # the torch format has no such name
+    assert torch.equal(zerofast.load_exported(out)["__metadata__"], torch.zeros(2))
+
+
+@pytest.mark.parametrize("forged", [{"files": ["notes.txt", "model.safetensors"]},
+                                    {"files": ["notes.txt"], "identities": {"notes.txt": [5, 1, 1]}}],
+                         ids=["names-only", "wrong-identity"])
+def test_a_forged_marker_does_not_get_user_files_deleted(ckpt, tmp_path, forged):
+    root, _ = ckpt
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / ".zerofast-export.json").write_text(json.dumps(forged))
+    with pytest.raises(zerofast.OutputExistsError, match=r"files zerofast did not write \(notes.txt\)"):
+        zerofast.export(root, out)
+    zerofast.export(root, out, overwrite=True)  # replaces weight files only
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_rerun_still_replaces_what_zerofast_wrote(ckpt, tmp_path):
+    root, _ = ckpt
+    out = tmp_path / "out"
+    zerofast.export(root, out, max_shard_size=2_000)
+    first = sorted(os.listdir(out))
+    zerofast.export(root, out)  # one file now: the shards and their index go
+    assert sorted(os.listdir(out)) == [".zerofast-export.json", "model.safetensors"]
+    assert len(first) > 3
+
+
+def test_a_user_folder_named_like_a_temporary_folder_is_kept(ckpt, tmp_path):
+    root, _ = ckpt
+    out = tmp_path / "out"
+    (out / ".zerofast-tmp-7").mkdir(parents=True)
+    (out / ".zerofast-tmp-7" / "thesis.tex").write_text("mine")
+    with pytest.raises(zerofast.OutputExistsError, match=r"\.zerofast-tmp-7"):
+        zerofast.export(root, out)
+    zerofast.export(root, out, overwrite=True)
+    assert (out / ".zerofast-tmp-7" / "thesis.tex").read_text() == "mine"
+
+
+def test_a_temporary_folder_left_by_a_killed_export_is_removed(ckpt, tmp_path):
+    root, _ = ckpt
+    out = tmp_path / "out"
+    zerofast.export(root, out)
+    left = out / ".zerofast-tmp-99999"
+    left.mkdir()
+    (left / ".zerofast-tmp").touch()
+    (left / "model.safetensors").write_bytes(b"half")
+    zerofast.export(root, out)
+    assert not left.exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-dev-zero"])
+def test_a_marker_that_is_not_a_file_neither_blocks_nor_fills_memory(ckpt, tmp_path, kind):
+    root, _ = ckpt
+    out = tmp_path / "out"
+    out.mkdir()
+    if kind == "fifo":
+        os.mkfifo(out / ".zerofast-export.json")
+    else:
+        (out / ".zerofast-export.json").symlink_to("/dev/zero")
+    result = read_in_child(root, tmp_path, "export", out, timeout=120)
+    assert result["class"] is None, result  # the name is zerofast's; the export replaces the entry
+    assert result["seconds"] < 60
+    assert not (out / ".zerofast-export.json").is_symlink() and (out / ".zerofast-export.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# 8, 9. load_exported on folders zerofast did not write
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "", "sub/x.safetensors", 7])
+def test_load_exported_reads_only_plain_file_names_from_an_index(tmp_path, shard):
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
+    with pytest.raises(zerofast.ExportError, match="expected the index to name files in its folder"):
+        zerofast.load_exported(out)
+
+
+def test_load_exported_refuses_an_index_entry_linked_outside(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    (out / "shard.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "shard.safetensors"}}))
+    with pytest.raises(zerofast.ExportError, match="a link that leads out of the folder"):
+        zerofast.load_exported(out)
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.marker}'",)
+
+
+@pytest.mark.parametrize("content", ["payload", "garbage", "list"])
+def test_load_exported_on_foreign_files_gives_a_typed_error_and_no_dangerous_advice(tmp_path, content):
+    out = tmp_path / "out"
+    out.mkdir()
+    marker = tmp_path / "ran"
+    if content == "payload":
+        torch.save({"w": _Payload(marker)}, out / "pytorch_model.bin")
+    elif content == "garbage":
+        (out / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not really")
+    else:
+        torch.save([torch.zeros(1)], out / "pytorch_model.bin")
+    with pytest.raises(zerofast.ExportError) as e:
+        zerofast.load_exported(out)
+    assert e.value.path == str(out / "pytorch_model.bin")
+    assert "weights_only" not in str(e.value)
+    assert not marker.exists()
+
+
+def test_load_exported_on_a_broken_safetensors_file(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(struct.pack("<Q", 10 ** 12) + b"{}")
+    with pytest.raises(zerofast.ExportError, match="expected a safetensors weight file as zerofast writes them"):
+        zerofast.load_exported(out)
