@@ -45,6 +45,7 @@ def _reach(r) -> int:
             total += i[1] + i[2]
     return min(total, _CAP)
 
+
 _FIXED = {  # opcode -> argument bytes, for opcodes that push one scalar
     ord("J"): 4, ord("K"): 1, ord("G"): 8, ord("M"): 2, ord("N"): 0, 0x88: 0, 0x89: 0, 0x82: 1, 0x83: 2, 0x84: 4,
 }
@@ -53,18 +54,8 @@ _SIZED = {  # opcode -> (length field bytes, struct format): a length-prefixed s
     ord("B"): (4, "<I"), ord("C"): (1, "<B"), 0x8E: (8, "<Q"), 0x96: (8, "<Q"), 0x8A: (1, "<B"), 0x8B: (4, "<i"),
 }
 _LINE = {ord(c) for c in "FILSVP"}  # text argument up to a newline; pushes one scalar
-
-_K_OTHER, _K_PUT1, _K_PUT4, _K_GET1, _K_GET4, _K_FIXED, _K_SIZED, _K_MARK, _K_TUPLE_N, _K_LINE = range(10)
-_KINDS = [_K_OTHER] * 256
-for _op in _FIXED:
-    _KINDS[_op] = _K_FIXED
-for _op in _SIZED:
-    _KINDS[_op] = _K_SIZED
-for _op in _LINE:
-    _KINDS[_op] = _K_LINE
-for _op, _kind in ((0x71, _K_PUT1), (0x72, _K_PUT4), (0x68, _K_GET1), (0x6A, _K_GET4), (0x28, _K_MARK),
-                   (0x85, _K_TUPLE_N), (0x86, _K_TUPLE_N), (0x87, _K_TUPLE_N)):
-    _KINDS[_op] = _kind
+_FIXED_WIDTH = [_FIXED.get(op, -1) for op in range(256)]
+_EMPTY_TUPLE = (1, 1, 0, ())  # immutable, like the tuple: shared
 
 
 class _Scan:
@@ -171,37 +162,41 @@ class _Scan:
         return self.data[pos:end], end + 1
 
     def run(self) -> int:
-        # The frequent opcodes of a torch.save pickle are handled inline: this runs once per
-        # opcode of files with hundreds of thousands of tensors.
+        # The frequent opcodes of a torch.save pickle are handled inline, most frequent first:
+        # this runs once per opcode of files with hundreds of thousands of tensors.
         data, stack, memo, marks, n = self.data, self.stack, self.memo, self.marks, len(self.data)
-        kinds = _KINDS
+        fixed, sized = _FIXED_WIDTH, _SIZED
+        fence = 0  # the stack below the last mark is out of reach, as in the C unpickler
         pos = 0
         while pos < n:
             op = data[pos]
             pos += 1
-            kind = kinds[op]
-            if kind == _K_PUT4 or kind == _K_PUT1:
-                width = 4 if kind == _K_PUT4 else 1
+            width = fixed[op]
+            if width >= 0:
+                pos += width
+                stack.append(_SCALAR)
+            elif op == 0x72 or op == 0x71:  # LONG_BINPUT, BINPUT
+                width = 4 if op == 0x72 else 1
                 index = int.from_bytes(data[pos:pos + width], "little")
                 pos += width
                 if pos > n:
                     break
-                if index == len(memo) and len(stack) > (marks[-1] if marks else 0):
+                if index == len(memo) and len(stack) > fence:
                     memo.append(stack[-1])
                 else:
                     self.put(index)
-            elif kind == _K_GET1 or kind == _K_GET4:
-                width = 4 if kind == _K_GET4 else 1
+            elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
+                width = 1 if op == 0x68 else 4
                 index = int.from_bytes(data[pos:pos + width], "little")
                 pos += width
                 if index >= len(memo):
                     raise pickle.UnpicklingError(f"Memo value not found at index {index}")
                 stack.append(memo[index])
-            elif kind == _K_FIXED:
-                pos += _FIXED[op]
-                stack.append(_SCALAR)
-            elif kind == _K_SIZED:
-                width, fmt = _SIZED[op]
+            elif op == 0x28:  # MARK
+                fence = len(stack)
+                marks.append(fence)
+            elif op in sized:
+                width, fmt = sized[op]
                 if pos + width > n:
                     break
                 (length,) = struct.unpack_from(fmt, data, pos)
@@ -209,23 +204,45 @@ class _Scan:
                     raise pickle.UnpicklingError("negative byte count")
                 pos += width + length
                 stack.append(_SCALAR)
-            elif kind == _K_MARK:
-                marks.append(len(stack))
-            elif kind == _K_TUPLE_N:
-                items = [self.pop() for _ in range(op - 0x84)]
-                items.reverse()
-                stack.append(self.tuple_(items))
-            elif kind == _K_LINE:
+            elif op == 0x85:  # TUPLE1
+                if len(stack) <= fence:
+                    raise self.underflow()
+                r = stack[-1]
+                if r[0] >= MAX_DEPTH:
+                    raise PickleBoundsError(f"its containers nest deeper than {MAX_DEPTH} levels")
+                cost = min(r[1] + 1, _CAP)
+                stack[-1] = [r[0] + 1, cost, cost - 1, [r]]
+            elif op == 0x74:  # TUPLE
+                stack.append(self.tuple_(self.pop_mark()))
+                fence = marks[-1] if marks else 0
+            elif op == 0x52:  # REDUCE
+                if len(stack) - 2 < fence:
+                    raise self.underflow()
+                args = stack.pop()
+                stack[-1] = self.call([stack[-1], args])
+            elif op == 0x51:  # BINPERSID
+                if len(stack) <= fence:
+                    raise self.underflow()
+                stack[-1] = _SCALAR
+            elif op == 0x29:  # EMPTY_TUPLE
+                stack.append(_EMPTY_TUPLE)
+            elif op in _LINE:
                 _, pos = self.line(pos)
                 stack.append(_SCALAR)
             elif op == 0x2E:  # STOP
                 return pos
             else:
                 pos = self.structural(op, pos)
+                fence = marks[-1] if marks else 0
         raise pickle.UnpicklingError("pickle data was truncated")
 
     def structural(self, op: int, pos: int) -> int:
-        if op == 0x94:  # MEMOIZE
+        # TUPLE, TUPLE1, EMPTY_TUPLE, REDUCE and BINPERSID are handled in ``run``.
+        if op == 0x86 or op == 0x87:  # TUPLE2, TUPLE3
+            items = [self.pop() for _ in range(op - 0x84)]
+            items.reverse()
+            self.stack.append(self.tuple_(items))
+        elif op == 0x94:  # MEMOIZE
             self.put(len(self.memo))
         elif op == 0x70:  # PUT
             text, pos = self.line(pos)
@@ -233,10 +250,6 @@ class _Scan:
         elif op == 0x67:  # GET
             text, pos = self.line(pos)
             self.get(_decimal(text))
-        elif op == 0x74:  # TUPLE
-            self.stack.append(self.tuple_(self.pop_mark()))
-        elif op == 0x29:  # EMPTY_TUPLE
-            self.stack.append(self.tuple_(()))
         elif op in (0x5D, 0x7D, 0x8F):  # EMPTY_LIST, EMPTY_DICT, EMPTY_SET
             self.stack.append([1, 1, 0, None])
         elif op == 0x61:  # APPEND
@@ -267,10 +280,6 @@ class _Scan:
             record = self.container(items)
             record[1] = 1 + len(items)
             self.stack.append(record)
-        elif op == 0x52:  # REDUCE
-            args = self.pop()
-            func = self.pop()
-            self.stack.append(self.call([func, args]))
         elif op == 0x81:  # NEWOBJ
             args = self.pop()
             cls = self.pop()
@@ -296,9 +305,6 @@ class _Scan:
             self.stack.append(_SCALAR)
         elif op == 0x93:  # STACK_GLOBAL
             self.pop()
-            self.pop()
-            self.stack.append(_SCALAR)
-        elif op == 0x51:  # BINPERSID
             self.pop()
             self.stack.append(_SCALAR)
         elif op == 0x30:  # POP
