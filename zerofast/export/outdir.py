@@ -74,9 +74,15 @@ def _lock(fd: int, out_dir: Path) -> None:
 
 
 def _our_tmp(path: Path) -> bool:
-    """A temporary folder of an earlier zerofast export: the name, a real folder, and our mark.
-    A user's folder that happens to be named ``.zerofast-tmp-7`` is left alone."""
-    return bool(TMP_DIR.match(path.name)) and not path.is_symlink() and path.is_dir() and (path / TMP_MARK).is_file()
+    """A temporary folder of an earlier zerofast export: the name, a real folder, and our mark
+    (or empty: killed between making it and marking it). A user's folder that happens to be
+    named ``.zerofast-tmp-7`` is left alone."""
+    if not TMP_DIR.match(path.name) or path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        return (path / TMP_MARK).is_file() or not os.listdir(path)
+    except OSError:
+        return False
 
 
 def _identity(path: Path) -> list[int] | None:
