@@ -23,7 +23,7 @@ from .export.formats import FORMATS
 from .export.shards import parse_size
 from .ops import resolve_device
 from .pipeline import prepare
-from .plan import BUFFER, FROZEN, TRAINABLE, out_dtype_for
+from .plan import BUFFER, FROZEN, TRAINABLE, keys, out_dtype_for
 
 KINDS = (TRAINABLE, FROZEN, BUFFER)
 
@@ -236,8 +236,8 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
         "world_size": plan.world_size, "deepspeed_version": _text_or_none(ckpt.ds_version),
-        "global_steps": _int_or_none(ckpt.meta.raw.get("global_steps")),
-        "training_dtype": _training_dtype(ckpt.meta.raw.get("ds_config")),
+        "global_steps": _int_or_none(ckpt.meta.raw.get(keys.GLOBAL_STEPS)),
+        "training_dtype": _training_dtype(ckpt.meta.raw.get(keys.DS_CONFIG)),
         "model_dtype": _model_dtype(ckpt.meta),
         "tensors": tensors, "tied": dict(plan.aliases), "output_bytes": output,
     }

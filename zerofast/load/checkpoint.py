@@ -1,4 +1,4 @@
-"""Typed views of the checkpoint files: read checkpoint files without running code and without importing DeepSpeed.
+"""Typed views of the checkpoint files, read without running code and without importing DeepSpeed.
 
 Each file's zip directory is checked by :mod:`.archive`, then unpickled by
 :mod:`.unpickle`: the C unpickler, resolving only allowlisted globals (DeepSpeed's
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..discover import CheckpointFiles
+from ..plan import keys as K
 from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -102,7 +103,7 @@ class LoadedCheckpoint:
 
     @property
     def ds_version(self) -> str | None:
-        return self.meta.raw.get("ds_version")
+        return self.meta.raw.get(K.DS_VERSION)
 
 
 def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
@@ -185,30 +186,31 @@ def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:
 
 def _model_states(path: Path) -> ModelStates:
     raw = _expect_dict(path, load_file(path), "the model-states file")
-    if "module" not in raw:
+    if K.MODULE not in raw:
         raise CorruptCheckpointError(f"expected a 'module' entry, found keys {_keys(raw)}", path)
-    module = _expect_mapping(path, raw["module"], "'module'", object, "tensors")
+    module = _expect_mapping(path, raw[K.MODULE], "'module'", object, "tensors")
     for name, value in module.items():
         if not isinstance(value, torch.Tensor):
             raise UnsupportedCheckpointError(
                 f"expected every 'module' entry to be a tensor, found a {type(value).__name__} for {short_repr(name)} "
                 "(non-tensor extra state is not supported yet)", path)
-    shapes = raw.get("param_shapes")
+    shapes = raw.get(K.PARAM_SHAPES)
     if shapes is not None:
         if isinstance(shapes, dict):  # very old DeepSpeed saved a single group unwrapped
             shapes = [shapes]
         shapes = [_shapes(path, g, "a 'param_shapes' group") for g in _expect_list(path, shapes, "'param_shapes'")]
-    frozen = raw.get("frozen_param_shapes")
-    dp_world_size = raw.get("dp_world_size")
+    frozen = raw.get(K.FROZEN_PARAM_SHAPES)
+    dp_world_size = raw.get(K.DP_WORLD_SIZE)
     return ModelStates(
         path=path,
         module=module,
-        buffer_names=_expect_names(path, _default(raw.get("buffer_names"), []), "'buffer_names'"),
+        buffer_names=_expect_names(path, _default(raw.get(K.BUFFER_NAMES), []), "'buffer_names'"),
         param_shapes=shapes,
         frozen_param_shapes=None if frozen is None else _shapes(path, frozen, "'frozen_param_shapes'"),
-        frozen_param_fragments=dict(_expect_mapping(path, _default(raw.get("frozen_param_fragments"), {}),
+        frozen_param_fragments=dict(_expect_mapping(path, _default(raw.get(K.FROZEN_PARAM_FRAGMENTS), {}),
                                                     "'frozen_param_fragments'", torch.Tensor, "tensors")),
-        shared_params=dict(_expect_mapping(path, _default(raw.get("shared_params"), {}), "'shared_params'", str, "names")),
+        shared_params=dict(_expect_mapping(path, _default(raw.get(K.SHARED_PARAMS), {}), "'shared_params'", str,
+                                           "names")),
         dp_world_size=None if dp_world_size is None else _expect_int(path, dp_world_size, "'dp_world_size'", 1),
         raw=raw,
     )
@@ -216,8 +218,8 @@ def _model_states(path: Path) -> ModelStates:
 
 def _optim_states(path: Path) -> OptimStates:
     raw = _expect_dict(path, load_file(path), "the optimizer-states file")
-    osd = _expect_dict(path, raw.get("optimizer_state_dict"), "'optimizer_state_dict'")
-    key = next((k for k in ("fp32_flat_groups", "single_partition_of_fp32_groups") if k in osd), None)
+    osd = _expect_dict(path, raw.get(K.OPTIMIZER_STATE_DICT), "'optimizer_state_dict'")
+    key = next((k for k in (K.ZERO3_FLAT, K.ZERO12_FLAT) if k in osd), None)
     if key is None:
         raise CorruptCheckpointError(
             "expected 'fp32_flat_groups' (stage 3) or 'single_partition_of_fp32_groups' (stages 1-2) in "
@@ -228,7 +230,7 @@ def _optim_states(path: Path) -> OptimStates:
             found = f"a {g.dim()}-D {g.dtype} tensor" if isinstance(g, torch.Tensor) else type(g).__name__
             raise CorruptCheckpointError(f"expected {key}[{i}] to be a 1-D floating-point tensor, found {found}",
                                          path)
-    count = osd.get("partition_count")
+    count = osd.get(K.PARTITION_COUNT)
     if isinstance(count, (list, tuple)):
         counts = {_expect_int(path, c, "each 'partition_count'", 1) for c in count}
         if len(counts) > 1:
@@ -238,8 +240,8 @@ def _optim_states(path: Path) -> OptimStates:
                 f"mixture-of-experts checkpoints are not supported yet (per-group partition_count {list(count)})",
                 path)
         count = counts.pop() if counts else None
-    stage = osd.get("zero_stage")
-    pads = osd.get("param_alignment_paddings")
+    stage = osd.get(K.ZERO_STAGE)
+    pads = osd.get(K.ALIGNMENT_PADDINGS)
     if pads is not None:
         pads = [_expect_list(path, g, "a 'param_alignment_paddings' group")
                 for g in _expect_list(path, pads, "'param_alignment_paddings'")]
@@ -316,9 +318,9 @@ def _world_size(files: CheckpointFiles, stage: int, models: list[ModelStates], o
 def _check_parallelism(meta: ModelStates) -> None:
     """Only the model-parallel rank 00 files are read; a save with tensor or pipeline parallelism
     has more, and they may simply be missing from this folder (so discovery cannot see them)."""
-    dims = meta.raw.get("checkpoint_parallel_dimensions")
+    dims = meta.raw.get(K.PARALLEL_DIMENSIONS)
     dims = dims if isinstance(dims, dict) else {}
-    for what, degree, kind in (("mp_world_size", meta.raw.get("mp_world_size"), "tensor-parallel"),
+    for what, degree, kind in (("mp_world_size", meta.raw.get(K.MP_WORLD_SIZE), "tensor-parallel"),
                                ("tp_degree", dims.get("tp_degree"), "tensor-parallel"),
                                ("pp_degree", dims.get("pp_degree"), "pipeline-parallel")):
         if degree is not None and not (type(degree) is int and degree == 1):

@@ -17,6 +17,7 @@ MP_WORLD_SIZE = "mp_world_size"
 PARALLEL_DIMENSIONS = "checkpoint_parallel_dimensions"
 DS_VERSION = "ds_version"
 DS_CONFIG = "ds_config"
+GLOBAL_STEPS = "global_steps"
 STAGE0_OPTIMIZER = "optimizer"  # stage 0: the mixed-precision wrapper's state dict
 STAGE0_FP32_GROUPS = "fp32_groups"  # per group, one fp32 master per parameter
 STAGE0_FP32_FLAT = "fp32_groups_flat"  # per group, one flat fp32 master
