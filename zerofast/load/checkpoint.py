@@ -307,7 +307,7 @@ def _world_size(files: CheckpointFiles, stage: int, models: list[ModelStates], o
         strays = [p.name for p in files.optim_files[recorded:]]
         raise IncompleteCheckpointError(
             f"partition_count is {recorded} but {found} rank files are present; stray files from another save: "
-            f"{strays}", files.tag_dir)
+            f"{few(strays)}", files.tag_dir)
     if recorded > found:
         raise IncompleteCheckpointError(
             f"partition_count is {recorded} but only {found} optimizer rank files are present (ranks "
