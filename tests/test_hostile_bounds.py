@@ -132,6 +132,11 @@ POISONS = {
     "LossScaler.__setstate__": _build(_global(LOSS_SCALER), "__setstate__", _global("builtins.set")),
     "ZeroStageEnum.__defaults__": _build(_global("deepspeed.runtime.zero.config.ZeroStageEnum"), "__defaults__",
                                          pickle.BININT1 + b"\x01" + pickle.TUPLE1),
+    # Item and append opcodes on allowlisted objects: none of them takes items.
+    "OrderedDict[k]=v": P2 + _global("collections.OrderedDict") + _text("k") + pickle.NONE + pickle.SETITEM + b".",
+    "FloatStorage[k]=v": P2 + _global("torch.FloatStorage") + _text("k") + pickle.NONE + pickle.SETITEM + b".",
+    "_rebuild_tensor.append": P2 + _global("torch._utils._rebuild_tensor_v2") + pickle.NONE + pickle.APPEND + b".",
+    "set.add": P2 + _global("builtins.set") + pickle.MARK + pickle.EMPTY_SET + pickle.ADDITEMS + b".",
 }
 
 _POISONED_THEN_PRISTINE = """
@@ -181,8 +186,11 @@ def test_build_cannot_poison_later_loads(ckpt, tmp_path, case):
     assert marker.read_text() == "done"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["outcome"].startswith(f"CorruptCheckpointError: {tag_dir / MODEL}: expected a valid pickle"), result
-    # Set on a read-only object, or (a stand-in class) BUILD finds the instance method unbound.
-    assert "read-only" in result["outcome"] or "__setstate__() missing" in result["outcome"], result
+    # Set on a read-only object, or (a stand-in class) BUILD finds the instance method unbound,
+    # or the object takes no items.
+    assert any(reason in result["outcome"] for reason in (
+        "read-only", "__setstate__() missing", "does not support item assignment", "has no attribute 'append'",
+        "descriptor 'add'", "argument")), result
     assert result["same"], "a later load of a pristine checkpoint read different tensors"
 
 
