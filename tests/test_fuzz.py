@@ -3,7 +3,7 @@ replaced by a value of another type or size, and zerofast must answer with a Zer
 succeed): no raw exception, no crash, no hang, no unbounded memory.
 
 The cases run in a child process (tests/fuzz_child.py) under an address-space limit and a
-timeout. ZEROFAST_FUZZ_CASES sets the number of cases per layout (default 150),
+timeout. ZEROFAST_FUZZ_CASES sets the number of cases per layout (default 200),
 ZEROFAST_FUZZ_SEED the seed (default 0).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.planting import REPO_ROOT
 
 pytestmark = needs_deepspeed
 
-CASES = int(os.environ.get("ZEROFAST_FUZZ_CASES", "150"))
+CASES = int(os.environ.get("ZEROFAST_FUZZ_CASES", "200"))
 SEED = int(os.environ.get("ZEROFAST_FUZZ_SEED", "0"))
 ADDRESS_SPACE = 6 << 30  # torch alone maps about 2 GiB of address space
 SECONDS_PER_CASE = 2.0

@@ -129,15 +129,21 @@ class _Scan:
         """An allowlisted global called with ``parts`` (REDUCE, NEWOBJ, BUILD, ...). ``set`` and
         ``OrderedDict`` hash what their argument holds, now: that is charged from the argument's
         current records. The result may hold the arguments."""
-        reach = 0
+        reach = depth = 0
         cost = 1
-        for r in parts:
-            reach += _reach(r)
+        for r in parts:  # _reach, inlined: one call per tensor of the file
+            reach += r[1] + r[2]
+            if r[3]:
+                for i in r[3]:
+                    reach += i[1] + i[2]
             cost += r[1]
+            if r[0] > depth:
+                depth = r[0]
+        if depth >= MAX_DEPTH:
+            raise PickleBoundsError(f"its containers nest deeper than {MAX_DEPTH} levels")
         self.charge(reach)
-        return [self.depth(parts), min(cost, _CAP), min(reach, _CAP), None]
+        return [depth + 1, min(cost, _CAP), min(reach, _CAP), None]
 
-    # -- memo ---------------------------------------------------------------------------------
     def put(self, index: int) -> None:
         # The C unpickler sizes its memo array by the largest index; pickles number their
         # values 0, 1, 2, ... as they store them.
