@@ -58,7 +58,7 @@ def test_empty_and_missing_folders(tmp_path):
 def test_missing_rank_file_is_named(stage3, tmp_path):
     _, tag_dir = _copy(stage3, tmp_path)
     (tag_dir / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
-    with pytest.raises(zerofast.IncompleteCheckpointError, match="one optimizer file per model-states file"):
+    with pytest.raises(zerofast.IncompleteCheckpointError, match="missing: zero_pp_rank_1_mp_rank_00_model_states.pt$"):
         zerofast.reconstruct(tag_dir)
 
 
@@ -66,7 +66,7 @@ def test_missing_middle_rank_is_named(stage2, tmp_path):
     _, tag_dir = _copy(stage2, tmp_path)
     optim = sorted(tag_dir.glob("*optim_states.pt"))
     shutil.copy(optim[0], tag_dir / optim[0].name.replace("pp_rank_0_", "pp_rank_3_"))
-    with pytest.raises(zerofast.IncompleteCheckpointError, match=r"1 rank\(s\) missing: 2 "):
+    with pytest.raises(zerofast.IncompleteCheckpointError, match=r"found 3; missing: \w*zero_pp_rank_2_mp_rank_00_optim_states.pt$"):
         zerofast.reconstruct(tag_dir)
 
 

@@ -72,8 +72,8 @@ def _zerofast(*args: str, path: Path | None = None, **env: str) -> subprocess.Co
 
 
 def _assert_same_files(got: Path, want: Path) -> None:
-    names = sorted(os.listdir(want))
-    assert sorted(os.listdir(got)) == names
+    names = sorted(str(p.relative_to(want)) for p in want.rglob("*") if p.is_file())
+    assert sorted(str(p.relative_to(got)) for p in got.rglob("*") if p.is_file()) == names
     assert [n for n in names if (got / n).read_bytes() != (want / n).read_bytes()] == []
 
 

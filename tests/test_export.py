@@ -30,6 +30,8 @@ from zerofast.execute import Executor
 from zerofast.export import export, load_exported
 from zerofast.export.formats import TIED_KEY
 from zerofast.export.outdir import MARKER
+
+MARKER_TOP, MARKER_NAME = MARKER.split("/")[0], Path(MARKER).name  # what listdir / a rename shows
 from zerofast.export.shards import parse_size, plan_shards
 
 from tests.dsgen.catalog import LAYOUTS
@@ -95,7 +97,7 @@ def _st_header(path: Path) -> tuple[int, dict]:
 
 
 def _weight_names(out: Path) -> list[str]:
-    return sorted(n for n in os.listdir(out) if n != MARKER)
+    return sorted(n for n in os.listdir(out) if n != MARKER_TOP)
 
 
 def _case_id(value) -> str:
@@ -240,7 +242,7 @@ def test_refuses_a_folder_zerofast_did_not_write(tmp_path):
 
     export(_root(SMALL), tmp_path, overwrite=True)
     # Only weight files are replaced: a stale pytorch_model.bin would shadow or contradict ours.
-    assert sorted(os.listdir(tmp_path)) == [MARKER, "config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == [MARKER_TOP, "config.json", "model.safetensors"]
 
 
 @needs_deepspeed
@@ -272,7 +274,7 @@ def test_rerun_replaces_previous_export_and_cleans_leftovers(tmp_path):
     (stale / "model-00001-of-00002.safetensors").write_bytes(b"half written")
 
     result = export(_root(SMALL), tmp_path)
-    assert sorted(os.listdir(tmp_path)) == [MARKER, "model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == [MARKER_TOP, "model.safetensors"]
     assert json.loads((tmp_path / MARKER).read_text())["files"] == ["model.safetensors"]
     _assert_bit_identical(load_exported(tmp_path), _reconstructed(SMALL, torch.float32))
     assert result.files == ("model.safetensors",)
@@ -291,6 +293,10 @@ def _failing_run(after: int):
     return run
 
 
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
 @needs_deepspeed
 @pytest.mark.parametrize("fmt", [SAFE, "torch"])
 def test_failure_leaves_no_final_name_and_keeps_the_previous_export(tmp_path, monkeypatch, fmt):
@@ -303,11 +309,11 @@ def test_failure_leaves_no_final_name_and_keeps_the_previous_export(tmp_path, mo
     kept = tmp_path / "kept"
     monkeypatch.undo()
     export(_root(SMALL), kept, format=fmt, max_shard_size=TINY)
-    before = {n: (kept / n).read_bytes() for n in os.listdir(kept)}
+    before = _snapshot(kept)
     monkeypatch.setattr(Executor, "run", _failing_run(after=12))
     with pytest.raises(RuntimeError, match="simulated"):
         export(_root(SMALL), kept, format=fmt)
-    assert {n: (kept / n).read_bytes() for n in os.listdir(kept)} == before
+    assert _snapshot(kept) == before
 
 
 @needs_deepspeed
@@ -322,9 +328,9 @@ def test_index_is_moved_into_place_last(tmp_path, monkeypatch, fmt):
 
     monkeypatch.setattr(os, "replace", replace)
     result = export(_root(SMALL), tmp_path, format=fmt, max_shard_size=TINY)
-    weights = [n for n in moved if n != MARKER]
+    weights = [n for n in moved if n != MARKER_NAME]
     assert weights == [*result.files, result.index]
-    assert moved[0] == MARKER  # the new names are claimed before any of them appears
+    assert moved[0] == MARKER_NAME  # the new names are claimed before any of them appears
 
 
 _KILL_SCRIPT = textwrap.dedent("""
@@ -366,7 +372,7 @@ def test_killed_export_leaves_no_index_and_a_rerun_succeeds(tmp_path, when):
     left = os.listdir(out)
     assert not [n for n in left if n.endswith(".index.json")]
     if when == "writing":
-        assert [n for n in left if n != MARKER and not n.startswith(".zerofast-tmp-")] == []
+        assert [n for n in left if n != MARKER_TOP and not n.startswith(".zerofast-tmp-")] == []
 
     result = export(_root(SMALL), out, max_shard_size=TINY)
     assert _weight_names(out) == sorted([*result.files, result.index])

@@ -34,6 +34,8 @@ from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synth
 from zerofast.export import export, load_exported
 from zerofast.export.outdir import MARKER
 
+MARKER_TOP, MARKER_NAME = MARKER.split("/")[0], Path(MARKER).name  # what listdir / a rename shows
+
 from tests.helpers import assert_bitwise_equal
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,12 +112,13 @@ def _assert_same(got, want, where: str) -> None:
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
     """Every file in the folder and its bytes; temporary folders left by a kill are not files."""
-    return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder)) if not TMP_DIR.match(n)}
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not TMP_DIR.match(p.relative_to(folder).parts[0])}
 
 
 def _assert_rerun_succeeds(ref: Reference, out: Path, fmt: str, shard: str) -> None:
     result = export(ref.root, out, format=fmt, max_shard_size=shard)
-    assert sorted(os.listdir(out)) == sorted([MARKER, *result.files, *([result.index] if result.index else [])])
+    assert sorted(os.listdir(out)) == sorted([MARKER_TOP, *result.files, *([result.index] if result.index else [])])
     _assert_same(load_exported(out), ref.want, str(out))
 
 
@@ -270,7 +273,7 @@ def test_error_while_moving_files_is_reported_and_a_rerun_succeeds(ref, tmp_path
     moved = []
 
     def replace(src, dst):
-        if Path(dst).name != MARKER:
+        if Path(dst).name != MARKER_NAME:
             moved.append(Path(dst).name)
             if len(moved) == 3:
                 raise OSError(errno.EIO, "Input/output error", str(src))
@@ -281,7 +284,7 @@ def test_error_while_moving_files_is_reported_and_a_rerun_succeeds(ref, tmp_path
         export(ref.root, out, max_shard_size=SHARDED)
     assert e.value.path == str(out)
     assert "while moving the new files into place: Input/output error (EIO)" in str(e.value)
-    left = [n for n in os.listdir(out) if n != MARKER]
+    left = [n for n in os.listdir(out) if n != MARKER_TOP]
     assert sorted(left) == sorted(moved[:2])
     with pytest.raises(ExportError, match="found none"):
         load_exported(out)
@@ -298,14 +301,14 @@ def test_marker_that_cannot_shrink_does_not_fail_a_complete_export(ref, tmp_path
     markers = []
 
     def write_text(path, text):
-        if path.name == MARKER:
+        if path.name == MARKER_NAME:
             markers.append(json.loads(text)["files"])
             if failing == "write" and len(markers) == 2:
                 raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_write(path, text)
 
     def replace(src, dst):
-        if failing == "replace" and Path(dst).name == MARKER and len(markers) == 2:
+        if failing == "replace" and Path(dst).name == MARKER_NAME and len(markers) == 2:
             raise OSError(errno.EIO, "Input/output error", str(src))
         return real_replace(src, dst)
 
@@ -317,7 +320,7 @@ def test_marker_that_cannot_shrink_does_not_fail_a_complete_export(ref, tmp_path
     # The claim made before the moves stays: the new name and the names it replaced.
     on_disk = json.loads((out / MARKER).read_text())["files"]
     assert on_disk == markers[0] == sorted({"model.safetensors", *ref.names("torch", SHARDED)})
-    assert sorted(os.listdir(out)) == [MARKER, "model.safetensors"]
+    assert sorted(os.listdir(out)) == [MARKER_TOP, "model.safetensors"]
 
     monkeypatch.undo()
     _assert_rerun_succeeds(ref, out, "torch", SHARDED)
@@ -373,7 +376,7 @@ KILL_RUNS = 6
 
 def _check_after_kill(ref: Reference, out: Path) -> None:
     for name in os.listdir(out):
-        if name == MARKER or TMP_DIR.match(name):
+        if name == MARKER_TOP or TMP_DIR.match(name):
             continue
         assert name in ref.content, f"{name} is no file of any export"
         _assert_same(_read(out / name), ref.content[name], f"{name} under its final name after a kill")
@@ -394,7 +397,7 @@ def _commit_steps(ref: Reference, out: Path, fmt: str, shard: str) -> int:
     previous files the new ones do not replace, and the moves."""
     final = ref.names(fmt, shard)
     data = {n for n in final if not n.endswith(".index.json")}
-    stale = [n for n in os.listdir(out) if n != MARKER and n not in data]
+    stale = [n for n in os.listdir(out) if n != MARKER_TOP and n not in data]
     return 1 + len(stale) + len(final)
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from collections import Counter
 from typing import Sequence, TextIO
 
@@ -37,7 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return args.run(args)
     except ZeroFastError as e:
         if args.debug:
             traceback.print_exc()
@@ -51,6 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Python's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one line each, like the errors: the source line means nothing to a CLI user."""
+    print(f"zerofast: warning: {_rank_prefix()}{' '.join(str(message).split())}", file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,6 +93,18 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--workers", type=_positive, default=1, metavar="N",
                     help="share the export among N processes on this machine (under torchrun, the ranks "
                          "share it without this)")
+    peft = ex.add_mutually_exclusive_group()
+    peft.add_argument("--adapter", action="store_true",
+                      help="PEFT checkpoint: write adapter_model.safetensors + adapter_config.json, which "
+                           "PeftModel.from_pretrained loads")
+    peft.add_argument("--merge-adapters", action="store_true",
+                      help="PEFT (LoRA) checkpoint: write the base model with the adapter merged in, as "
+                           "merge_and_unload() computes it")
+    ex.add_argument("--base-model", metavar="DIR",
+                    help="with --merge-adapters: the base model's save_pretrained folder, for checkpoints saved "
+                         "without their frozen weights (default: adapter_config.json's base_model_name_or_path)")
+    ex.add_argument("--weights-only", action="store_true",
+                    help="write only the weight files: no config, generation config or tokenizer files")
     ex.set_defaults(run=_export)
     _add_zero_to_fp32(sub)
 
@@ -127,11 +147,13 @@ def _export(args: argparse.Namespace) -> int:
         result = run(args.ckpt, args.out, dtype=dtypes.CLI_NAMES[args.dtype], format=args.format,
                      max_shard_size=args.max_shard_size, tag=args.tag, exclude_frozen=args.exclude_frozen,
                      duplicate_tied=args.duplicate_tied, overwrite=args.overwrite,
-                     optimizer_states=args.optimizer_states, progress=bar, device=args.device)
+                     optimizer_states=args.optimizer_states, progress=bar, device=args.device,
+                     adapter=args.adapter, merge_adapters=args.merge_adapters, base_model=args.base_model,
+                     hf_files=not args.weights_only)
     finally:
         bar.close()
     if leader and not args.quiet:
-        count = len(result.files) + (1 if result.index else 0) + len(result.optimizer_files)
+        count = len(result.files) + (1 if result.index else 0) + len(result.optimizer_files) + len(result.other_files)
         tied = f", {len(result.aliases)} tied" if result.aliases else ""
         ranks = f" by {distributed.world_size()} ranks" if distributed.launched() else ""
         print(f"wrote {count} file{'s' if count != 1 else ''} ({human_bytes(result.total_size)}, "
@@ -220,7 +242,7 @@ class _ProgressBar:
 
 def describe(ckpt_dir, tag: str | None = None) -> dict:
     """What ``inspect`` reports, as plain JSON-ready data. Reads metadata only, no tensor data."""
-    prepared = prepare(ckpt_dir, None, tag=tag)
+    prepared = prepare(ckpt_dir, None, tag=tag, warn_absent=False)  # the report says it instead
     plan, ckpt = prepared.plan, prepared.checkpoint
     tensors = {k: {"count": 0, "elements": 0, "bytes": 0, "dtypes": set()} for k in KINDS}
     for tp in plan.tensors.values():
@@ -235,11 +257,13 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
               for label, d in dtypes.CLI_NAMES.items()}
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
+        "universal": ckpt.universal is not None,
         "world_size": plan.world_size, "deepspeed_version": _text_or_none(ckpt.ds_version),
         "global_steps": _int_or_none(ckpt.meta.raw.get(keys.GLOBAL_STEPS)),
         "training_dtype": _training_dtype(ckpt.meta.raw.get(keys.DS_CONFIG)),
         "model_dtype": _model_dtype(ckpt.meta),
         "tensors": tensors, "tied": dict(plan.aliases), "output_bytes": output,
+        "frozen_excluded": plan.frozen_excluded, "absent_frozen": list(plan.absent_frozen),
     }
 
 
@@ -286,7 +310,7 @@ def format_report(r: dict) -> str:
     lines = [
         f"checkpoint    {r['checkpoint']}",
         f"tag           {r['tag']}" + (f"  (global step {r['global_steps']})" if r["global_steps"] is not None else ""),
-        f"stage         ZeRO-{r['stage']}",
+        f"stage         ZeRO-{r['stage']}" + ("  (universal checkpoint, from ds_to_universal)" if r.get("universal") else ""),
         f"world size    {r['world_size']}",
         f"deepspeed     {r['deepspeed_version'] or 'unknown'}",
         f"training      {r['training_dtype'] or 'unknown'} (model held in {r['model_dtype'] or 'unknown'})",
@@ -300,6 +324,10 @@ def format_report(r: dict) -> str:
                      f"{', '.join(row['dtypes']) or '-'}")
         total = {k: total[k] + row[k] for k in total}
     lines.append(f"{'total':<10}{total['count']:>8,}{total['elements']:>14,}{human_bytes(total['bytes']):>12}")
+    if r.get("frozen_excluded"):
+        named = f" (named but absent: {', '.join(r['absent_frozen'])})" if r["absent_frozen"] else ""
+        lines += ["", "frozen        absent: saved with exclude_frozen_parameters=True (as the HF Trainer saves PEFT "
+                  f"models), so the frozen weights are not in this checkpoint{named}"]
     lines += ["", "tied          " + (", ".join(f"{a} -> {s}" for a, s in r["tied"].items()) or "none"), ""]
     lines.append(f"{'export as':<10}{'size':>12}")
     for label, nbytes in r["output_bytes"].items():

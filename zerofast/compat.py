@@ -101,5 +101,5 @@ def export_like_deepspeed(checkpoint_dir, output_dir, *, dtype=torch.float32, ma
     return export(checkpoint_dir, output_dir, dtype=dtypes.resolve(dtype),
                   format="safetensors" if safe_serialization else "torch",
                   max_shard_size=_NO_LIMIT if max_shard_size is None else max_shard_size, tag=tag,
-                  exclude_frozen=exclude_frozen_parameters, overwrite=True, progress=progress)
+                  exclude_frozen=exclude_frozen_parameters, overwrite=True, progress=progress, hf_files=False)
 

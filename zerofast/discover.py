@@ -1,7 +1,7 @@
 """Step 1: find the tag folder and the rank files of a DeepSpeed checkpoint, and check the set.
 
 Only file names are read here (plus the ``latest`` text file); nothing is unpickled. Whether the
-number of rank files matches the world size recorded inside them is checked by ``safe_load``.
+number of rank files matches the world size recorded inside them is checked by the loader (``zerofast.load``).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from .errors import (
     UnsupportedCheckpointError,
     few,
     short_repr,
+    some,
 )
 
 # Symbolic links inside a checkpoint may not lead out of the folder the caller named, unless
@@ -31,8 +32,21 @@ _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _TENSOR_PARALLEL = re.compile(r"mp_rank_(\d+)_")
 # DeepSpeed's names: MoE experts "[layer_<L>_]expert_<E>_mp_rank_XX_model_states.pt" and
 # "expp_rank_<R>_mp_rank_XX_optim_states.pt"; pipeline layers "layer_<NN>-model_states.pt".
+# Checked over every name before the model-parallel rank: a pipeline save's optimizer files
+# carry mp_rank_01 too, and must not be called tensor parallel for sorting first.
 _UNSUPPORTED = ((re.compile(r"^(layer_\d+_)?expert_\d+_|^expp_rank_"), "mixture-of-experts"),
                 (re.compile(r"^layer_"), "pipeline-parallel"))
+UNIVERSAL_DIR = "zero"  # ds_to_universal's per-parameter folders, next to the model states
+UNIVERSAL_COMMON = "optimizer_state.pt"  # in UNIVERSAL_DIR: the optimizer state all ranks share
+LATEST_FILES = ("latest", "latest_universal")  # the second is what ds_to_universal writes
+
+
+def optim_file_name(rank: int, bf16: bool) -> str:
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def zero3_model_file_name(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,13 @@ class CheckpointFiles:
     tag_dir: Path
     model_files: tuple[Path, ...]
     optim_files: tuple[Path, ...]
+    universal: Path | None = None  # the ``zero`` folder of a ds_to_universal checkpoint
+    other_mp_rank: str | None = None  # a file of model-parallel rank > 0: refused once labelled
+
+    @property
+    def bf16_optim_files(self) -> bool | None:
+        """Whether the optimizer files carry the ``bf16_`` prefix; None when there are none."""
+        return self.optim_files[0].name.startswith("bf16_") if self.optim_files else None
 
     @property
     def partitioned_model_states(self) -> bool:
@@ -65,7 +86,7 @@ def discover(ckpt_dir: str | os.PathLike, tag: str | None = None) -> CheckpointF
             raise CheckpointNotFoundError(f"tag {short_repr(tag)} has no folder {short_repr(tag_dir.name)} here", root)
         _check_inside(root, tag_dir)
         files = _list_files(root, tag, tag_dir)
-    for path in files.model_files + files.optim_files:
+    for path in files.model_files + files.optim_files + ((files.universal,) if files.universal else ()):
         _check_inside(root, path)
     return files
 
@@ -91,8 +112,10 @@ def _tag_folders(root: Path) -> list[str]:
 
 
 def _pick_tag(root: Path) -> str:
-    latest = root / "latest"
-    if latest.is_file():
+    # A universal conversion written next to its source leaves both files; ``latest`` stays the
+    # training run's own newest save, as DeepSpeed's loader reads it unless told otherwise.
+    latest = next((root / n for n in LATEST_FILES if (root / n).is_file()), None)
+    if latest is not None:
         _check_inside(root, latest)
         try:
             with open(latest, "rb") as f:
@@ -102,14 +125,14 @@ def _pick_tag(root: Path) -> str:
         try:
             tag = data.decode("utf-8").strip()
         except UnicodeDecodeError:
-            raise CheckpointNotFoundError(f"expected a tag name in 'latest', found binary data {data[:20]!r}",
+            raise CheckpointNotFoundError(f"expected a tag name in {latest.name!r}, found binary data {data[:20]!r}",
                                           latest) from None
         if not tag:
-            raise CheckpointNotFoundError("expected a tag name in 'latest', found an empty file", latest)
+            raise CheckpointNotFoundError(f"expected a tag name in {latest.name!r}, found an empty file", latest)
         # 'latest' comes with the checkpoint; it must not send zerofast to another folder.
         if len(data) > 4096 or Path(tag).is_absolute() or ".." in Path(tag).parts:
             raise CheckpointNotFoundError(
-                f"expected a tag name in 'latest' (a folder under {root.name}), found {tag[:80]!r}", latest)
+                f"expected a tag name in {latest.name!r} (a folder under {root.name}), found {tag[:80]!r}", latest)
         return tag
     tags = _tag_folders(root)
     if len(tags) == 1:
@@ -132,6 +155,11 @@ def _list_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
         raise IncompleteCheckpointError(
             f"expected either {MODEL_FILE_STAGE012} (stages 0-2) or zero_pp_rank_*_model_states.pt (stage 3), "
             "found both: the folder mixes two saves", tag_dir)
+    other_mp_rank = _other_model_parallel_rank(names)
+    if not zero3 and not has_plain and other_mp_rank:
+        raise UnsupportedCheckpointError(
+            f"model-parallel (tensor or pipeline) checkpoints are not supported yet (found {other_mp_rank}, and no "
+            "model-parallel rank 00 model states)", tag_dir)
     if not zero3 and not has_plain and optim:
         raise IncompleteCheckpointError(
             f"expected {MODEL_FILE_STAGE012} or zero_pp_rank_*_mp_rank_00_model_states.pt next to {len(optim)} "
@@ -140,23 +168,33 @@ def _list_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
         raise CheckpointNotFoundError(
             f"expected {MODEL_FILE_STAGE012} or zero_pp_rank_*_mp_rank_00_model_states.pt, found neither", tag_dir)
     model_files = tuple(zero3) if zero3 else (tag_dir / MODEL_FILE_STAGE012,)
-    if zero3 and len(zero3) != len(optim):
+    universal = tag_dir / UNIVERSAL_DIR
+    if not universal.is_dir():
+        universal = None
+    elif optim:
         raise IncompleteCheckpointError(
-            f"expected one optimizer file per model-states file, found {len(zero3)} model-states and "
-            f"{len(optim)} optimizer files", tag_dir)
-    return CheckpointFiles(root=root, tag=tag, tag_dir=tag_dir, model_files=model_files, optim_files=tuple(optim))
+            f"expected either optimizer files (a DeepSpeed save) or a {UNIVERSAL_DIR!r} folder (a universal "
+            f"checkpoint), found both ({optim[0].name}): the folder mixes two saves", tag_dir)
+    # Whether every rank is here is settled once the files say what stage and world size they are.
+    return CheckpointFiles(root=root, tag=tag, tag_dir=tag_dir, model_files=model_files, optim_files=tuple(optim),
+                           universal=universal, other_mp_rank=other_mp_rank)
 
 
 def _reject_unsupported(tag_dir: Path, names: list[str]) -> None:
-    for name in names:
-        for pattern, what in _UNSUPPORTED:
+    for pattern, what in _UNSUPPORTED:
+        for name in names:
             if pattern.match(name) and name.endswith(".pt"):
                 raise UnsupportedCheckpointError(f"{what} checkpoints are not supported yet (found {name})", tag_dir)
+
+
+def _other_model_parallel_rank(names: list[str]) -> str | None:
+    """A file of model-parallel rank > 0. Its name cannot tell tensor from pipeline parallelism
+    (a universal conversion of a pipeline save keeps no ``layer_*`` files); the model states can."""
+    for name in names:
         m = _TENSOR_PARALLEL.search(name)
         if m and name.endswith(".pt") and int(m.group(1)) != 0:
-            raise UnsupportedCheckpointError(
-                f"tensor-parallel checkpoints are not supported yet (found {name}: model-parallel rank "
-                f"{int(m.group(1))})", tag_dir)
+            return name
+    return None
 
 
 def _ranked(tag_dir: Path, names: list[str], pattern: re.Pattern, group: int) -> list[Path]:
@@ -172,14 +210,15 @@ def _ranked(tag_dir: Path, names: list[str], pattern: re.Pattern, group: int) ->
                 f"expected one file for rank {rank}, found {few(found)}: the folder mixes saves of two dtypes", tag_dir)
     top = max(by_rank, default=-1)
     if top + 1 != len(by_rank):
-        # A stray file can name any rank (99999999999): list what is missing without walking
-        # the range, and only the first few.
-        missing = _first_missing(sorted(by_rank), 5)
-        example = pattern.pattern.strip("^$").replace("(bf16_)?", "").replace(r"(\d+)", str(missing[0]))
-        shown = ", ".join(map(str, missing)) + (", ..." if top + 1 - len(by_rank) > len(missing) else "")
+        # A stray file can name any rank (99999999999): list the first few missing files
+        # without walking the range.
+        prefix = "bf16_" if next(iter(by_rank.values()))[0].startswith("bf16_") else ""
+        template = pattern.pattern.strip("^$").replace("(bf16_)?", prefix).replace(chr(92), "")
+        files = [template.replace("(d+)", str(r), 1) for r in _first_missing(sorted(by_rank), 4)]
+        count = top + 1 - len(by_rank)
+        shown = some(files) if count <= len(files) else f"{', '.join(files)} and {count - len(files)} more"
         raise IncompleteCheckpointError(
-            f"expected rank files 0..{top}, {top + 1 - len(by_rank)} rank(s) missing: {shown} (e.g. "
-            f"{example.replace(chr(92), '')})", tag_dir)
+            f"expected a file for each rank 0..{top}, found {len(by_rank)}; missing: {shown}", tag_dir)
     return [tag_dir / by_rank[r][0] for r in sorted(by_rank)]
 
 

@@ -76,6 +76,14 @@ def few(items, shown: int = 5) -> str:
     return f"[{head}]" if len(items) <= shown else f"[{head}, ... ({len(items)} in all)]"
 
 
+def some(names, limit: int = 4) -> str:
+    """``names`` for a message: the first ``limit`` of them, then how many more, so that a folder
+    missing ten thousand files still gets a one-line error."""
+    names = [str(n) for n in names]
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
 class ZeroFastError(Exception):
     """Base class of every error zerofast raises about its input or its build."""
 
@@ -137,3 +145,13 @@ class DeviceError(ZeroFastError, RuntimeError):
 
 class LoadIntoError(ZeroFastError, RuntimeError):
     """The model does not fit the checkpoint: missing or unexpected names (strict), or shapes."""
+
+
+class FrozenWeightsAbsentWarning(UserWarning):
+    """The checkpoint was saved without its frozen parameters (``exclude_frozen_parameters=True``,
+    as the HF Trainer saves PEFT models): the full state dict asked for holds only the trainable
+    parameters and buffers."""
+
+
+class PeftExportWarning(UserWarning):
+    """A PEFT checkpoint exported as it is: its names are PEFT's, which transformers does not load."""

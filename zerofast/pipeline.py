@@ -6,6 +6,7 @@ tensors the plan indexes. Only the executor (step 4) moves bytes after that.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -13,6 +14,7 @@ import torch
 
 from . import dtypes
 from .discover import discover
+from .errors import FrozenWeightsAbsentWarning
 from .execute import Executor
 from .load import LoadedCheckpoint, load_checkpoint
 from .plan import Plan, SourceTable, build_optimizer_plan, build_plan
@@ -41,12 +43,26 @@ class Prepared:
 
 
 def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
-            exclude_frozen: bool = False, optimizer_keys: Sequence[str] | None = None) -> Prepared:
+            exclude_frozen: bool = False, optimizer_keys: Sequence[str] | None = None,
+            warn_absent: bool = True) -> Prepared:
     """Read and plan the state dict, or with ``optimizer_keys`` (exactly one) that per-element
-    state of the wrapped optimizer, named like the parameters."""
+    state of the wrapped optimizer, named like the parameters. A full state dict of a save that
+    left its frozen weights out warns (``FrozenWeightsAbsentWarning``) unless ``warn_absent`` is off."""
     dtypes.check(dtype)
-    return plan_checkpoint(load_checkpoint(discover(ckpt_dir, tag)), dtype, exclude_frozen=exclude_frozen,
-                           optimizer_keys=optimizer_keys)
+    prepared = plan_checkpoint(load_checkpoint(discover(ckpt_dir, tag)), dtype, exclude_frozen=exclude_frozen,
+                               optimizer_keys=optimizer_keys)
+    plan = prepared.plan
+    if plan.frozen_excluded and optimizer_keys is None and not exclude_frozen and warn_absent:
+        _warn_frozen_absent(plan, prepared.checkpoint.files.tag_dir)
+    return prepared
+
+
+def _warn_frozen_absent(plan: Plan, where: os.PathLike) -> None:
+    named = f" (among them {', '.join(plan.absent_frozen)})" if plan.absent_frozen else ""
+    warnings.warn(FrozenWeightsAbsentWarning(
+        f"{where}: saved without its frozen parameters (exclude_frozen_parameters=True, as the HF Trainer saves "
+        f"PEFT models){named}: returning only the {len(plan.tensors)} trainable parameters and buffers it holds"),
+        stacklevel=4)
 
 
 def plan_checkpoint(ckpt: LoadedCheckpoint, dtype: torch.dtype | None, *, exclude_frozen: bool = False,

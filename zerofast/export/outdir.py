@@ -22,7 +22,12 @@ from typing import Iterator, Sequence
 
 from ..errors import ExportError, OutputExistsError, ZeroFastError
 
-MARKER = ".zerofast-export.json"  # lists the files the last export put in the folder
+# Lists the files the last export put in the folder. It sits under .cache/huggingface/, which
+# huggingface_hub's upload_folder never uploads (its default ignore patterns); older versions
+# wrote LEGACY_MARKER at the top, which is still read and then removed.
+MARKER = ".cache/huggingface/zerofast-export.json"
+LEGACY_MARKER = ".zerofast-export.json"
+_HIDDEN = (".cache", LEGACY_MARKER)  # never counted as the user's files
 MARKER_LIMIT = 64 << 20  # a marker lists names and their identities; never read more
 TMP_DIR = re.compile(r"^\.zerofast-tmp-\d+$")
 TMP_MARK = ".zerofast-tmp"  # inside each temporary folder: only such folders are ever removed
@@ -95,41 +100,53 @@ def _identity(path: Path) -> list[int] | None:
     return [st.st_size, st.st_ino, st.st_mtime_ns] if stat.S_ISREG(st.st_mode) else None
 
 
-def _read_marker(out_dir: Path) -> list[str]:
-    """The files the marker lists whose identity still matches: those zerofast wrote."""
+def _read_marker(out_dir: Path) -> list[str] | None:
+    """The files the previous export wrote and that are still as it left them; None where no
+    zerofast export can be shown to have been committed (no marker, or none of its files)."""
+    for name in (MARKER, LEGACY_MARKER):
+        record = _read_json(out_dir / name)
+        if not isinstance(record, dict):
+            continue
+        files, identities = record.get("files"), record.get("identities")
+        if not isinstance(files, list) or not isinstance(identities, dict):
+            continue
+        verified = [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")
+                    and identities.get(f) is not None and identities.get(f) == _identity(out_dir / f)]
+        return verified or None
+    return None
+
+
+def _read_json(path: Path) -> object:
+    """A marker's JSON, or None. Not followed if it is a link, never blocking on a FIFO, read to
+    a bounded size: the folder may come from anywhere (a marker linked to /dev/zero never ends)."""
     try:
-        # Not followed if it is a link, never blocks on a FIFO, and read to a bounded size: the
-        # folder may come from anywhere (a marker linked to /dev/zero would never end).
-        fd = os.open(out_dir / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return []
+        return None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return []
+            return None
         with os.fdopen(os.dup(fd), "rb") as f:
             data = f.read(MARKER_LIMIT + 1)
-        record = json.loads(data) if len(data) <= MARKER_LIMIT else {}
-        files, identities = record["files"], record["identities"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        return []
+        return json.loads(data) if len(data) <= MARKER_LIMIT else None
+    except (OSError, ValueError, RecursionError):
+        return None
     finally:
         os.close(fd)
-    if not isinstance(files, list) or not isinstance(identities, dict):
-        return []
-    return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..", MARKER)
-            and identities.get(f) is not None and identities.get(f) == _identity(out_dir / f)]
 
 
 def _check_owner(out_dir: Path, overwrite: bool) -> list[str]:
+    """The previous export's files. A folder zerofast never exported into must be empty (or
+    ``overwrite`` given); files a user added to an export of ours stay and do not block a rerun."""
     previous = _read_marker(out_dir)
-    ours = set(previous) | {MARKER}
+    ours = set(previous or ()) | set(_HIDDEN)
     foreign = sorted(n for n in os.listdir(out_dir) if n not in ours and not _our_tmp(out_dir / n))
-    if foreign and not overwrite:
+    if foreign and not overwrite and previous is None:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise OutputExistsError(
             f"the folder holds files zerofast did not write ({shown}); pass overwrite=True (--overwrite) to "
             "export into it anyway, replacing only model weight files", out_dir)
-    return previous
+    return previous or []
 
 
 def commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | None, previous: Sequence[str]) -> None:
@@ -140,7 +157,7 @@ def commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | Non
     that are missing or half replaced.
     """
     final = [*data_files, *([index] if index else [])]
-    _write_marker(out_dir, tmp, sorted(set(previous) | set(final)))  # identities: the staged files
+    _write_marker(out_dir, tmp, sorted(set(previous) | set(final)))
     try:
         stale = set(previous) | {n for n in os.listdir(out_dir) if WEIGHT_FILE.match(n)}
         for name in sorted(stale, key=lambda n: not n.endswith(".index.json")):
@@ -161,10 +178,17 @@ def commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | Non
 def _write_marker(out_dir: Path, tmp: Path, files: Sequence[str]) -> None:
     # A staged file keeps its inode and mtime when it is moved into place.
     identities = {n: _identity(tmp / n) or _identity(out_dir / n) for n in files}
-    staged = tmp / MARKER
+    staged = tmp / Path(MARKER).name
     write_text(staged, json.dumps({"written_by": "zerofast", "files": list(files), "identities": identities},
                                   indent=2) + "\n")
-    os.replace(staged, out_dir / MARKER)
+    final = out_dir / MARKER
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create the folder for zerofast's list of files: {os_error(e)}", final.parent) from e
+    os.replace(staged, final)
+    with contextlib.suppress(FileNotFoundError):
+        (out_dir / LEGACY_MARKER).unlink()
 
 
 @contextmanager
@@ -184,6 +208,11 @@ def writing(path: Path) -> Iterator[None]:
 def write_text(path: Path, text: str) -> None:
     with writing(path):
         path.write_text(text)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    with writing(path):
+        path.write_bytes(data)
 
 
 def _final_name(path: Path) -> Path:

@@ -8,6 +8,7 @@ writer (:mod:`.formats`) into the temporary folder of :mod:`.outdir`, and commit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -23,9 +24,9 @@ from ..load import LoadedCheckpoint
 from ..ops import resolve_device
 from ..pipeline import Prepared, plan_checkpoint, prepare
 from ..plan.optimizer import available_keys, scalar_states
-from . import formats
+from . import formats, hf
 from .formats import WeightFormat
-from .outdir import commit, output_dir, write_text
+from .outdir import commit, output_dir, write_bytes, write_text
 from .shards import ShardFile, index_doc, layout, parse_size
 
 if TYPE_CHECKING:
@@ -48,10 +49,11 @@ class ExportResult:
     aliases: dict[str, str]  # tied names recorded as {alias: source} rather than stored again
     seconds: float
     optimizer_files: tuple[str, ...] = ()  # optimizer-state shards, their index, the scalars' JSON
+    other_files: tuple[str, ...] = ()  # copied config, tokenizer and adapter config files
 
     @property
     def paths(self) -> list[Path]:
-        names = (*self.files, *([self.index] if self.index else []), *self.optimizer_files)
+        names = (*self.files, *([self.index] if self.index else []), *self.optimizer_files, *self.other_files)
         return [self.out_dir / n for n in names]
 
 
@@ -59,7 +61,9 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
            format: str = "safetensors", max_shard_size: int | str = "5GB", tag: str | None = None,
            exclude_frozen: bool = False, duplicate_tied: bool = False, overwrite: bool = False,
            optimizer_states: bool | Sequence[str] = False, progress: Progress | None = None,
-           device: str | torch.device = "cpu", team: Team | None = None) -> ExportResult:
+           device: str | torch.device = "cpu", team: Team | None = None, adapter: bool = False,
+           merge_adapters: bool = False, base_model: str | os.PathLike | None = None,
+           hf_files: bool = True) -> ExportResult:
     """Write a DeepSpeed ZeRO checkpoint out as Hugging Face-layout weight files.
 
     Args:
@@ -84,6 +88,17 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
             builds each tensor on the GPU and copies it back through pinned buffers to the writer.
         team: the ranks sharing this export (:class:`zerofast.export.distributed.Team`); None writes
             every file here. Use :func:`zerofast.export.distributed.export` rather than passing one.
+        adapter: for a PEFT checkpoint, write only the adapter, as ``adapter_model.safetensors`` plus
+            ``adapter_config.json`` under the names ``PeftModel.from_pretrained`` expects.
+        merge_adapters: for a PEFT (LoRA) checkpoint, write the base model with the LoRA deltas
+            merged, under the base model's names, as peft's ``merge_and_unload()`` computes them.
+        base_model: the base model's ``save_pretrained`` folder, for merging an adapter whose
+            checkpoint holds no frozen weights (the HF Trainer's PEFT saves); by default the
+            adapter config's ``base_model_name_or_path`` when that is a folder.
+        hf_files: copy ``config.json`` (its dtype set to the exported dtype), the generation
+            config and tokenizer files found next to the checkpoint, so that ``from_pretrained``
+            loads the folder as it is. ``ckpt_dir`` may then also be a Trainer's ``output_dir``
+            holding one ``checkpoint-*`` folder.
     """
     fmt = formats.get(format)
     limit = parse_size(max_shard_size)
@@ -91,9 +106,17 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     started = time.monotonic()
     team = team or _ALONE
     out = Path(out_dir)
+    if merge_adapters and (adapter or exclude_frozen):
+        raise ValueError("merge_adapters writes the whole base model: it excludes adapter and exclude_frozen")
     with team.step("reading the checkpoint", out):
-        prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)
-        files, tied = layout(prepared.plan, fmt.names, limit, aliases_in_files=fmt.aliases_in_files,
+        if hf_files:
+            ckpt_dir = hf.resolve_checkpoint_dir(ckpt_dir)
+        prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen or adapter,
+                           warn_absent=not merge_adapters)
+        prepared, names, extras = _hf_view(prepared, fmt, dtype, adapter, merge_adapters, base_model, hf_files)
+        if names != fmt.names:  # peft reads one adapter file
+            limit = max(limit, sum(tp.nbytes for tp in prepared.plan.tensors.values()) + 1)
+        files, tied = layout(prepared.plan, names, limit, aliases_in_files=fmt.aliases_in_files,
                              duplicate_tied=duplicate_tied)
         optim = _optimizer_layout(prepared.checkpoint, optimizer_states, limit)
         writes = _data_writes(files, tied, fmt, prepared.streaming_executor(compute=compute), optim)
@@ -108,10 +131,31 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         with team.step("committing the export", out):
             if team.leader:
                 _write_indexes(tmp, fmt, files, tied, index, optim)
-                commit(out, tmp, [f.name for f in files] + extra, index, previous)
+                for name, content in extras.items():
+                    write_bytes(tmp / name, content)
+                commit(out, tmp, [f.name for f in files] + extra + list(extras), index, previous)
     total = sum(f.nbytes for f in files)
     return ExportResult(out, fmt.name, dtype, tuple(f.name for f in files), index, total,
-                        sum(len(f.items) for f in files), tied, time.monotonic() - started, tuple(extra))
+                        sum(len(f.items) for f in files), tied, time.monotonic() - started, tuple(extra),
+                        tuple(extras))
+
+
+def _hf_view(prepared: Prepared, fmt: WeightFormat, dtype, adapter: bool, merge: bool, base_model,
+             hf_files: bool):
+    """The plan to write for a Hugging Face folder, the (single, pattern) file names, and the
+    config/tokenizer files to copy next to the weights."""
+    folder = hf.trainer_folder(prepared)
+    names, folders = fmt.names, [folder]
+    if adapter:
+        hf.read_adapter_config(folder)
+        prepared = dataclasses.replace(prepared, plan=hf.adapter_plan(prepared.plan, folder))
+        names = (hf.ADAPTER_FILES[fmt.name], fmt.pattern)
+    elif merge:
+        prepared, folders = hf.merged_plan(prepared, dtype, base_model, folder)
+    elif hf_files and hf.is_peft(prepared.plan, folder):
+        hf.warn_peft_as_is(prepared.plan, folder)
+    extras = hf.extra_files(folders, prepared.plan, dtype, adapter) if hf_files or adapter else {}
+    return prepared, names, extras
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,6 @@
 - :mod:`.stand_ins`: inert stand-ins for the DeepSpeed classes the pickles name;
 - :mod:`.checkpoint`: typed views of the model-states and optimizer files, stage and world size.
 """
-from .checkpoint import LoadedCheckpoint, ModelStates, OptimStates, load_checkpoint, load_file
+from .checkpoint import LoadedCheckpoint, ModelStates, OptimStates, UniversalState, load_checkpoint, load_file
 
-__all__ = ["LoadedCheckpoint", "ModelStates", "OptimStates", "load_checkpoint", "load_file"]
+__all__ = ["LoadedCheckpoint", "ModelStates", "OptimStates", "UniversalState", "load_checkpoint", "load_file"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..discover import CheckpointFiles
+from ..discover import UNIVERSAL_COMMON, CheckpointFiles, optim_file_name, zero3_model_file_name
 from ..plan import keys as K
 from ..errors import (
     CorruptCheckpointError,
@@ -31,6 +31,7 @@ from ..errors import (
     few,
     first_line,
     short_repr,
+    some,
 )
 from .pickle_bounds import BoundsExceeded
 from .stand_ins import RefusedState
@@ -89,12 +90,26 @@ class OptimStates:
 
 
 @dataclass
+class UniversalState:
+    """A ds_to_universal checkpoint's ``zero`` folder: one folder of files per parameter, read by
+    :mod:`zerofast.plan.layouts.universal` when planned, and the optimizer's common state."""
+
+    zero_dir: Path
+    optimizer_state: dict  # zero/optimizer_state.pt: zero_stage, param_groups, ...
+
+    @property
+    def common_path(self) -> Path:
+        return self.zero_dir / UNIVERSAL_COMMON
+
+
+@dataclass
 class LoadedCheckpoint:
     files: CheckpointFiles
     stage: int
     world_size: int
     model_states: list[ModelStates]
     optim_states: list[OptimStates]
+    universal: UniversalState | None = None
 
     @property
     def meta(self) -> ModelStates:
@@ -109,9 +124,16 @@ class LoadedCheckpoint:
 def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
     """Read every file of one save and settle its stage and world size."""
     model_states = [_model_states(p) for p in files.model_files]
-    optim_states = [_optim_states(p) for p in files.optim_files]
     _check_parallelism(model_states[0])
+    if files.other_mp_rank is not None:  # rank 00 records degree 1, yet another rank's file is here
+        raise UnsupportedCheckpointError(
+            f"tensor-parallel checkpoints are not supported yet (found {files.other_mp_rank}: model-parallel rank "
+            f"{int(files.other_mp_rank.split('mp_rank_')[1][:2])})", files.tag_dir)
+    if files.universal is not None:
+        return _load_universal(files, model_states)
+    optim_states = [_optim_states(p) for p in files.optim_files]
     stage = _stage(files, model_states, optim_states)
+    _agree_with_config(files, model_states[0], stage, "the optimizer files")
     world_size = _world_size(files, stage, model_states, optim_states)
     _check_flat_groups(stage, optim_states)
     return LoadedCheckpoint(files, stage, world_size, model_states, optim_states)
@@ -261,8 +283,52 @@ def _optim_states(path: Path) -> OptimStates:
 _KNOWN_STAGES = (0, 1, 2, 3)
 
 
+def configured_stage(meta: ModelStates) -> int | None:
+    """The ZeRO stage the run's DeepSpeed config asked for; None when the file has no config.
+    DeepSpeed's default, with no ``zero_optimization`` section, is stage 0."""
+    config = meta.raw.get(K.DS_CONFIG)
+    if not isinstance(config, dict):
+        return None
+    section = config.get("zero_optimization")
+    if section is None:
+        return 0
+    stage = section.get("stage", 0) if isinstance(section, dict) else None
+    return stage if type(stage) is int else None
+
+
+def _bf16(meta: ModelStates) -> bool:
+    config = meta.raw.get(K.DS_CONFIG)
+    section = config.get("bf16", config.get("bfloat16")) if isinstance(config, dict) else None
+    return isinstance(section, dict) and bool(section.get("enabled"))
+
+
+def _agree_with_config(files: CheckpointFiles, meta: ModelStates, stage: int, source: str) -> None:
+    declared = configured_stage(meta)
+    if declared is not None and declared != stage:
+        raise InconsistentCheckpointError(
+            f"the DeepSpeed config (ds_config) says ZeRO stage {declared}, but {source} hold a stage-{stage} save",
+            meta.path)
+
+
+def _missing_optimizer_files(files: CheckpointFiles, meta: ModelStates) -> None:
+    """A ZeRO save whose optimizer files are all gone would read as stage 0: the bf16 module
+    weights upcast in place of the fp32 masters. Refuse it, naming the files."""
+    declared = configured_stage(meta)
+    if not files.partitioned_model_states and meta.param_shapes is None and not declared:
+        return
+    world = meta.dp_world_size or len(files.model_files)
+    bf16 = _bf16(meta)
+    names = [(r, optim_file_name(r, bf16)) for r in range(min(world, 4))]  # dp_world_size is the file's
+    why = f"ds_config says ZeRO stage {declared}" if declared else "'param_shapes' is recorded"
+    if files.partitioned_model_states:
+        why = "the model states are partitioned per rank (ZeRO-3)"
+    raise IncompleteCheckpointError(
+        f"expected the ZeRO optimizer files ({why}), found none; missing: {_some_of(names, world)}", files.tag_dir)
+
+
 def _stage(files: CheckpointFiles, models: list[ModelStates], optims: list[OptimStates]) -> int:
     if not optims:
+        _missing_optimizer_files(files, models[0])
         return 0
     recorded = optims[0].zero_stage
     for o in optims[1:]:
@@ -301,18 +367,75 @@ def _world_size(files: CheckpointFiles, stage: int, models: list[ModelStates], o
     recorded = optims[0].partition_count or meta.dp_world_size
     found = len(optims)
     if recorded is None:
-        return found
+        recorded = found
     recorded = int(recorded)
     if recorded < found:
         strays = [p.name for p in files.optim_files[recorded:]]
         raise IncompleteCheckpointError(
             f"partition_count is {recorded} but {found} rank files are present; stray files from another save: "
             f"{few(strays)}", files.tag_dir)
-    if recorded > found:
+    bf16 = bool(files.bf16_optim_files)
+    # partition_count comes from the file: list the first few missing ranks, never the range.
+    missing = [(r, optim_file_name(r, bf16)) for r in range(found, min(recorded, found + 4))]
+    count = recorded - found
+    if stage == 3:
+        _no_stray_model_files(files, recorded)
+        present = len(files.model_files)
+        missing += [(r, zero3_model_file_name(r)) for r in range(present, min(recorded, present + 4))]
+        count += recorded - present
+    if missing:
         raise IncompleteCheckpointError(
-            f"partition_count is {recorded} but only {found} optimizer rank files are present (ranks "
-            f"{found}..{recorded - 1} missing)", files.tag_dir)
+            f"expected the files of {recorded} ranks (partition_count {recorded}); missing: "
+            f"{_some_of(sorted(missing)[:4], count)}", files.tag_dir)
     return recorded
+
+
+def _no_stray_model_files(files: CheckpointFiles, world: int) -> None:
+    if len(files.model_files) > world:
+        strays = [p.name for p in files.model_files[world:]]
+        raise IncompleteCheckpointError(
+            f"partition_count is {world} but {len(files.model_files)} model-states files are present; stray files "
+            f"from another save: {some(strays)}", files.tag_dir)
+
+
+def _load_universal(files: CheckpointFiles, models: list[ModelStates]) -> LoadedCheckpoint:
+    """A ds_to_universal folder: copies of the model states, and per-parameter files in place of
+    the optimizer files. Its stage comes from the files as well: per-rank model states mean a
+    ZeRO-3 source, and the optimizer's common state records the stage it was saved at."""
+    meta = models[0]
+    path = files.universal / UNIVERSAL_COMMON
+    if not path.is_file():
+        raise IncompleteCheckpointError(
+            f"expected {path.name} in the universal checkpoint's {files.universal.name!r} folder, found none", path.parent)
+    common = _expect_dict(path, load_file(path), "the universal optimizer state")
+    recorded = common.get(K.ZERO_STAGE)
+    recorded = None if recorded is None else _expect_int(path, recorded, "'zero_stage'")
+    # As in the source's own files, DeepSpeed's BF16_Optimizer (stage 1) records no stage.
+    stage = 3 if files.partitioned_model_states else (1 if recorded is None else recorded)
+    if stage not in (1, 2, 3) or (recorded is not None and recorded != stage):
+        raise InconsistentCheckpointError(
+            f"expected zero_stage {'3' if files.partitioned_model_states else '1 or 2'} next to "
+            f"{'per-rank model-states files' if files.partitioned_model_states else files.model_files[0].name}, "
+            f"found {recorded}", path)
+    if meta.param_shapes is None:
+        raise InconsistentCheckpointError("expected 'param_shapes' in a universal checkpoint's model states, found None",
+                                          meta.path)
+    _agree_with_config(files, meta, stage, "the universal checkpoint's files")
+    world = int(meta.dp_world_size or len(models))
+    if stage == 3:
+        _no_stray_model_files(files, world)
+        missing = [(r, zero3_model_file_name(r)) for r in range(len(models), min(world, len(models) + 4))]
+        if missing:
+            raise IncompleteCheckpointError(
+                f"dp_world_size is {world} but only {len(models)} model-states files are present; missing: "
+                f"{_some_of(missing, world - len(models))}", files.tag_dir)
+    return LoadedCheckpoint(files, stage, world, models, [], UniversalState(files.universal, common))
+
+
+def _some_of(missing: list[tuple[int, str]], count: int) -> str:
+    """The first few of ``count`` missing files, as ``some`` shows them, from a short list."""
+    shown = ", ".join(name for _, name in missing)
+    return shown if count <= len(missing) else f"{shown} and {count - len(missing)} more"
 
 
 def _check_parallelism(meta: ModelStates) -> None:
@@ -320,9 +443,10 @@ def _check_parallelism(meta: ModelStates) -> None:
     has more, and they may simply be missing from this folder (so discovery cannot see them)."""
     dims = meta.raw.get(K.PARALLEL_DIMENSIONS)
     dims = dims if isinstance(dims, dict) else {}
-    for what, degree, kind in (("mp_world_size", meta.raw.get(K.MP_WORLD_SIZE), "tensor-parallel"),
-                               ("tp_degree", dims.get("tp_degree"), "tensor-parallel"),
-                               ("pp_degree", dims.get("pp_degree"), "pipeline-parallel")):
+    # Pipeline first: a pipeline save's own mp_world_size may count its stages.
+    for what, degree, kind in (("pp_degree", dims.get("pp_degree"), "pipeline-parallel"),
+                               ("mp_world_size", meta.raw.get(K.MP_WORLD_SIZE), "tensor-parallel"),
+                               ("tp_degree", dims.get("tp_degree"), "tensor-parallel")):
         if degree is not None and not (type(degree) is int and degree == 1):
             raise UnsupportedCheckpointError(
                 f"{kind} checkpoints are not supported yet (expected {what} 1, found {short_repr(degree, 40)})", meta.path)

@@ -61,6 +61,10 @@ class Plan:
     order: tuple[str, ...]  # every output key, the model's own state_dict() order
     stage: int
     world_size: int
+    # The save left its frozen parameters out (exclude_frozen_parameters=True); the names of
+    # those it still mentions (the other half of a tied pair) are in absent_frozen.
+    frozen_excluded: bool = False
+    absent_frozen: tuple[str, ...] = ()
 
 
 class SourceTable:

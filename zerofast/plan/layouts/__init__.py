@@ -6,6 +6,7 @@
 - :mod:`.zero12`: stages 1-2, per-group flat buffers cut into equal rank partitions.
 - :mod:`.zero3`: stage 3, every parameter cut across all ranks.
 - :mod:`.frozen`: frozen parameters named in ``frozen_param_shapes``.
+- :mod:`.universal`: ds_to_universal folders, one file per parameter and state.
 """
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from ...errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
 from .. import keys
 from ..model import Entry, FlatGroups, SourceTable
-from . import frozen, stage0, zero3, zero12
+from . import frozen, stage0, universal, zero3, zero12
 
 
 def trainable_entries(ckpt: LoadedCheckpoint, table: SourceTable, exclude_frozen: bool) -> dict[str, Entry]:
     if ckpt.stage == 0:
         return stage0.trainable(ckpt, table, exclude_frozen)
+    if ckpt.universal is not None:
+        return universal.trainable(ckpt, table)
     return partitioned_entries(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups")
 
 
