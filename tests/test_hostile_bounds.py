@@ -22,6 +22,7 @@ from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
 from tests.planting import LOSS_SCALER, REPO_ROOT, Call, copy_checkpoint, replace_member, rewrite
 from tests.test_fuzz import run_limited
+from zerofast.export.outdir import LEGACY_MARKER, MARKER
 
 pytestmark = needs_deepspeed
 
@@ -202,8 +203,21 @@ def test_a_stray_huge_rank_number_is_reported_at_once(ckpt, tmp_path):
     (tag_dir / "zero_pp_rank_99999999999_mp_rank_00_optim_states.pt").write_bytes(b"")
     result = read_in_child(root, tmp_path, timeout=60)
     assert result["class"] == "IncompleteCheckpointError", result
-    assert "99999999997 rank(s) missing: 2, 3, 4, 5, 6, ..." in result["message"]
+    assert result["message"].endswith("missing: bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt, "
+                                      "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt, "
+                                      "bf16_zero_pp_rank_4_mp_rank_00_optim_states.pt, "
+                                      "bf16_zero_pp_rank_5_mp_rank_00_optim_states.pt and 99999999993 more"), result
     assert len(result["message"]) < 500
+
+
+def test_a_huge_partition_count_is_reported_at_once(ckpt, tmp_path):
+    root, tag_dir = ckpt
+    for name in (OPTIM0, OPTIM0.replace("pp_rank_0", "pp_rank_1")):
+        rewrite(tag_dir / name, lambda o: o["optimizer_state_dict"].__setitem__("partition_count", 10 ** 12))
+    result = read_in_child(root, tmp_path, timeout=60)
+    assert result["class"] == "IncompleteCheckpointError", result
+    assert result["message"].endswith(" and 999999999994 more"), result
+    assert len(result["message"]) < 600
 
 
 def _shared_tuple_key(levels: int, width: int) -> bytes:
@@ -411,15 +425,16 @@ def test_a_tensor_named_metadata_is_refused_by_safetensors(ckpt, tmp_path):
     assert torch.equal(zerofast.load_exported(out)["__metadata__"], torch.zeros(2))
 
 
+@pytest.mark.parametrize("where", [MARKER, LEGACY_MARKER])
 @pytest.mark.parametrize("forged", [{"files": ["notes.txt", "model.safetensors"]},
                                     {"files": ["notes.txt"], "identities": {"notes.txt": [5, 1, 1]}}],
                          ids=["names-only", "wrong-identity"])
-def test_a_forged_marker_does_not_get_user_files_deleted(ckpt, tmp_path, forged):
+def test_a_forged_marker_does_not_get_user_files_deleted(ckpt, tmp_path, forged, where):
     root, _ = ckpt
     out = tmp_path / "out"
-    out.mkdir()
+    (out / where).parent.mkdir(parents=True)
     (out / "notes.txt").write_text("mine")
-    (out / ".zerofast-export.json").write_text(json.dumps(forged))
+    (out / where).write_text(json.dumps(forged))
     with pytest.raises(zerofast.OutputExistsError, match=r"files zerofast did not write \(notes.txt\)"):
         zerofast.export(root, out)
     zerofast.export(root, out, overwrite=True)  # replaces weight files only
@@ -432,8 +447,9 @@ def test_a_rerun_still_replaces_what_zerofast_wrote(ckpt, tmp_path):
     zerofast.export(root, out, max_shard_size=2_000)
     first = sorted(os.listdir(out))
     zerofast.export(root, out)  # one file now: the shards and their index go
-    assert sorted(os.listdir(out)) == [".zerofast-export.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == [".cache", "model.safetensors"]
     assert len(first) > 3
+    assert json.loads((out / MARKER).read_text())["files"] == ["model.safetensors"]
 
 
 def test_a_user_folder_named_like_a_temporary_folder_is_kept(ckpt, tmp_path):
@@ -459,19 +475,20 @@ def test_a_temporary_folder_left_by_a_killed_export_is_removed(ckpt, tmp_path):
     assert not left.exists()
 
 
+@pytest.mark.parametrize("where", [MARKER, LEGACY_MARKER])
 @pytest.mark.parametrize("kind", ["fifo", "link-to-dev-zero"])
-def test_a_marker_that_is_not_a_file_neither_blocks_nor_fills_memory(ckpt, tmp_path, kind):
+def test_a_marker_that_is_not_a_file_neither_blocks_nor_fills_memory(ckpt, tmp_path, kind, where):
     root, _ = ckpt
     out = tmp_path / "out"
-    out.mkdir()
+    (out / where).parent.mkdir(parents=True)
     if kind == "fifo":
-        os.mkfifo(out / ".zerofast-export.json")
+        os.mkfifo(out / where)
     else:
-        (out / ".zerofast-export.json").symlink_to("/dev/zero")
+        (out / where).symlink_to("/dev/zero")
     result = read_in_child(root, tmp_path, "export", out, timeout=120)
-    assert result["class"] is None, result  # the name is zerofast's; the export replaces the entry
+    assert result["class"] is None, result  # the names are zerofast's; the export replaces the entry
     assert result["seconds"] < 60
-    assert not (out / ".zerofast-export.json").is_symlink() and (out / ".zerofast-export.json").is_file()
+    assert not (out / MARKER).is_symlink() and (out / MARKER).is_file()
 
 
 # ---------------------------------------------------------------------------------------------
