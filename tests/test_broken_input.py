@@ -376,41 +376,51 @@ def test_stage3_recorded_next_to_a_single_model_file(ckpt):
 
 
 # ---------------------------------------------------------------------------------------------
-# MoE, pipeline and tensor parallelism: "not supported yet", never a wrong result
+# MoE, pipeline and tensor-parallel files without the rest of their save: a specific error, never a
+# wrong result
 
-@pytest.mark.parametrize("name, kind", [
-    ("layer_0_expert_0_mp_rank_00_model_states.pt", "mixture-of-experts"),
-    ("expp_rank_0_mp_rank_00_optim_states.pt", "mixture-of-experts"),
-    ("layer_01-model_states.pt", "pipeline-parallel"),
-    ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "tensor-parallel"),
+@pytest.mark.parametrize("name, error, where, expected", [
+    ("layer_0_expert_0_mp_rank_00_model_states.pt", zerofast.CorruptCheckpointError, MODEL,
+     r"^expected 'num_experts' to be a list, found NoneType$"),
+    ("expp_rank_0_mp_rank_00_optim_states.pt", zerofast.IncompleteCheckpointError, None,
+     r"^expected either expp_rank_\* \(MoE without ZeRO\) or zero_pp_rank_\* optimizer files, found both"),
+    ("layer_01-model_states.pt", zerofast.CorruptCheckpointError, "layer_01-model_states.pt",
+     r"^expected a layer file to map names \(str\) to tensors, found str -> dict for 'optimizer_state_dict'$"),
+    ("zero_pp_rank_0_mp_rank_01_optim_states.pt", zerofast.IncompleteCheckpointError, None,
+     r"^expected a model-states file for each of the 2 tensor-parallel ranks \(mp_rank_00..01\), found "
+     r"\['mp_rank_00_model_states.pt'\]$"),
 ])
-def test_parallel_layout_files_are_not_supported(ckpt, name, kind):
+def test_parallel_layout_files_without_their_save_are_refused(ckpt, name, error, where, expected):
     root, tag_dir = ckpt(S2)
     shutil.copy(tag_dir / _optim(0), tag_dir / name)
-    _raises(zerofast.UnsupportedCheckpointError, tag_dir,
-            rf"^{kind} checkpoints are not supported yet \(found {re.escape(name)}", root)
+    _raises(error, tag_dir / where if where else tag_dir, expected, root)
 
 
-@pytest.mark.parametrize("key, value, expected", [
-    ("mp_world_size", 2, r"^tensor-parallel checkpoints are not supported yet \(expected mp_world_size 1, found 2\)$"),
-    ("checkpoint_parallel_dimensions", {"pp_degree": 2, "tp_degree": 1},
-     r"^pipeline-parallel checkpoints are not supported yet \(expected pp_degree 1, found 2\)$"),
-    ("checkpoint_parallel_dimensions", {"pp_degree": 1, "tp_degree": 4},
-     r"^tensor-parallel checkpoints are not supported yet \(expected tp_degree 1, found 4\)$"),
+@pytest.mark.parametrize("key, value, error, expected", [
+    ("mp_world_size", 2, zerofast.IncompleteCheckpointError,
+     r"^expected mp_world_size 1 in a folder with only mp_rank_00 files, found 2: the other tensor-parallel ranks' "
+     r"files of this save are missing$"),
+    ("checkpoint_parallel_dimensions", {"pp_degree": 2, "tp_degree": 1}, zerofast.IncompleteCheckpointError,
+     r"^expected pp_degree 1 in a folder with only mp_rank_00 files, found 2: the layer_\*-model_states.pt files "
+     r"of this pipeline-parallel save are missing$"),
+    ("checkpoint_parallel_dimensions", {"pp_degree": 1, "tp_degree": 4}, zerofast.IncompleteCheckpointError,
+     r"^expected tp_degree 1 in a folder with only mp_rank_00 files, found 4: the other tensor-parallel ranks' "
+     r"files of this save are missing$"),
 ])
-def test_parallel_degrees_recorded_in_the_model_file_are_not_supported(ckpt, key, value, expected):
+def test_parallel_degrees_recorded_in_the_model_file_are_checked(ckpt, key, value, error, expected):
     """The other model-parallel ranks' files may simply be absent; the recorded degree still says so."""
     root, tag_dir = ckpt(S2)
     rewrite(tag_dir / MODEL, lambda o: o.__setitem__(key, value))
-    _raises(zerofast.UnsupportedCheckpointError, tag_dir / MODEL, expected, root)
+    _raises(error, tag_dir / MODEL, expected, root)
 
 
-def test_expert_groups_with_their_own_partition_count_are_not_supported(ckpt):
+def test_expert_groups_without_expert_files_are_refused(ckpt):
     root, tag_dir = ckpt(S2)
     for r in (0, 1):
         rewrite(tag_dir / _optim(r), lambda o: _osd(o).__setitem__("partition_count", [2, 1]))
-    _raises(zerofast.UnsupportedCheckpointError, tag_dir / _optim(0),
-            r"^mixture-of-experts checkpoints are not supported yet \(per-group partition_count \[2, 1\]\)$", root)
+    _raises(zerofast.InconsistentCheckpointError, tag_dir / _optim(0),
+            r"^expected one partition_count for every group, found \[2, 1\]: a mixture-of-experts save, but the "
+            r"folder holds no layer_\*_expert_\* files$", root)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,12 +88,20 @@ def test_truncated_file_is_corrupt(stage2, tmp_path):
     assert victim.name in str(e.value)
 
 
-def test_tensor_parallel_and_moe_are_refused(stage2, tmp_path):
+def test_tensor_parallel_without_autotp_map_and_old_moe_are_refused(stage2, tmp_path):
     _, tag_dir = _copy(stage2, tmp_path)
-    shutil.copy(tag_dir / "mp_rank_00_model_states.pt", tag_dir / "mp_rank_01_model_states.pt")
-    with pytest.raises(zerofast.UnsupportedCheckpointError, match="tensor-parallel"):
+    copies = [tag_dir / "mp_rank_01_model_states.pt"]
+    shutil.copy(tag_dir / "mp_rank_00_model_states.pt", copies[0])
+    with pytest.raises(zerofast.IncompleteCheckpointError, match="every .data-parallel, tensor-parallel. rank pair"):
         zerofast.reconstruct(tag_dir)
-    (tag_dir / "mp_rank_01_model_states.pt").unlink()
+    for r in (0, 1):
+        copies.append(tag_dir / f"bf16_zero_pp_rank_{r}_mp_rank_01_optim_states.pt")
+        shutil.copy(tag_dir / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt", copies[-1])
+    # A complete grid of rank files, but no AutoTP affine_map says how the shards fit together.
+    with pytest.raises(zerofast.UnsupportedCheckpointError, match="without universal_checkpoint_info.affine_map"):
+        zerofast.reconstruct(tag_dir)
+    for path in copies:
+        path.unlink()
     (tag_dir / "expert_0_mp_rank_00_model_states.pt").write_bytes(b"")
     with pytest.raises(zerofast.UnsupportedCheckpointError, match="mixture-of-experts"):
         zerofast.reconstruct(tag_dir)

@@ -31,6 +31,7 @@ from .export import ExportResult, LazyStateDict, TensorMeta, export, load_export
 from .reconstruct import reconstruct
 from .load_into import IncompatibleKeys, load_into
 from .optimizer_states import optimizer_state
+from .names import sequential_names
 from . import compat
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "IncompatibleKeys",
     "LoadIntoError",
     "optimizer_state",
+    "sequential_names",
     "MissingOptimizerStateError",
     "compat",
     "ExportResult",

@@ -262,6 +262,7 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
         "global_steps": _int_or_none(ckpt.meta.raw.get(keys.GLOBAL_STEPS)),
         "training_dtype": _training_dtype(ckpt.meta.raw.get(keys.DS_CONFIG)),
         "model_dtype": _model_dtype(ckpt.meta),
+        "parallelism": ckpt.parallelism,
         "tensors": tensors, "tied": dict(plan.aliases), "output_bytes": output,
         "frozen_excluded": plan.frozen_excluded, "absent_frozen": list(plan.absent_frozen),
     }
@@ -276,6 +277,27 @@ def _text_or_none(value) -> str | None:
 
 def _int_or_none(value) -> int | None:
     return value if type(value) is int and abs(value) < 2 ** 63 else None
+
+
+def _parallelism_line(p: dict) -> str:
+    """``data-parallel: dp 4`` / ``mixture-of-experts: dp 4, ep 2; experts per layer ...`` / ..."""
+    degrees = ", ".join(f"{k} {p[k]}" for k in ("pp", "dp", "ep", "tp") if k in p)
+    line = f"{p.get('family', 'data-parallel')}: {degrees}"
+    if p.get("experts_per_layer"):
+        line += "; experts per layer: " + ", ".join(f"{k} {n}" for k, n in p["experts_per_layer"].items())
+    if p.get("stages"):
+        line += "; stages: " + ", ".join(f"{s}: layers {_ranges(layers)}" for s, layers in enumerate(p["stages"]))
+    if p.get("tied_layers"):
+        line += "; tied: " + ", ".join(f"{k} (layer {i})" for k, i in p["tied_layers"].items())
+    return line
+
+
+def _ranges(indices: list[int]) -> str:
+    if not indices:
+        return "-"
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"{indices[0]}-{indices[-1]}" if len(indices) > 1 else str(indices[0])
+    return ",".join(map(str, indices))
 
 
 def _training_dtype(config) -> str | None:
@@ -312,6 +334,7 @@ def format_report(r: dict) -> str:
         f"tag           {r['tag']}" + (f"  (global step {r['global_steps']})" if r["global_steps"] is not None else ""),
         f"stage         ZeRO-{r['stage']}" + ("  (universal checkpoint, from ds_to_universal)" if r.get("universal") else ""),
         f"world size    {r['world_size']}",
+        f"parallelism   {_parallelism_line(r['parallelism'])}",
         f"deepspeed     {r['deepspeed_version'] or 'unknown'}",
         f"training      {r['training_dtype'] or 'unknown'} (model held in {r['model_dtype'] or 'unknown'})",
         "",

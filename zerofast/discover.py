@@ -2,6 +2,8 @@
 
 Only file names are read here (plus the ``latest`` text file); nothing is unpickled. Whether the
 number of rank files matches the world size recorded inside them is checked by the loader (``zerofast.load``).
+The names also tell the family: expert files mean mixture-of-experts, ``layer_NN-model_states.pt``
+files a pipeline, other ``mp_rank_XX`` files above 00 tensor parallelism (AutoTP).
 """
 from __future__ import annotations
 
@@ -30,12 +32,15 @@ MODEL_FILE_STAGE012 = "mp_rank_00_model_states.pt"
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _TENSOR_PARALLEL = re.compile(r"mp_rank_(\d+)_")
-# DeepSpeed's names: MoE experts "[layer_<L>_]expert_<E>_mp_rank_XX_model_states.pt" and
-# "expp_rank_<R>_mp_rank_XX_optim_states.pt"; pipeline layers "layer_<NN>-model_states.pt".
-# Checked over every name before the model-parallel rank: a pipeline save's optimizer files
-# carry mp_rank_01 too, and must not be called tensor parallel for sorting first.
-_UNSUPPORTED = ((re.compile(r"^(layer_\d+_)?expert_\d+_|^expp_rank_"), "mixture-of-experts"),
-                (re.compile(r"^layer_"), "pipeline-parallel"))
+# DeepSpeed's names: MoE experts "layer_<L>_expert_<E>_mp_rank_00_model_states.pt" and (ZeRO off)
+# "expp_rank_<R>_mp_rank_00_optim_states.pt"; pipeline layers "layer_<NN>-model_states.pt" next to
+# one "mp_rank_<SS>_model_states.pt" per stage. Experts saved before DeepSpeed 0.6 had no layer id.
+MOE_EXPERT = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
+MOE_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+PIPE_LAYER = re.compile(r"^layer_(\d+)-model_states\.pt$")
+PIPE_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+PIPE_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_UNSUPPORTED = ((re.compile(r"^expert_\d+_"), "mixture-of-experts checkpoints without layer ids (DeepSpeed < 0.6)"),)
 UNIVERSAL_DIR = "zero"  # ds_to_universal's per-parameter folders, next to the model states
 UNIVERSAL_COMMON = "optimizer_state.pt"  # in UNIVERSAL_DIR: the optimizer state all ranks share
 LATEST_FILES = ("latest", "latest_universal")  # the second is what ds_to_universal writes
@@ -51,13 +56,20 @@ def zero3_model_file_name(rank: int) -> str:
 
 @dataclass(frozen=True)
 class CheckpointFiles:
-    """The files of one save. ``model_files`` has one entry (stages 0-2) or one per rank (stage 3)."""
+    """The files of one save. ``model_files`` has one entry (stages 0-2) or one per rank (stage 3);
+    a pipeline has one per stage, a tensor-parallel save one per tp rank (per rank at stage 3).
+    ``optim_files``: one per rank, in global-rank order (pipelines: stage by stage)."""
 
     root: Path
     tag: str
     tag_dir: Path
     model_files: tuple[Path, ...]
     optim_files: tuple[Path, ...]
+    # "zero" (plain data parallelism), "moe", "pipeline" or "tensor"; the families' extra files:
+    family: str = "zero"
+    expert_files: tuple[Path, ...] = ()  # MoE: one per (layer, global expert id), in that order
+    layer_files: tuple[Path, ...] = ()  # pipeline: one per saved layer, in layer order
+    mp_size: int = 1  # tensor-parallel degree; rank files are in global-rank order dp * mp_size + tp
     universal: Path | None = None  # the ``zero`` folder of a ds_to_universal checkpoint
     other_mp_rank: str | None = None  # a file of model-parallel rank > 0: refused once labelled
 
@@ -148,6 +160,15 @@ def _pick_tag(root: Path) -> str:
 def _list_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
     names = sorted(os.listdir(tag_dir))
     _reject_unsupported(tag_dir, names)
+    _reject_combined(tag_dir, names)
+    # A universal conversion keeps neither layer files nor the ranks apart: the loader judges it.
+    if not (tag_dir / UNIVERSAL_DIR).is_dir():
+        if any(PIPE_LAYER.match(n) for n in names):
+            return _pipeline_files(root, tag, tag_dir, names)
+        if _other_model_parallel_rank(names):
+            return _tensor_parallel_files(root, tag, tag_dir, names)
+        if any(MOE_EXPERT.match(n) or MOE_OPTIM.match(n) for n in names):
+            return _moe_files(root, tag, tag_dir, names)
     zero3 = _ranked(tag_dir, names, _ZERO3_MODEL, group=1)
     optim = _ranked(tag_dir, names, _OPTIM, group=2)
     has_plain = MODEL_FILE_STAGE012 in names
@@ -184,7 +205,20 @@ def _reject_unsupported(tag_dir: Path, names: list[str]) -> None:
     for pattern, what in _UNSUPPORTED:
         for name in names:
             if pattern.match(name) and name.endswith(".pt"):
-                raise UnsupportedCheckpointError(f"{what} checkpoints are not supported yet (found {name})", tag_dir)
+                raise UnsupportedCheckpointError(f"{what} are not supported (found {name})", tag_dir)
+
+
+
+def _reject_combined(tag_dir: Path, names: list[str]) -> None:
+    """Each family is read on its own; a save combining two (experts inside a pipeline or next to
+    tensor-parallel ranks) would lose one of them."""
+    experts = next((n for n in names if MOE_EXPERT.match(n) or MOE_OPTIM.match(n)), None)
+    other = next((n for n in names if PIPE_LAYER.match(n) or ((m := _TENSOR_PARALLEL.search(n)) and int(m.group(1))
+                                                              and n.endswith(".pt"))), None)
+    if experts and other:
+        raise UnsupportedCheckpointError(
+            f"mixture-of-experts together with pipeline or tensor parallelism is not supported (found {experts} "
+            f"and {other})", tag_dir)
 
 
 def _other_model_parallel_rank(names: list[str]) -> str | None:
@@ -234,3 +268,93 @@ def _first_missing(ranks: list[int], count: int) -> list[int]:
         if len(missing) >= count:
             break
     return missing
+
+
+def _moe_files(root: Path, tag: str, tag_dir: Path, names: list[str]) -> CheckpointFiles:
+    """ZeRO 1/2: the usual files plus the experts'. ZeRO off: the model file, one ``expp_rank``
+    optimizer file per expert-parallel rank, and the experts'."""
+    experts = sorted((int(m.group(1)), int(m.group(2)), n) for n in names if (m := MOE_EXPERT.match(n)))
+    expp = _ranked(tag_dir, names, MOE_OPTIM, group=1)
+    optim = _ranked(tag_dir, names, _OPTIM, group=2)
+    if expp and optim:
+        raise IncompleteCheckpointError(
+            f"expected either expp_rank_* (MoE without ZeRO) or zero_pp_rank_* optimizer files, found both: the "
+            "folder mixes two saves", tag_dir)
+    if MODEL_FILE_STAGE012 not in names:
+        raise IncompleteCheckpointError(f"expected {MODEL_FILE_STAGE012} next to the expert files, found none",
+                                        tag_dir)
+    return CheckpointFiles(root=root, tag=tag, tag_dir=tag_dir, model_files=(tag_dir / MODEL_FILE_STAGE012,),
+                           optim_files=tuple(expp or optim), family="moe",
+                           expert_files=tuple(tag_dir / n for _, _, n in experts))
+
+
+def _pipeline_files(root: Path, tag: str, tag_dir: Path, names: list[str]) -> CheckpointFiles:
+    """One model-states file per stage, optimizer files per (stage, data-parallel rank), layer files."""
+    stages = _ranked(tag_dir, names, PIPE_MODEL, group=1)
+    if not stages:
+        raise IncompleteCheckpointError("expected mp_rank_<stage>_model_states.pt next to the pipeline layer files, "
+                                        "found none", tag_dir)
+    by_stage: dict[int, list[str]] = {}
+    for n in names:
+        m = PIPE_OPTIM.match(n)
+        if m:
+            by_stage.setdefault(int(m.group(3)), []).append(n)
+    optim: list[Path] = []
+    counts = set()
+    for s in range(len(stages)):
+        pattern = re.compile(rf"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_{s:02d}_optim_states\.pt$")
+        ranked = _ranked(tag_dir, by_stage.get(s, []), pattern, group=2)
+        counts.add(len(ranked))
+        optim += ranked
+    if len(counts) > 1 or set(by_stage) - set(range(len(stages))):
+        raise IncompleteCheckpointError(
+            f"expected the same number of optimizer files for each of the {len(stages)} stages, found "
+            f"{ {s: len(v) for s, v in sorted(by_stage.items())} }", tag_dir)
+    layers = sorted((int(m.group(1)), n) for n in names if (m := PIPE_LAYER.match(n)))
+    return CheckpointFiles(root=root, tag=tag, tag_dir=tag_dir, model_files=tuple(stages), optim_files=tuple(optim),
+                           family="pipeline", layer_files=tuple(tag_dir / n for _, n in layers))
+
+
+_TP_MODEL_Z3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+
+
+def _tensor_parallel_files(root: Path, tag: str, tag_dir: Path, names: list[str]) -> CheckpointFiles:
+    """Model-states files per tensor-parallel rank (per rank at ZeRO-3), optimizer files per
+    (data-parallel, tensor-parallel) rank; both listed in global-rank order ``dp * T + tp``."""
+    z3 = _grid(tag_dir, names, _TP_MODEL_Z3, dp_group=1, mp_group=2)
+    optim = _grid(tag_dir, names, PIPE_OPTIM, dp_group=2, mp_group=3)
+    plain = _ranked(tag_dir, names, PIPE_MODEL, group=1)
+    if z3 and plain:
+        raise IncompleteCheckpointError("expected either mp_rank_XX_model_states.pt (stages 0-2) or "
+                                        "zero_pp_rank_*_mp_rank_XX_model_states.pt (stage 3), found both", tag_dir)
+    T = 1 + max([len(plain) - 1] + [t for _, t, _ in z3 + optim])
+    if not plain and not z3:
+        raise CheckpointNotFoundError("expected mp_rank_XX model-states files, found none", tag_dir)
+    if plain and len(plain) != T:
+        raise IncompleteCheckpointError(
+            f"expected a model-states file for each of the {T} tensor-parallel ranks (mp_rank_00..{T - 1:02d}), found "
+            f"{[p.name for p in plain]}", tag_dir)
+    for what, grid in (("optimizer", optim), ("model-states", z3)):
+        tps = {t for _, t, _ in grid}
+        dps = {d for d, _, _ in grid}
+        if grid and (tps != set(range(T)) or len(grid) != len(dps) * T or dps != set(range(len(dps)))):
+            raise IncompleteCheckpointError(
+                f"expected {what} files for every (data-parallel, tensor-parallel) rank pair of {T} tensor-parallel "
+                f"ranks, found {sorted((d, t) for d, t, _ in grid)}", tag_dir)
+    model = tuple(tag_dir / n for _, _, n in z3) if z3 else tuple(plain)
+    return CheckpointFiles(root=root, tag=tag, tag_dir=tag_dir, model_files=model,
+                           optim_files=tuple(tag_dir / n for _, _, n in optim), family="tensor", mp_size=T)
+
+
+def _grid(tag_dir: Path, names: list[str], pattern: re.Pattern, dp_group: int, mp_group: int):
+    found = {}
+    for n in names:
+        m = pattern.match(n)
+        if m:
+            key = (int(m.group(dp_group)), int(m.group(mp_group)))
+            if key in found:
+                raise IncompleteCheckpointError(
+                    f"expected one file for rank pair {key}, found {found[key]} and {n}: the folder mixes saves of "
+                    "two dtypes", tag_dir)
+            found[key] = n
+    return [(d, t, n) for (d, t), n in sorted(found.items())]

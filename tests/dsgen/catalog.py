@@ -27,10 +27,14 @@ import sys
 import time
 from pathlib import Path
 
+from tests.dsgen.families import FAMILY_LAYOUTS
+
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
 TRAIN = HERE / "train.py"
 MODELS = HERE / "models.py"
+FAMILY_TRAIN = HERE / "train_families.py"
+FAMILY_MODELS = HERE / "family_models.py"
 TIMEOUT_S = float(os.environ.get("ZEROFAST_DSGEN_TIMEOUT", "300"))
 
 # name -> spec. Keys: stage, world_size, dtype, n_groups, steps, model, ds_config (see train.py).
@@ -98,6 +102,16 @@ LAYOUTS: dict[str, dict] = {
 }
 
 
+ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS}
+
+
+def _scripts(spec: dict) -> list[Path]:
+    """The generator and model files a layout's checkpoint depends on (the script first)."""
+    if "family" in spec:
+        return [FAMILY_TRAIN, FAMILY_MODELS, TRAIN, MODELS]
+    return [TRAIN, MODELS]
+
+
 def cache_dir() -> Path:
     env = os.environ.get("ZEROFAST_TEST_CACHE")
     return Path(env) if env else REPO_ROOT / ".cache" / "ds-ckpts"
@@ -112,11 +126,11 @@ def _ds_version() -> str:
 
 def layout_key(name: str) -> str:
     h = hashlib.sha256()
-    h.update(TRAIN.read_bytes())
-    h.update(b"\0")
-    h.update(MODELS.read_bytes())
-    h.update(b"\0")
-    h.update(json.dumps(LAYOUTS[name], sort_keys=True).encode())
+    spec = ALL_LAYOUTS[name]
+    for path in _scripts(spec):
+        h.update(path.read_bytes())
+        h.update(b"\0")
+    h.update(json.dumps(spec, sort_keys=True).encode())
     h.update(b"\0")
     h.update(_ds_version().encode())
     return h.hexdigest()[:12]
@@ -145,7 +159,7 @@ def _run_train(spec: dict, outdir: Path) -> None:
     for _attempt in range(3):  # retry only when the picked port was taken meanwhile
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec["world_size"]),
                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-               str(TRAIN), json.dumps(spec), str(outdir)]
+               str(_scripts(spec)[0]), json.dumps(spec), str(outdir)]
         try:
             proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
@@ -169,8 +183,8 @@ def _run_train(spec: dict, outdir: Path) -> None:
 
 def ensure_checkpoint(name: str) -> Path:
     """Return the checkpoint root for layout ``name``, generating it if it is not cached."""
-    if name not in LAYOUTS:
-        raise KeyError(f"unknown layout {name!r}; known: {sorted(LAYOUTS)}")
+    if name not in ALL_LAYOUTS:
+        raise KeyError(f"unknown layout {name!r}; known: {sorted(ALL_LAYOUTS)}")
     final = checkpoint_path(name)
     if _complete(final):
         return final
@@ -187,7 +201,7 @@ def ensure_checkpoint(name: str) -> Path:
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            _run_train(LAYOUTS[name], tmp)
+            _run_train(ALL_LAYOUTS[name], tmp)
             if not _complete(tmp):
                 raise RuntimeError(f"generation of {name} finished without latest/ground_truth.pt in {tmp}")
             if final.exists():  # an incomplete leftover
@@ -207,10 +221,10 @@ def ensure_all(names=None) -> dict[str, Path]:
 
 
 def main(argv=None) -> int:
-    names = list(argv if argv is not None else sys.argv[1:]) or list(LAYOUTS)
+    names = list(argv if argv is not None else sys.argv[1:]) or list(ALL_LAYOUTS)
     total = 0.0
     for n in names:
-        cached = _complete(checkpoint_path(n)) if n in LAYOUTS else False
+        cached = _complete(checkpoint_path(n)) if n in ALL_LAYOUTS else False
         t0 = time.monotonic()
         path = ensure_checkpoint(n)
         dt = time.monotonic() - t0

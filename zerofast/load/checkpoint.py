@@ -110,6 +110,7 @@ class LoadedCheckpoint:
     model_states: list[ModelStates]
     optim_states: list[OptimStates]
     universal: UniversalState | None = None
+    family = "zero"  # plain data parallelism; families.FamilyCheckpoint names the others
 
     @property
     def meta(self) -> ModelStates:
@@ -120,11 +121,24 @@ class LoadedCheckpoint:
     def ds_version(self) -> str | None:
         return self.meta.raw.get(K.DS_VERSION)
 
+    @property
+    def last_ranks(self) -> frozenset[int]:
+        """Optimizer files holding the end of a flat buffer (whose padding DeepSpeed strips)."""
+        return frozenset({self.world_size - 1})
+
+    @property
+    def parallelism(self) -> dict:
+        return {"family": "data-parallel", "dp": self.world_size}
+
 
 def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
     """Read every file of one save and settle its stage and world size."""
+    if files.family != "zero":
+        from .families import load_family  # MoE, pipeline, AutoTP: their own loaders and layout builders
+
+        return load_family(files)
     model_states = [_model_states(p) for p in files.model_files]
-    _check_parallelism(model_states[0])
+    _check_parallelism(model_states[0], files.universal is not None)
     if files.other_mp_rank is not None:  # rank 00 records degree 1, yet another rank's file is here
         raise UnsupportedCheckpointError(
             f"tensor-parallel checkpoints are not supported yet (found {files.other_mp_rank}: model-parallel rank "
@@ -206,11 +220,13 @@ def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:
     return {name: _shape(path, name, s) for name, s in _expect_mapping(path, mapping, what, object, "shapes").items()}
 
 
-def _model_states(path: Path) -> ModelStates:
+def _model_states(path: Path, module_optional: bool = False) -> ModelStates:
+    """``module_optional``: a pipeline stage's file saves ``module`` as None (its layers have files)."""
     raw = _expect_dict(path, load_file(path), "the model-states file")
     if K.MODULE not in raw:
         raise CorruptCheckpointError(f"expected a 'module' entry, found keys {_keys(raw)}", path)
-    module = _expect_mapping(path, raw[K.MODULE], "'module'", object, "tensors")
+    found = raw[K.MODULE]
+    module = _expect_mapping(path, {} if found is None and module_optional else found, "'module'", object, "tensors")
     for name, value in module.items():
         if not isinstance(value, torch.Tensor):
             raise UnsupportedCheckpointError(
@@ -238,7 +254,9 @@ def _model_states(path: Path) -> ModelStates:
     )
 
 
-def _optim_states(path: Path) -> OptimStates:
+def _optim_states(path: Path, group_counts: bool = False) -> OptimStates:
+    """``group_counts``: accept a different ``partition_count`` per group (MoE expert groups are
+    partitioned over fewer ranks); ``partition_count`` is then the first group's."""
     raw = _expect_dict(path, load_file(path), "the optimizer-states file")
     osd = _expect_dict(path, raw.get(K.OPTIMIZER_STATE_DICT), "'optimizer_state_dict'")
     key = next((k for k in (K.ZERO3_FLAT, K.ZERO12_FLAT) if k in osd), None)
@@ -255,13 +273,13 @@ def _optim_states(path: Path) -> OptimStates:
     count = osd.get(K.PARTITION_COUNT)
     if isinstance(count, (list, tuple)):
         counts = {_expect_int(path, c, "each 'partition_count'", 1) for c in count}
-        if len(counts) > 1:
-            # Expert (MoE) groups are partitioned over their own, smaller data-parallel group; the
-            # flat buffers of those groups do not follow the dense layout.
-            raise UnsupportedCheckpointError(
-                f"mixture-of-experts checkpoints are not supported yet (per-group partition_count {list(count)})",
-                path)
-        count = counts.pop() if counts else None
+        if len(counts) > 1 and not group_counts:
+            # Expert (MoE) groups are partitioned over their own, smaller data-parallel group; a
+            # folder without expert files cannot be an MoE save, and no other layout does this.
+            raise InconsistentCheckpointError(
+                f"expected one partition_count for every group, found {list(count)}: a mixture-of-experts save, "
+                "but the folder holds no layer_*_expert_* files", path)
+        count = count[0] if count else None
     stage = osd.get(K.ZERO_STAGE)
     pads = osd.get(K.ALIGNMENT_PADDINGS)
     if pads is not None:
@@ -438,18 +456,25 @@ def _some_of(missing: list[tuple[int, str]], count: int) -> str:
     return shown if count <= len(missing) else f"{shown} and {count - len(missing)} more"
 
 
-def _check_parallelism(meta: ModelStates) -> None:
+def _check_parallelism(meta: ModelStates, universal: bool) -> None:
     """Only the model-parallel rank 00 files are read; a save with tensor or pipeline parallelism
     has more, and they may simply be missing from this folder (so discovery cannot see them)."""
     dims = meta.raw.get(K.PARALLEL_DIMENSIONS)
     dims = dims if isinstance(dims, dict) else {}
     # Pipeline first: a pipeline save's own mp_world_size may count its stages.
-    for what, degree, kind in (("pp_degree", dims.get("pp_degree"), "pipeline-parallel"),
+    for what, degree, kind in (("pp_degree", dims.get(K.PP_DEGREE), "pipeline-parallel"),
                                ("mp_world_size", meta.raw.get(K.MP_WORLD_SIZE), "tensor-parallel"),
-                               ("tp_degree", dims.get("tp_degree"), "tensor-parallel")):
-        if degree is not None and not (type(degree) is int and degree == 1):
+                               ("tp_degree", dims.get(K.TP_DEGREE), "tensor-parallel")):
+        if degree is None or (type(degree) is int and degree == 1):
+            continue
+        if universal:  # ds_to_universal keeps neither a pipeline's layer files nor the tp ranks apart
             raise UnsupportedCheckpointError(
-                f"{kind} checkpoints are not supported yet (expected {what} 1, found {short_repr(degree, 40)})", meta.path)
+                f"universal checkpoints of {kind} saves are not supported yet (expected {what} 1, found "
+                f"{short_repr(degree, 40)})", meta.path)
+        missing = ("the layer_*-model_states.pt files of this pipeline-parallel save are missing" if kind[0] == "p"
+                   else "the other tensor-parallel ranks' files of this save are missing")
+        raise IncompleteCheckpointError(f"expected {what} 1 in a folder with only mp_rank_00 files, found "
+                                        f"{short_repr(degree, 40)}: {missing}", meta.path)
 
 
 def _check_flat_groups(stage: int, optims: list[OptimStates]) -> None:

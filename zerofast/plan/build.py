@@ -25,6 +25,10 @@ def out_dtype_for(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype
 
 def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
                exclude_frozen: bool = False) -> Plan:
+    if ckpt.family != "zero":  # MoE, pipeline, AutoTP: their loaders list every tensor by output name
+        from .layouts.family import build_plan as build_family_plan
+
+        return build_family_plan(ckpt, table, dtype, exclude_frozen)
     trainable = trainable_entries(ckpt, table, exclude_frozen)
     frozen = frozen_entries(ckpt, table)
     kinds, aliases, undeclared_frozen, buffers, absent = _classify_module(ckpt, trainable, frozen)

@@ -154,7 +154,7 @@ def per_element_keys(states: list[_GroupState]) -> list[str]:
 
 def _state_flat_groups(ckpt: LoadedCheckpoint, states: list[list[_GroupState]], key: str) -> FlatGroups:
     masters = master_flat_groups(ckpt)
-    last = ckpt.world_size - 1
+    last = ckpt.last_ranks
     out: FlatGroups = []
     for r, (o, groups) in enumerate(zip(ckpt.optim_states, states)):
         rank = []
@@ -162,7 +162,7 @@ def _state_flat_groups(ckpt: LoadedCheckpoint, states: list[list[_GroupState]], 
             value = state.get(key)
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 raise _missing_key(o, where, state, key, groups)
-            _check_length(o, f"{where}.{key}", value, masters[r][g][1], may_be_longer=ckpt.stage != 3 and r == last)
+            _check_length(o, f"{where}.{key}", value, masters[r][g][1], may_be_longer=ckpt.stage != 3 and r in last)
             rank.append((f"{where}.{key}", value))
         out.append(rank)
     return out

@@ -7,6 +7,8 @@
 - :mod:`.zero3`: stage 3, every parameter cut across all ranks.
 - :mod:`.frozen`: frozen parameters named in ``frozen_param_shapes``.
 - :mod:`.universal`: ds_to_universal folders, one file per parameter and state.
+- :mod:`.family`: MoE, pipeline and AutoTP saves (:mod:`zerofast.load.families`), with
+  :mod:`.moe`, :mod:`.pipeline` and :mod:`.autotp` for what each needs of its own.
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ def partitioned_entries(ckpt: LoadedCheckpoint, table: SourceTable, flats: FlatG
                         what: str) -> dict[str, Entry]:
     """Each trainable parameter of a stage 1-3 checkpoint, read from ``flats`` (laid out like the
     fp32 masters; ``what`` names them in errors)."""
+    if ckpt.family != "zero":
+        from .family import partition_entries
+
+        return partition_entries(ckpt, table, flats, what)
     shapes = ckpt.meta.param_shapes
     if shapes is None:
         raise InconsistentCheckpointError("expected 'param_shapes' for a ZeRO stage 1-3 checkpoint, found None",

@@ -1,0 +1,196 @@
+"""Mixture-of-experts saves (``deepspeed.moe.layer.MoE``), ZeRO 0, 1 and 2.
+
+On disk (DeepSpeed 0.19.8):
+- ``mp_rank_00_model_states.pt``: ``module`` without the experts, ``num_experts`` per MoE layer;
+- ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt``: expert E of MoE layer L (module order), its
+  tensors in the model dtype under their full names with the **global** expert id;
+- ZeRO 1/2: one optimizer file per rank. Besides the dense groups, each expert param group
+  (``'moe': True``, named ``ep_size_<ep>``) holds the local experts of the rank's expert-parallel
+  rank ``r % ep``, partitioned over its expert-data-parallel ranks ``r % ep, r % ep + ep, ...``.
+  ``param_shapes`` names only expert-parallel rank 0's experts, by local id;
+- ZeRO off: ``expp_rank_{e}_mp_rank_00_optim_states.pt`` holds ep rank e's wrapper state, whose
+  ``fp32_groups`` have one unnamed fp32 master per parameter (expert groups: ep rank e's experts).
+
+Output names are those of the same model built on one process: expert ``l`` of expert-parallel
+rank ``e`` becomes ``e * num_local + l``.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ...discover import MOE_EXPERT, CheckpointFiles
+from ...errors import CorruptCheckpointError, InconsistentCheckpointError
+from ...plan import keys as K
+from ...plan.model import tensor_identity
+from ..checkpoint import (_expect_dict, _expect_int, _expect_list, _expect_mapping, _model_states, _optim_states, _stage,
+                          _world_size, load_file)
+from . import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
+
+EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
+EXPERT_NAME = re.compile(r"^(.*" + re.escape(EXPERTS) + r")(\d+)(\..+)$")
+
+
+def load(files: CheckpointFiles) -> FamilyCheckpoint:
+    first = _model_states(files.model_files[0])
+    zero_off = bool(files.optim_files) and files.optim_files[0].name.startswith("expp_rank_")
+    optims = [] if zero_off else [_optim_states(p, group_counts=True) for p in files.optim_files]
+    stage = _stage(files, [first], optims)
+    world = _world_size(files, stage, [first], optims)
+    num_experts = [_expect_int(first.path, n, "each 'num_experts' entry", 1)
+                   for n in _expect_list(first.path, first.raw.get(K.NUM_EXPERTS), "'num_experts'")]
+    layers = _expert_layers(files, num_experts)
+    stored = _module_with_experts(first, layers)
+    ckpt = FamilyCheckpoint(files, stage, world, [first], optims, family="moe", stored=stored,
+                            aliases=_aliases(first, stored), buffers=frozenset(first.buffer_names))
+    ep = _ep_degrees(ckpt, layers)
+    ckpt.degrees = {"family": "mixture-of-experts", "dp": world, "ep": ep,
+                        "experts_per_layer": {prefix[:-len(EXPERTS)]: n for prefix, (_, n) in layers.items()}}
+    ckpt.extra = {"experts": layers}
+    if stage != 0:
+        ckpt.partitions = _partitions(ckpt, layers)
+        ckpt.partition_ends = frozenset(p.ranks[-1] for p in ckpt.partitions)
+        check_partitions(ckpt)
+    ckpt.model_states = [merged_meta(first, stored, first.buffer_names, ckpt.aliases, first.param_shapes)]
+    return ckpt
+
+
+def _expert_layers(files: CheckpointFiles, num_experts: list[int]) -> dict[str, tuple[list, int]]:
+    """``{name prefix up to the expert id: ([(global id, file, {name: tensor})...], experts in layer)}``."""
+    by_layer: dict[int, list] = {}
+    for path in files.expert_files:
+        m = MOE_EXPERT.match(path.name)
+        layer, expert = int(m.group(1)), int(m.group(2))
+        tensors = _expect_mapping(path, _expect_dict(path, load_file(path), "an expert file"), "an expert file",
+                                  torch.Tensor, "tensors")
+        by_layer.setdefault(layer, []).append((expert, path, tensors))
+    if sorted(by_layer) != list(range(len(num_experts))):
+        raise InconsistentCheckpointError(
+            f"expected expert files for MoE layers 0..{len(num_experts) - 1} ('num_experts' {num_experts}), found "
+            f"layers {sorted(by_layer)}", files.tag_dir)
+    out = {}
+    for layer, experts in sorted(by_layer.items()):
+        ids = sorted(e for e, _, _ in experts)
+        if ids != list(range(num_experts[layer])):
+            raise InconsistentCheckpointError(
+                f"expected experts 0..{num_experts[layer] - 1} of MoE layer {layer}, found files for {ids}",
+                files.tag_dir)
+        out[_layer_prefix(experts)] = (sorted(experts, key=lambda x: x[0]), num_experts[layer])
+    return out
+
+
+def _layer_prefix(experts) -> str:
+    prefixes = set()
+    for expert, path, tensors in experts:
+        for name in tensors:
+            m = EXPERT_NAME.match(name)
+            if not m or int(m.group(2)) != expert:
+                raise InconsistentCheckpointError(
+                    f"expected names with '{EXPERTS}{expert}.' in the file of expert {expert}, found {name!r}", path)
+            prefixes.add(m.group(1))
+    if len(prefixes) != 1:
+        raise InconsistentCheckpointError(f"expected one MoE layer per expert file set, found {sorted(prefixes)}",
+                                          experts[0][1])
+    return prefixes.pop()
+
+
+def _module_with_experts(first, layers) -> dict[str, Stored]:
+    """The dense module with each layer's experts placed after the rest of its ``deepspeed_moe``
+    (its gate), where a model built on one process registers them."""
+    stored = {n: Stored(first.path, f"module[{n!r}]", t) for n, t in first.module.items()}
+    for prefix, (experts, _) in layers.items():
+        head = prefix[:-len("experts.deepspeed_experts.")]
+        names = list(stored)
+        at = max((i + 1 for i, n in enumerate(names) if n.startswith(head)), default=len(names))
+        added = {n: Stored(path, f"[{n!r}]", t) for _, path, tensors in experts for n, t in tensors.items()}
+        stored = dict([*list(stored.items())[:at], *added.items(), *list(stored.items())[at:]])
+    return stored
+
+
+def _aliases(first, stored: dict[str, Stored]) -> dict[str, str]:
+    """``shared_params`` (ZeRO 1/2), else module entries that are one tensor (ZeRO off saves none)."""
+    if first.shared_params:
+        return dict(first.shared_params)
+    seen, out = {}, {}
+    for name, t in first.module.items():
+        ident = tensor_identity(t)
+        if ident in seen and name not in first.buffer_names:
+            out[name] = seen[ident]
+        seen.setdefault(ident, name)
+    return out
+
+
+def _ep_degrees(ckpt: FamilyCheckpoint, layers) -> int:
+    """The expert-parallel degree: from the expert groups' partition counts (ZeRO 1/2) or the
+    number of ``expp_rank`` files (ZeRO off)."""
+    if ckpt.stage == 0:
+        ep = len(ckpt.files.optim_files)
+    else:
+        groups = _expert_groups(ckpt.optim_states[0])
+        counts = _partition_counts(ckpt.optim_states[0])
+        degrees = {ckpt.world_size // counts[g] for g in groups}
+        if len(degrees) != 1:
+            raise InconsistentCheckpointError(
+                f"expected one expert-parallel degree, found partition counts {counts} (world {ckpt.world_size})",
+                ckpt.optim_states[0].path)
+        ep = degrees.pop()
+    for prefix, (_, n) in layers.items():
+        if ep < 1 or n % ep or ckpt.world_size % ep:
+            raise InconsistentCheckpointError(
+                f"{n} experts in {prefix.rstrip('.')!r} do not split over expert-parallel degree {ep} (world "
+                f"{ckpt.world_size})", ckpt.files.tag_dir)
+    return ep
+
+
+def _expert_groups(o) -> list[int]:
+    """Indices of the expert param groups (``'moe': True`` in the wrapped optimizer's groups)."""
+    inner = o.raw[K.OPTIMIZER_STATE_DICT].get(K.ZERO12_INNER)
+    groups = inner.get(K.PARAM_GROUPS) if isinstance(inner, dict) else None
+    if not isinstance(groups, (list, tuple)):
+        raise CorruptCheckpointError("expected base_optimizer_state.param_groups to say which groups hold experts",
+                                     o.path)
+    return [g for g, group in enumerate(groups) if isinstance(group, dict) and group.get("moe") is True]
+
+
+def _partition_counts(o) -> list[int]:
+    counts = o.raw[K.OPTIMIZER_STATE_DICT].get(K.PARTITION_COUNT)
+    if not isinstance(counts, (list, tuple)) or len(counts) != len(o.flat_groups):
+        raise CorruptCheckpointError(f"expected a partition_count per group ({len(o.flat_groups)}), found {counts!r:.80}",
+                                     o.path)
+    return list(counts)
+
+
+def _partitions(ckpt: FamilyCheckpoint, layers) -> list[Partition]:
+    shapes = ckpt.meta.param_shapes
+    if shapes is None or len(shapes) != len(ckpt.optim_states[0].flat_groups):
+        raise InconsistentCheckpointError(
+            f"expected one 'param_shapes' group per flat fp32 group ({len(ckpt.optim_states[0].flat_groups)}), found "
+            f"{None if shapes is None else len(shapes)}", ckpt.meta.path)
+    experts = set(_expert_groups(ckpt.optim_states[0]))
+    ep = ckpt.degrees["ep"]
+    W = ckpt.world_size
+    out = []
+    for g, group in enumerate(shapes):
+        if g not in experts:
+            out.append(Partition(tuple(range(W)), g, dict(group)))
+            continue
+        for e in range(ep):
+            out.append(Partition(tuple(range(e, W, ep)), g, _globalized(ckpt, group, layers, e, ep)))
+    return out
+
+
+def _globalized(ckpt, group: dict, layers, ep_rank: int, ep: int) -> dict:
+    """Rename expert-parallel rank 0's local expert ids to ep rank ``ep_rank``'s global ids."""
+    out = {}
+    for name, shape in group.items():
+        m = EXPERT_NAME.match(name)
+        if not m or m.group(1) not in layers:
+            raise InconsistentCheckpointError(f"expert group entry {name!r} names no expert of a known MoE layer",
+                                              ckpt.meta.path)
+        local = layers[m.group(1)][1] // ep
+        if int(m.group(2)) >= local:
+            raise InconsistentCheckpointError(
+                f"expert group entry {name!r}: local expert id beyond the {local} experts per rank", ckpt.meta.path)
+        out[f"{m.group(1)}{ep_rank * local + int(m.group(2))}{m.group(3)}"] = shape
+    return out
