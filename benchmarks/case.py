@@ -7,6 +7,7 @@ pay for it.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import sys
@@ -109,12 +110,58 @@ def floor(ckpt, out):
     return time.perf_counter() - t0, _nbytes(copies)
 
 
+def zf_reshard(ckpt, out):
+    """Rewrite the checkpoint for half its data-parallel world size."""
+    import zerofast
+    from zerofast.discover import discover
+
+    world = len(discover(ckpt).optim_files)
+    t0 = time.perf_counter()
+    zerofast.reshard(ckpt, out, max(1, world // 2))
+    return time.perf_counter() - t0, _dir_bytes(out)
+
+
+def copy_files(ckpt, out):
+    """The floor of reshard: one plain copy of every file of the save (as many bytes as it writes)."""
+    from zerofast.discover import discover
+
+    files = discover(ckpt)
+    t0 = time.perf_counter()
+    for path in (*files.model_files, *files.optim_files):
+        shutil.copyfile(path, out / path.name)
+    return time.perf_counter() - t0, _dir_bytes(out)
+
+
+def zf_to_universal(ckpt, out):
+    import zerofast
+
+    t0 = time.perf_counter()
+    zerofast.to_universal(ckpt, out / "universal" / "step")
+    return time.perf_counter() - t0, _dir_bytes(out)
+
+
+def ds_to_universal(ckpt, out):
+    """DeepSpeed's own converter, as its docs run it (--inject_missing_state for ZeRO-1/2 saves)."""
+    import subprocess
+
+    from zerofast.discover import discover
+
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+           str(discover(ckpt).tag_dir), "--output_folder", str(out / "universal" / "step"), "--inject_missing_state"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return seconds, _dir_bytes(out)
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 CASES = {f.__name__: f for f in (zf_eager, zf_lazy, ds_eager, zf_export, zf_export_bf16, zf_export_2workers,
-                                  ds_export, floor)}
+                                  ds_export, floor, zf_reshard, copy_files, zf_to_universal, ds_to_universal)}
 
 
 def main() -> None:

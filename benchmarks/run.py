@@ -25,6 +25,7 @@ from benchmarks.generate import ensure  # noqa: E402
 
 EAGER = ["floor", "zf_eager", "ds_eager", "zf_lazy"]
 EXPORT = ["zf_export", "ds_export", "zf_export_bf16", "zf_export_2workers"]
+RESUME = ["copy_files", "zf_reshard", "zf_to_universal", "ds_to_universal"]
 
 
 def drop_caches() -> bool:
@@ -89,10 +90,10 @@ def table(results: dict) -> str:
     # The last column is the rival's time over the case's: DeepSpeed against zerofast, and one
     # worker against two (the 1-vs-2 worker scaling of the export).
     rivals = {"zf_eager": "ds_eager", "zf_lazy": "ds_eager", "zf_export": "ds_export", "zf_export_bf16": "ds_export",
-              "zf_export_2workers": "zf_export"}
+              "zf_export_2workers": "zf_export", "zf_to_universal": "ds_to_universal"}
     for (workload, cache), cases in results.items():
-        floor = cases.get("floor", {}).get("seconds")
         for case, m in cases.items():
+            floor = cases.get("copy_files" if case == "zf_reshard" else "floor", {}).get("seconds")
             vs_floor = f"{m['seconds'] / floor:.2f}x" if floor else ""
             rival = cases.get(rivals.get(case, ""), {}).get("seconds")
             speedup = f"{rival / m['seconds']:.2f}x" if rival else ""
@@ -109,9 +110,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--no-export", action="store_true")
+    ap.add_argument("--resume", action="store_true",
+                    help="also measure reshard (against copying the files) and to-universal (against DeepSpeed's "
+                         "ds_to_universal)")
+    ap.add_argument("--workloads", default="zero3,zero2_frozen,many_small",
+                    help="comma-separated workloads to run (default: all)")
     args = ap.parse_args()
     has_ds = importlib.util.find_spec("deepspeed") is not None
-    cases = EAGER + ([] if args.no_export else EXPORT)
+    cases = EAGER + ([] if args.no_export else EXPORT) + (RESUME if args.resume else [])
     if not has_ds:
         cases = [c for c in cases if not c.startswith("ds_")]
         print("DeepSpeed is not installed: its cases are skipped")
@@ -121,7 +127,7 @@ def main() -> None:
         modes = [False]
     results, notes = {}, []
     with tempfile.TemporaryDirectory(dir=args.data.parent if args.data.parent.exists() else None) as scratch:
-        for workload in ("zero3", "zero2_frozen", "many_small"):
+        for workload in args.workloads.split(","):
             size = 50_000_000 if workload == "many_small" else int(args.params)
             ckpt = ensure(args.data, workload, size, args.world_size)
             for cold in modes if workload != "many_small" else [False]:

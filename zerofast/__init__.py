@@ -25,12 +25,15 @@ from .errors import (
     PeftExportWarning,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
+    ReshardError,
     ZeroFastError,
 )
 from .export import ExportResult, LazyStateDict, TensorMeta, export, load_exported
 from .reconstruct import reconstruct
 from .load_into import IncompatibleKeys, load_into
 from .optimizer_states import optimizer_state
+from .export.formats.reshard import reshard
+from .export.formats.universal import to_universal, universal_module_state
 from .names import sequential_names
 from . import compat
 
@@ -45,6 +48,10 @@ __all__ = [
     "sequential_names",
     "MissingOptimizerStateError",
     "compat",
+    "reshard",
+    "to_universal",
+    "universal_module_state",
+    "ReshardError",
     "ExportResult",
     "ExportError",
     "OutputExistsError",

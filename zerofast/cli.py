@@ -1,4 +1,5 @@
-"""The ``zerofast`` command: ``export`` a checkpoint to Hugging Face-layout files, ``inspect`` one.
+"""The ``zerofast`` command: ``export`` a checkpoint to Hugging Face-layout files, ``inspect`` one,
+``reshard`` it for another world size or write it ``to-universal``.
 
 Errors about the input or the output folder (every :class:`~zerofast.errors.ZeroFastError`) are
 reported as one line on stderr with exit code 1; ``--debug`` adds the traceback.
@@ -107,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="write only the weight files: no config, generation config or tokenizer files")
     ex.set_defaults(run=_export)
     _add_zero_to_fp32(sub)
+    _add_resume(sub, common)
 
     ins = sub.add_parser("inspect", parents=[common], help="describe a checkpoint without converting it")
     ins.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
@@ -203,6 +205,75 @@ def _zero_to_fp32(args: argparse.Namespace) -> int:
     print(f"saved {', '.join(result.files)}{' and ' + result.index if result.index else ''} "
           f"({human_bytes(result.total_size)}) to {result.out_dir}")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# reshard / to-universal: resume on another number of GPUs
+
+def _add_resume(sub, common) -> None:
+    r = sub.add_parser("reshard", parents=[common], help="rewrite a checkpoint for another data-parallel size",
+                       description="Write the checkpoint as DeepSpeed would have saved it at --world-size ranks, so "
+                                   "that a plain engine.load_checkpoint(OUT) at that size resumes training.")
+    r.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
+    r.add_argument("out", metavar="OUT", help="the new checkpoint root")
+    r.add_argument("--world-size", type=_positive_int, required=True, metavar="N",
+                   help="the new data-parallel world size")
+    r.add_argument("--overwrite", action="store_true", help="write into a non-empty folder zerofast did not write")
+    r.add_argument("--workers", type=_positive, default=1, metavar="N",
+                   help="share the files among N processes on this machine (under torchrun, the ranks share them)")
+    r.set_defaults(run=_reshard)
+    u = sub.add_parser("to-universal", parents=[common], help="write DeepSpeed's universal checkpoint layout",
+                       description="Write the checkpoint in the layout of deepspeed.checkpoint.ds_to_universal "
+                                   "(frozen params and buffers included), loadable at any world size with "
+                                   "{\"checkpoint\": {\"load_universal\": true}}. OUT is the new tag folder; "
+                                   "latest_universal is written next to it.")
+    u.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
+    u.add_argument("out", metavar="OUT", help="the universal tag folder, e.g. ckpt_universal/global_step100")
+    u.add_argument("--overwrite", action="store_true", help="write into a non-empty folder zerofast did not write")
+    u.add_argument("--workers", type=_positive, default=1, metavar="N",
+                   help="share the files among N processes on this machine (under torchrun, the ranks share them)")
+    u.set_defaults(run=_to_universal)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    from .export.formats.reshard import reshard
+
+    out = _shared(args, reshard, args.ckpt, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite)
+    if out is not None:
+        print(f"wrote {out} for {args.world_size} data-parallel ranks")
+    return 0
+
+
+def _to_universal(args: argparse.Namespace) -> int:
+    from .export.formats.universal import to_universal
+
+    out = _shared(args, to_universal, args.ckpt, args.out, tag=args.tag, overwrite=args.overwrite)
+    if out is not None:
+        print(f"wrote the universal checkpoint {out} (latest_universal in {out.parent})")
+    return 0
+
+
+def _shared(args: argparse.Namespace, write, *positional, **options):
+    """Run ``write`` alone, as the ranks of this torchrun job, or as --workers local ranks. Returns
+    its result on the process that reports it, else None."""
+    if args.workers > 1:
+        distributed.launch_local(args.workers, _as_one_rank(args.argv))
+        return None
+    if not distributed.launched():
+        return write(*positional, **options)
+    with distributed.joined(torch.device("cpu")) as team, distributed._sigterm_raises(team):
+        result = write(*positional, team=team, **options)
+    return result if team.leader else None
 
 
 def _is_tty(stream: TextIO) -> bool:

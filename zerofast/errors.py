@@ -147,6 +147,11 @@ class LoadIntoError(ZeroFastError, RuntimeError):
     """The model does not fit the checkpoint: missing or unexpected names (strict), or shapes."""
 
 
+class ReshardError(ZeroFastError, ValueError):
+    """The requested resharding cannot be written: a world size that cannot hold the model's
+    partitions, or a layout the target format cannot express."""
+
+
 class FrozenWeightsAbsentWarning(UserWarning):
     """The checkpoint was saved without its frozen parameters (``exclude_frozen_parameters=True``,
     as the HF Trainer saves PEFT models): the full state dict asked for holds only the trainable

@@ -95,6 +95,22 @@ LAYOUTS: dict[str, dict] = {
         "ds_config": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}},
                       "zero_force_ds_cpu_optimizer": False},
     },
+    # -- resharding sources (issue 15): world 4, frozen + tied + 2 groups, an lr scheduler --
+    "s1_bf16_w4_resume": {
+        "stage": 1, "world_size": 4, "dtype": "bf16", "n_groups": 2,
+        "ds_config": {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                                    "warmup_num_steps": 10}}},
+    },
+    "s2_bf16_w4_resume": {
+        "stage": 2, "world_size": 4, "dtype": "bf16", "n_groups": 2,
+        "ds_config": {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                                    "warmup_num_steps": 10}}},
+    },
+    "s3_bf16_w4_resume": {
+        "stage": 3, "world_size": 4, "dtype": "bf16", "n_groups": 2,
+        "ds_config": {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                                    "warmup_num_steps": 10}}},
+    },
     "s3_fp32_w1": {
         "stage": 3, "world_size": 1, "dtype": "fp32", "n_groups": 1,
         "model": {"empty_param": True},

@@ -35,6 +35,8 @@ ZERO3_FLAT = "fp32_flat_groups"
 ALIGNMENT_PADDINGS = "param_alignment_paddings"
 ZERO12_INNER = "base_optimizer_state"  # the wrapped torch optimizer's state dict (stages 1-2)
 ZERO3_INNER = "optimizer_state_dict"  # the same, nested one level deeper (stage 3)
+GROUP_PADDINGS = "group_paddings"  # stages 1-2: per group, this rank's share of the end padding
+SLICE_MAPPINGS = "param_slice_mappings"  # stages 1-2: per group, name -> fragment_address in this rank
 
 # A torch optimizer's state dict.
 STATE = "state"

@@ -53,14 +53,15 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import random
 import re
-import types
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+
+from ..export import ds_pickle
+from ..export.ds_pickle import ZeroStageEnum as _ZeroStageEnum, ds_global
 
 __all__ = [
     "ParamSpec",
@@ -144,17 +145,7 @@ class GroundTruth:
 # --------------------------------------------------------------------------------------------
 
 
-class _ZeroStageEnum:
-    """Stands in for deepspeed.runtime.zero.config.ZeroStageEnum (an int Enum)."""
-
-    def __init__(self, value: int):
-        self.value = value
-
-    def __reduce_ex__(self, protocol):
-        # What Enum.__reduce_ex__ returns: the class called with the value.
-        return (type(self), (self.value,))
-
-
+@ds_global("deepspeed.utils.tensor_fragment", "fragment_address")
 class _FragmentAddress:
     """Stands in for the dataclass deepspeed.utils.tensor_fragment.fragment_address."""
 
@@ -163,6 +154,7 @@ class _FragmentAddress:
         self.start = start
 
 
+@ds_global("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 class _LossScaler:
     """Stands in for deepspeed.runtime.fp16.loss_scaler.LossScaler (static scale)."""
 
@@ -171,6 +163,7 @@ class _LossScaler:
         self.dynamic = False
 
 
+@ds_global("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
 class _DynamicLossScaler:
     """Stands in for deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler, fp16 defaults."""
 
@@ -198,42 +191,8 @@ def _fp16_loss_scale(steps: int):
     return 2**16 if doublings == 0 else 2.0**16 * 2.0**doublings
 
 
-_DS_GLOBALS = {
-    _ZeroStageEnum: ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-    _FragmentAddress: ("deepspeed.utils.tensor_fragment", "fragment_address"),
-    _LossScaler: ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    _DynamicLossScaler: ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-}
-
-
-class _DeepSpeedNamePickler(pickle._Pickler):
-    """Pure-python pickler that writes the stand-in classes under DeepSpeed's names.
-
-    The stock save_global imports the module to check the name; for the stand-ins the opcode is
-    written directly, so `deepspeed` is neither needed nor imported.
-    """
-
-    def save_global(self, obj, name=None):
-        target = _DS_GLOBALS.get(obj) if isinstance(obj, type) else None
-        if target is None:
-            return super().save_global(obj, name)
-        module, qualname = target
-        if self.proto >= 4:
-            self.save(module)
-            self.save(qualname)
-            self.write(pickle.STACK_GLOBAL)
-        else:
-            self.write(pickle.GLOBAL + module.encode("utf-8") + b"\n" + qualname.encode("utf-8") + b"\n")
-        self.memoize(obj)
-
-
-# torch.save(pickle_module=...) only needs `Pickler` (and `__name__`). Not put in sys.modules.
-_PICKLE_MODULE = types.ModuleType("zerofast._deepspeed_names_pickle")
-_PICKLE_MODULE.Pickler = _DeepSpeedNamePickler
-
-
 def _save(obj, path: str) -> None:
-    torch.save(obj, path, pickle_module=_PICKLE_MODULE, pickle_protocol=2)
+    ds_pickle.save(obj, path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -479,9 +438,11 @@ def _frozen_shapes(plan: _Plan) -> OrderedDict:
 # --------------------------------------------------------------------------------------------
 
 
-def _flat_masters(plan: _Plan, vals: _Values, align: int):
-    """One fp32 flat buffer per group, padded to `align`; returns (flats, totals, views)."""
+def _flat_masters(plan: _Plan, vals: _Values, align: int, unambiguous: bool = False):
+    """One fp32 flat buffer per group, padded to `align`; returns (flats, totals, views).
+    ``unambiguous``: stage 0's flat masters, which readers cut by value (see _unambiguous_master)."""
     flats, totals, views = [], [], {}
+    taken: set[bytes] = set()
     for g in plan.groups:
         total = sum(p.numel for p in g)
         padded = math.ceil(total / align) * align
@@ -489,7 +450,12 @@ def _flat_masters(plan: _Plan, vals: _Values, align: int):
         flat[total:] = 0
         off = 0
         for p in g:
-            views[p.name] = vals.fill(flat[off:off + p.numel]).view(p.shape)
+            piece = flat[off:off + p.numel]
+            if unambiguous:
+                _unambiguous_master(vals, piece, plan.dtype, taken)
+            else:
+                vals.fill(piece)
+            views[p.name] = piece.view(p.shape)
             off += p.numel
         flats.append(flat)
         totals.append(total)
@@ -515,6 +481,25 @@ def _per_param_adam(plan: _Plan, vals: _Values, groups: list[list[ParamSpec]]) -
     return {"state": state, "param_groups": param_groups}
 
 
+def _unambiguous_master(vals: _Values, out: torch.Tensor, dtype: torch.dtype, taken: set[bytes]) -> torch.Tensor:
+    """Fill ``out`` (a fresh fp32 master) so that its first element in the model dtype starts no
+    earlier master.
+
+    Stage 0 names no parameter for its masters, so a reader can only match them by value, and a
+    real save whose masters round alike is ambiguous (zerofast refuses it; see the stage-0 tests).
+    Random layouts are meant to be readable: with distinct first elements, at most one parameter
+    can match at any offset, so both the per-parameter matching and the cutting of flat masters
+    have exactly one answer. Colliding draws are redrawn."""
+    while True:
+        vals.fill(out)
+        if dtype == torch.float32 or out.numel() == 0:
+            return out
+        key = out.reshape(-1)[:1].to(dtype).view(torch.uint8).numpy().tobytes()
+        if key not in taken:
+            taken.add(key)
+            return out
+
+
 def _write_stage0(plan: _Plan, vals: _Values, tag_dir: str, cfg: dict):
     spec = plan.spec
     frozen_vals = _frozen_values(plan, vals)
@@ -522,7 +507,7 @@ def _write_stage0(plan: _Plan, vals: _Values, tag_dir: str, cfg: dict):
     params: dict[str, torch.Tensor] = dict(frozen_vals)
     masters: dict[str, torch.Tensor] = {}
     if spec.stage0_flat_masters:
-        flats, _, masters = _flat_masters(plan, vals, 1)
+        flats, _, masters = _flat_masters(plan, vals, 1, unambiguous=True)
         lp_flats = [f.to(plan.dtype) for f in flats]
         for g, lp in zip(plan.groups, lp_flats):
             off = 0
@@ -530,9 +515,10 @@ def _write_stage0(plan: _Plan, vals: _Values, tag_dir: str, cfg: dict):
                 params[p.name] = lp[off:off + p.numel].view(p.shape)
                 off += p.numel
     else:
+        taken: set[bytes] = set()
         for g in plan.groups:
             for p in g:
-                masters[p.name] = vals.fill(torch.empty(p.shape, dtype=torch.float32))
+                masters[p.name] = _unambiguous_master(vals, torch.empty(p.shape), plan.dtype, taken)
                 params[p.name] = masters[p.name] if plan.dtype == torch.float32 else masters[p.name].to(plan.dtype)
     module = _module(plan, params, buffer_vals)
 

@@ -1,6 +1,12 @@
 """The registry of output formats. Each format module gives its file names and its writer and
 reader; :func:`zerofast.export`, the CLI and the compat layer look formats up here by name, so a
 new format is one module plus one line below.
+
+Two more modules here write DeepSpeed checkpoints rather than weight shards, so they are not in
+the registry of weight formats: :mod:`.reshard` (a native ZeRO checkpoint for another
+data-parallel world size) and :mod:`.universal` (DeepSpeed's universal checkpoint layout). They
+stream through the same executor into ``torch.save`` files (:mod:`..torch_stream`) and commit
+through the same output-folder transaction (:mod:`..outdir`).
 """
 from __future__ import annotations
 

@@ -1,0 +1,153 @@
+"""Resume rewritten checkpoints in real DeepSpeed and compare with the original run's truth.
+
+Run under torchrun at the new world size:
+
+    DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node N tests/dsgen/resume.py JOB.json
+
+JOB.json: {"result": path, "cases": [{"name", "spec", "ckpt", "truth", "source_model_states",
+"universal": bool, "restore_module": path or null}, ...]}. Each case builds the model and engine
+of the original run (its layout spec) at this world size, calls ``engine.load_checkpoint(ckpt)``
+(with ``load_universal`` for universal cases), and checks against the original run's ground
+truth, bit for bit: every fp32 master (``safe_get_full_fp32_param``), every Adam state
+(``safe_get_full_optimizer_state``), frozen params and buffers, the optimizer step, the lr
+scheduler state and ``global_steps``; then it runs one more training step. ``restore_module``
+names a state dict file (frozen params and buffers) loaded into the module after a universal
+load, which leaves the module state alone. Rank 0 writes ``{case: [errors]}`` to ``result``.
+"""
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import deepspeed  # noqa: E402
+import deepspeed.comm as dist  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+
+
+def _load(name):
+    path = Path(__file__).resolve().with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"zf_dsgen_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+models = _load("models")
+train = _load("train")
+
+
+def same_bits(a, b):
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(view), b.view(view))
+
+
+def run_case(case, errors):
+    spec = case["spec"]
+    stage = int(spec["stage"])
+    cfg = train.ds_config_for(spec)
+    cfg.pop("train_batch_size", None)
+    if case.get("universal"):
+        cfg["checkpoint"] = {"load_universal": True}
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = models.build_model(spec.get("model"))
+    else:
+        model = models.build_model(spec.get("model"))
+    groups = models.param_groups(model, int(spec.get("n_groups", 1)))
+    optimizer = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.99))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+    path, _ = engine.load_checkpoint(case["ckpt"])
+    if path is None:
+        errors.append("load_checkpoint found nothing to load")
+        return
+    if case.get("restore_module"):
+        restore_module(engine, case["restore_module"])
+    truth = torch.load(case["truth"], weights_only=True)
+    source = torch.load(case["source_model_states"], weights_only=False)
+    train.relink_optimizer_state(engine)
+
+    checked = 0
+    masters = train.stage0_fp32_masters(engine, stage)  # stage 0 has no safe_get_full_fp32_param
+    for name, p in engine.module.named_parameters():
+        if name in truth["trainable"]:
+            full = masters[id(p)] if stage == 0 else safe_get_full_fp32_param(p)
+            if full is None or not same_bits(full.float().reshape(truth["trainable"][name].shape),
+                                             truth["trainable"][name]):
+                errors.append(f"fp32 master {name} differs")
+            for key, values in truth["optimizer_states"].items():
+                state = safe_get_full_optimizer_state(p, key)
+                if state is None or not same_bits(state.float().reshape(values[name].shape), values[name]):
+                    errors.append(f"optimizer state {key} of {name} differs")
+            checked += 1
+        else:
+            if hasattr(p, "ds_id"):
+                with deepspeed.zero.GatheredParameters([p]):
+                    value = p.detach().cpu().clone()
+            else:
+                value = p.detach().cpu().clone()
+            if not same_bits(value, truth["frozen"][name]):
+                errors.append(f"frozen param {name} differs")
+            checked += 1
+    buffers = {n: b for n, b in engine.module.named_buffers()}
+    for name, want in truth["buffers"].items():
+        if not same_bits(buffers[name], want):
+            errors.append(f"buffer {name} differs")
+    step = train.inner_optimizer_step(engine, stage)
+    if step != truth["optimizer_step"]:
+        errors.append(f"optimizer step {step} != {truth['optimizer_step']}")
+    if engine.global_steps != source["global_steps"]:
+        errors.append(f"global_steps {engine.global_steps} != {source['global_steps']}")
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    if scheduler != source["lr_scheduler"]:
+        errors.append(f"lr scheduler {scheduler} != {source['lr_scheduler']}")
+    if checked != len(truth["trainable"]) + len(truth["frozen"]):
+        errors.append(f"checked {checked} params, truth has {len(truth['trainable']) + len(truth['frozen'])}")
+
+    vocab = models.model_kwargs(spec.get("model"))["vocab"]
+    gen = torch.Generator().manual_seed(7 + dist.get_rank())
+    ids = torch.randint(0, vocab, (2, 6), generator=gen)
+    loss = engine(ids, torch.randint(0, vocab, (2, 6), generator=gen))
+    engine.backward(loss)
+    engine.step()
+    if not torch.isfinite(loss.detach()).all() or engine.global_steps != source["global_steps"] + 1:
+        errors.append(f"the training step after resuming failed: loss {loss.item()}, steps {engine.global_steps}")
+    engine.destroy()
+
+
+def restore_module(engine, path):
+    """What a user does after a universal load (README): put the frozen params and buffers back."""
+    state = torch.load(path, weights_only=True)
+    frozen = [p for n, p in engine.module.named_parameters() if n in state]
+    with deepspeed.zero.GatheredParameters(frozen, modifier_rank=0):
+        engine.module.load_state_dict(state, strict=False)
+
+
+def main():
+    job = json.loads(Path(sys.argv[1]).read_text())
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = {}
+    for case in job["cases"]:
+        errors = []
+        try:
+            run_case(case, errors)
+        except Exception:
+            errors.append(traceback.format_exc()[-3000:])
+        results[case["name"]] = errors
+        dist.barrier()
+    if dist.get_rank() == 0:
+        Path(job["result"]).write_text(json.dumps(results, indent=2))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
