@@ -119,45 +119,40 @@ def test_stage0_saves_still_read(ckpt):
 
 # The files DeepSpeed 0.19.8 writes for a 2-stage pipeline at ZeRO-1, dp 2 (format doc,
 # "Pipeline parallel"). Discovery reads names only, so the folder need not hold real data.
-PIPELINE_FILES = ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
-                  "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt",
-                  "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
-                  "layer_00-model_states.pt", "layer_01-model_states.pt", "layer_02-model_states.pt"]
-
-
-def test_pipeline_save_is_reported_as_pipeline_parallel(tmp_path):
-    tag_dir = tmp_path / "global_step3"
-    tag_dir.mkdir()
-    for name in PIPELINE_FILES:
-        (tag_dir / name).write_bytes(b"")
-    (tmp_path / "latest").write_text("global_step3")
-    message = _error(zerofast.UnsupportedCheckpointError, tmp_path)
-    assert re.fullmatch(rf"{tag_dir}: pipeline-parallel checkpoints are not supported yet \(found layer_00-model_states\.pt\)",
-                        message), message
+def test_pipeline_save_is_reported_as_pipeline_parallel(ckpt):
+    """A real two-stage pipeline save has mp_rank_00 and mp_rank_01 files, as a tensor-parallel
+    save does; it must be read and reported as a pipeline, not as tensor parallelism."""
+    root, _ = ckpt("pipe_s1_bf16_pp2_dp2")
+    report = describe(root)
+    assert report["parallelism"]["pp"] == 2
+    assert report["parallelism"].get("tp", 1) == 1
+    assert "pipeline" in report["parallelism"]["family"]
 
 
 def test_recorded_pipeline_degree_wins_over_the_model_parallel_size(ckpt):
     root, tag_dir = ckpt("s2_bf16_w2_frozen_tied")
     rewrite(tag_dir / MODEL, lambda o: (o.__setitem__("mp_world_size", 2),
                                         o.__setitem__("checkpoint_parallel_dimensions", {"pp_degree": 2, "tp_degree": 1})))
-    message = _error(zerofast.UnsupportedCheckpointError, root)
-    assert "pipeline-parallel checkpoints are not supported yet (expected pp_degree 1, found 2)" in message
+    message = _error(zerofast.IncompleteCheckpointError, root)
+    assert "expected pp_degree 1 in a folder with only mp_rank_00 files, found 2" in message
+    assert "pipeline-parallel save are missing" in message
 
 
 def test_pipeline_save_without_layer_files_is_labelled_by_its_model_states(ckpt):
-    """A universal conversion of a pipeline save copies the mp_rank_XX model states but no
-    layer files; the name mp_rank_01 alone would say tensor parallel."""
+    """A pipeline save whose layer files are gone keeps mp_rank_00 and mp_rank_01, which by name
+    alone look tensor-parallel; the model states say pipeline, and the error must too."""
     import shutil
 
     root, tag_dir = ckpt("s2_bf16_w2_frozen_tied")
     rewrite(tag_dir / MODEL, lambda o: o.__setitem__("checkpoint_parallel_dimensions", {"pp_degree": 2, "tp_degree": 1}))
     shutil.copy(tag_dir / MODEL, tag_dir / "mp_rank_01_model_states.pt")
-    message = _error(zerofast.UnsupportedCheckpointError, root)
-    assert message.endswith("pipeline-parallel checkpoints are not supported yet (expected pp_degree 1, found 2)")
+    message = _error(zerofast.IncompleteCheckpointError, root)
+    assert "pipeline-parallel save (pp_degree 2)" in message and "layer files of this save are missing" in message
+    assert "tensor-parallel" not in message
 
 
-def test_only_another_model_parallel_rank_is_refused_as_model_parallel(ckpt):
+def test_only_another_model_parallel_rank_names_the_missing_rank_00(ckpt):
     root, tag_dir = ckpt("s2_bf16_w2_frozen_tied")
     (tag_dir / MODEL).rename(tag_dir / "mp_rank_01_model_states.pt")
-    message = _error(zerofast.UnsupportedCheckpointError, root)
-    assert "model-parallel (tensor or pipeline) checkpoints are not supported yet" in message
+    message = _error(zerofast.IncompleteCheckpointError, root)
+    assert message.endswith("missing: mp_rank_00_model_states.pt"), message

@@ -72,6 +72,9 @@ class CheckpointFiles:
     mp_size: int = 1  # tensor-parallel degree; rank files are in global-rank order dp * mp_size + tp
     universal: Path | None = None  # the ``zero`` folder of a ds_to_universal checkpoint
     other_mp_rank: str | None = None  # a file of model-parallel rank > 0: refused once labelled
+    # A tensor-parallel rank grid found incomplete. Raised by the loader once rank 00's model
+    # states have ruled out a pipeline save whose layer files are missing (the names cannot tell).
+    incomplete: str | None = None
 
     @property
     def bf16_optim_files(self) -> bool | None:
@@ -248,7 +251,7 @@ def _ranked(tag_dir: Path, names: list[str], pattern: re.Pattern, group: int) ->
         # without walking the range.
         prefix = "bf16_" if next(iter(by_rank.values()))[0].startswith("bf16_") else ""
         template = pattern.pattern.strip("^$").replace("(bf16_)?", prefix).replace(chr(92), "")
-        files = [template.replace("(d+)", str(r), 1) for r in _first_missing(sorted(by_rank), 4)]
+        files = [template.replace("(d+)", _rank_text(template, r), 1) for r in _first_missing(sorted(by_rank), 4)]
         count = top + 1 - len(by_rank)
         shown = some(files) if count <= len(files) else f"{', '.join(files)} and {count - len(files)} more"
         raise IncompleteCheckpointError(
@@ -268,6 +271,11 @@ def _first_missing(ranks: list[int], count: int) -> list[int]:
         if len(missing) >= count:
             break
     return missing
+
+
+def _rank_text(template: str, rank: int) -> str:
+    """A rank as its file name writes it: model-parallel ranks lead the name with two digits."""
+    return f"{rank:02d}" if template.startswith("mp_rank_") else str(rank)
 
 
 def _moe_files(root: Path, tag: str, tag_dir: Path, names: list[str]) -> CheckpointFiles:
@@ -330,20 +338,21 @@ def _tensor_parallel_files(root: Path, tag: str, tag_dir: Path, names: list[str]
     T = 1 + max([len(plain) - 1] + [t for _, t, _ in z3 + optim])
     if not plain and not z3:
         raise CheckpointNotFoundError("expected mp_rank_XX model-states files, found none", tag_dir)
+    incomplete = None
     if plain and len(plain) != T:
-        raise IncompleteCheckpointError(
-            f"expected a model-states file for each of the {T} tensor-parallel ranks (mp_rank_00..{T - 1:02d}), found "
-            f"{[p.name for p in plain]}", tag_dir)
+        incomplete = (f"expected a model-states file for each of the {T} tensor-parallel ranks "
+                      f"(mp_rank_00..{T - 1:02d}), found {some([p.name for p in plain])}")
     for what, grid in (("optimizer", optim), ("model-states", z3)):
         tps = {t for _, t, _ in grid}
         dps = {d for d, _, _ in grid}
         if grid and (tps != set(range(T)) or len(grid) != len(dps) * T or dps != set(range(len(dps)))):
-            raise IncompleteCheckpointError(
+            incomplete = incomplete or (
                 f"expected {what} files for every (data-parallel, tensor-parallel) rank pair of {T} tensor-parallel "
-                f"ranks, found {sorted((d, t) for d, t, _ in grid)}", tag_dir)
+                f"ranks, found {some([str(p) for p in sorted((d, t) for d, t, _ in grid)])}")
     model = tuple(tag_dir / n for _, _, n in z3) if z3 else tuple(plain)
     return CheckpointFiles(root=root, tag=tag, tag_dir=tag_dir, model_files=model,
-                           optim_files=tuple(tag_dir / n for _, _, n in optim), family="tensor", mp_size=T)
+                           optim_files=tuple(tag_dir / n for _, _, n in optim), family="tensor", mp_size=T,
+                           incomplete=incomplete)
 
 
 def _grid(tag_dir: Path, names: list[str], pattern: re.Pattern, dp_group: int, mp_group: int):

@@ -21,14 +21,17 @@ from __future__ import annotations
 import re
 
 from ...discover import CheckpointFiles
-from ...errors import CorruptCheckpointError, UnsupportedCheckpointError, short_repr
+from ...errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError, short_repr
 from ...plan import keys as K
-from ..checkpoint import _check_flat_groups, _model_states, _optim_states, _stage
+from ..checkpoint import _check_flat_groups, _model_states, _optim_states, _stage, load_file
 from . import FamilyCheckpoint, Stored
 
 
 def load(files: CheckpointFiles) -> FamilyCheckpoint:
     T = files.mp_size
+    _refuse_pipeline_without_layers(files)
+    if files.incomplete:
+        raise IncompleteCheckpointError(files.incomplete, files.tag_dir)
     models = [_model_states(p) for p in files.model_files]
     optims = [_optim_states(p) for p in files.optim_files]
     stage = _stage(files, models, optims)
@@ -54,6 +57,18 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
         for t in range(T):
             _check_flat_groups(stage, [optims[d * T + t] for d in range(dp)])
     return ckpt
+
+
+def _refuse_pipeline_without_layers(files: CheckpointFiles) -> None:
+    """mp_rank_XX files without layer files look tensor-parallel by name alone; a pipeline save
+    whose layer files are missing (or were not copied) says otherwise in its model states."""
+    raw = load_file(files.model_files[0])
+    dims = raw.get(K.PARALLEL_DIMENSIONS) if isinstance(raw, dict) else None
+    pp = dims.get(K.PP_DEGREE) if isinstance(dims, dict) else None
+    if type(pp) is int and pp > 1:
+        raise IncompleteCheckpointError(
+            f"expected layer_*-model_states.pt files next to the model states of a pipeline-parallel save "
+            f"(pp_degree {pp}), found none: the layer files of this save are missing", files.model_files[0])
 
 
 def _affine_maps(meta, T: int) -> dict[str, dict]:
