@@ -271,6 +271,7 @@ def test_rerun_replaces_previous_export_and_cleans_leftovers(tmp_path):
     export(_root(SMALL), tmp_path, format="torch", max_shard_size=TINY)
     stale = tmp_path / ".zerofast-tmp-999999"
     stale.mkdir()
+    (stale / ".zerofast-tmp").touch()  # what every export puts in its temporary folder
     (stale / "model-00001-of-00002.safetensors").write_bytes(b"half written")
 
     result = export(_root(SMALL), tmp_path)

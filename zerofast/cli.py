@@ -19,7 +19,7 @@ import torch
 
 from . import __version__, dtypes
 from .compat import export_like_deepspeed
-from .errors import ZeroFastError
+from .errors import ZeroFastError, short_repr
 from .export import distributed, export
 from .export.formats import FORMATS
 from .export.shards import parse_size
@@ -329,14 +329,25 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
         "universal": ckpt.universal is not None,
-        "world_size": plan.world_size, "deepspeed_version": ckpt.ds_version,
-        "global_steps": ckpt.meta.raw.get(keys.GLOBAL_STEPS),
+        "world_size": plan.world_size, "deepspeed_version": _text_or_none(ckpt.ds_version),
+        "global_steps": _int_or_none(ckpt.meta.raw.get(keys.GLOBAL_STEPS)),
         "training_dtype": _training_dtype(ckpt.meta.raw.get(keys.DS_CONFIG)),
         "model_dtype": _model_dtype(ckpt.meta),
         "parallelism": ckpt.parallelism,
         "tensors": tensors, "tied": dict(plan.aliases), "output_bytes": output,
         "frozen_excluded": plan.frozen_excluded, "absent_frozen": list(plan.absent_frozen),
     }
+
+
+# The file decides these values; the report holds them only as JSON types (a tensor, NaN or a
+# stand-in object would make ``--json`` fail or print what is not JSON).
+
+def _text_or_none(value) -> str | None:
+    return value[:200] if isinstance(value, str) else None if value is None else short_repr(value)
+
+
+def _int_or_none(value) -> int | None:
+    return value if type(value) is int and abs(value) < 2 ** 63 else None
 
 
 def _parallelism_line(p: dict) -> str:
@@ -366,7 +377,7 @@ def _training_dtype(config) -> str | None:
         return None
     for key, label in dtypes.CONFIG_SECTIONS.items():
         section = config.get(key)
-        if isinstance(section, dict) and section.get("enabled"):
+        if isinstance(section, dict) and section.get("enabled") is True:
             return label
     return "fp32"
 
@@ -382,7 +393,7 @@ def _model_dtype(meta) -> str | None:
 def _inspect(args: argparse.Namespace) -> int:
     report = describe(args.ckpt, tag=args.tag)
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=2, allow_nan=False))
     else:
         print(format_report(report))
     return 0

@@ -16,9 +16,17 @@ from .errors import (
     AmbiguousTagError,
     CheckpointNotFoundError,
     IncompleteCheckpointError,
+    UnsafeCheckpointError,
     UnsupportedCheckpointError,
+    few,
+    short_repr,
     some,
 )
+
+# Symbolic links inside a checkpoint may not lead out of the folder the caller named, unless
+# this environment variable is 1: a checkpoint from elsewhere could otherwise make zerofast
+# read /proc, a device, or another user's files under a name that looks like its own.
+FOLLOW_LINKS_ENV = "ZEROFAST_FOLLOW_SYMLINKS"
 
 MODEL_FILE_STAGE012 = "mp_rank_00_model_states.pt"
 _ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
@@ -85,12 +93,29 @@ def discover(ckpt_dir: str | os.PathLike, tag: str | None = None) -> CheckpointF
         found = "a file" if root.exists() else "no such directory"
         raise CheckpointNotFoundError(f"expected a DeepSpeed checkpoint folder, found {found}", root)
     if tag is None and _holds_model_states(root):
-        return _list_files(root.parent, root.name, root)
-    tag = tag if tag is not None else _pick_tag(root)
-    tag_dir = root / tag
-    if not tag_dir.is_dir():
-        raise CheckpointNotFoundError(f"tag {tag!r} has no folder {tag_dir.name!r} here", root)
-    return _list_files(root, tag, tag_dir)
+        files = _list_files(root.parent, root.name, root)
+    else:
+        tag = tag if tag is not None else _pick_tag(root)
+        tag_dir = root / tag
+        if not tag_dir.is_dir():
+            raise CheckpointNotFoundError(f"tag {short_repr(tag)} has no folder {short_repr(tag_dir.name)} here", root)
+        _check_inside(root, tag_dir)
+        files = _list_files(root, tag, tag_dir)
+    for path in files.model_files + files.optim_files + ((files.universal,) if files.universal else ()):
+        _check_inside(root, path)
+    return files
+
+
+def _check_inside(root: Path, path: Path) -> None:
+    """``path`` (in ``root``) must not be a link, or a file in a linked folder, that leaves ``root``."""
+    if os.environ.get(FOLLOW_LINKS_ENV) == "1":
+        return
+    real_root, real = root.resolve(), path.resolve()
+    if real != real_root and real_root not in real.parents:
+        raise UnsafeCheckpointError(
+            f"{path.relative_to(root)} is a symbolic link (or lies in a linked folder) that leads out of the "
+            f"checkpoint folder, to {short_repr(str(real), 200)}; refused (set {FOLLOW_LINKS_ENV}=1 to follow such "
+            "links)", root)
 
 
 def _holds_model_states(folder: Path) -> bool:
@@ -106,8 +131,12 @@ def _pick_tag(root: Path) -> str:
     # training run's own newest save, as DeepSpeed's loader reads it unless told otherwise.
     latest = next((root / n for n in LATEST_FILES if (root / n).is_file()), None)
     if latest is not None:
-        with open(latest, "rb") as f:
-            data = f.read(4097)  # a tag is a folder name; never read a huge file whole
+        _check_inside(root, latest)
+        try:
+            with open(latest, "rb") as f:
+                data = f.read(4097)  # a tag is a folder name; never read a huge file whole
+        except OSError as e:
+            raise CheckpointNotFoundError(f"expected a readable text file, got: {e.strerror}", latest) from None
         try:
             tag = data.decode("utf-8").strip()
         except UnicodeDecodeError:
@@ -127,7 +156,8 @@ def _pick_tag(root: Path) -> str:
         raise CheckpointNotFoundError(
             "expected a DeepSpeed checkpoint ('latest' plus a tag folder, or a tag folder holding "
             "*_model_states.pt files), found none", root)
-    raise AmbiguousTagError(f"no 'latest' file and {len(tags)} tags {tags}; pass tag= (or --tag) to pick one", root)
+    raise AmbiguousTagError(f"no 'latest' file and {len(tags)} tags {few(tags, 8)}; pass tag= (or --tag) to pick one",
+                            root)
 
 
 def _list_files(root: Path, tag: str, tag_dir: Path) -> CheckpointFiles:
@@ -214,15 +244,33 @@ def _ranked(tag_dir: Path, names: list[str], pattern: re.Pattern, group: int) ->
     for rank, found in by_rank.items():
         if len(found) > 1:
             raise IncompleteCheckpointError(
-                f"expected one file for rank {rank}, found {found}: the folder mixes saves of two dtypes", tag_dir)
-    missing = [r for r in range(max(by_rank, default=-1) + 1) if r not in by_rank]
-    if missing:
+                f"expected one file for rank {rank}, found {few(found)}: the folder mixes saves of two dtypes", tag_dir)
+    top = max(by_rank, default=-1)
+    if top + 1 != len(by_rank):
+        # A stray file can name any rank (99999999999): list the first few missing files
+        # without walking the range.
         prefix = "bf16_" if next(iter(by_rank.values()))[0].startswith("bf16_") else ""
         template = pattern.pattern.strip("^$").replace("(bf16_)?", prefix).replace(chr(92), "")
-        files = [template.replace("(d+)", _rank_text(template, r), 1) for r in missing]
+        files = [template.replace("(d+)", _rank_text(template, r), 1) for r in _first_missing(sorted(by_rank), 4)]
+        count = top + 1 - len(by_rank)
+        shown = some(files) if count <= len(files) else f"{', '.join(files)} and {count - len(files)} more"
         raise IncompleteCheckpointError(
-            f"expected a file for each rank 0..{max(by_rank)}, found {len(by_rank)}; missing: {some(files)}", tag_dir)
+            f"expected a file for each rank 0..{top}, found {len(by_rank)}; missing: {shown}", tag_dir)
     return [tag_dir / by_rank[r][0] for r in sorted(by_rank)]
+
+
+def _first_missing(ranks: list[int], count: int) -> list[int]:
+    """The first ``count`` numbers missing from the sorted ``ranks``, in time linear in ``ranks``."""
+    missing: list[int] = []
+    expected = 0
+    for r in ranks:
+        while expected < r and len(missing) < count:
+            missing.append(expected)
+            expected += 1
+        expected = r + 1
+        if len(missing) >= count:
+            break
+    return missing
 
 
 def _rank_text(template: str, rank: int) -> str:

@@ -14,6 +14,68 @@ def first_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr`` for values that come from an untrusted file, at most about ``limit`` characters.
+
+    The builtin repr is unbounded: a pickle can share one list under many others, so that a
+    90 KB file has a repr of gigabytes, and a huge int or tensor is costly to print. This one
+    stops once ``limit`` characters are written and never looks more than a few levels deep.
+    """
+    out: list[str] = []
+    budget = [limit]
+    _short(value, out, budget, 3)
+    text = "".join(out)
+    return text if budget[0] >= 0 else text[:limit] + "..."
+
+
+def _emit(out: list[str], budget: list[int], text: str) -> bool:
+    out.append(text[:max(budget[0], 0) + 1])
+    budget[0] -= len(text)
+    return budget[0] >= 0
+
+
+def _short(value: object, out: list[str], budget: list[int], depth: int) -> bool:
+    kind = type(value)
+    if kind is str or kind is bytes:
+        return _emit(out, budget, repr(value[:budget[0] + 1]))
+    if kind is int:
+        # str(int) of a huge number is quadratic, and refused past 4300 digits.
+        return _emit(out, budget, repr(value) if value.bit_length() <= 256 else f"<int of {value.bit_length()} bits>")
+    if kind in (type(None), bool, float):
+        return _emit(out, budget, repr(value))
+    base = next((b for b in (list, tuple, set, frozenset, dict) if isinstance(value, b)), None)
+    if base is not None:
+        if depth == 0:
+            return _emit(out, budget, f"<{kind.__name__} of {len(value)}>")
+        opening, closing = {list: "[]", tuple: "()", dict: "{}"}.get(base, "{}")
+        kind = base
+        if not _emit(out, budget, opening):
+            return False
+        for i, item in enumerate(value.items() if kind is dict else value):
+            if i and not _emit(out, budget, ", "):
+                return False
+            if kind is dict:
+                if not (_short(item[0], out, budget, depth - 1) and _emit(out, budget, ": ")):
+                    return False
+                item = item[1]
+            if not _short(item, out, budget, depth - 1):
+                return False
+        return _emit(out, budget, ("," if kind is tuple and len(value) == 1 else "") + closing)
+    shape = getattr(value, "shape", None)
+    if kind.__module__.startswith("torch") and shape is not None:
+        return _emit(out, budget, f"<tensor {tuple(shape)} {getattr(value, 'dtype', '')}>"[:200])
+    if kind.__module__ == "torch" and kind.__name__ in ("dtype", "device"):
+        return _emit(out, budget, str(value))
+    return _emit(out, budget, f"<{kind.__name__}>")
+
+
+def few(items, shown: int = 5) -> str:
+    """At most ``shown`` items of a list (each with a short repr), and how many there are in all."""
+    items = list(items) if not isinstance(items, (list, tuple)) else items
+    head = ", ".join(short_repr(x, 60) for x in items[:shown])
+    return f"[{head}]" if len(items) <= shown else f"[{head}, ... ({len(items)} in all)]"
+
+
 def some(names, limit: int = 4) -> str:
     """``names`` for a message: the first ``limit`` of them, then how many more, so that a folder
     missing ten thousand files still gets a one-line error."""

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -27,7 +28,9 @@ from ..errors import ExportError, OutputExistsError, ZeroFastError
 MARKER = ".cache/huggingface/zerofast-export.json"
 LEGACY_MARKER = ".zerofast-export.json"
 _HIDDEN = (".cache", LEGACY_MARKER)  # never counted as the user's files
+MARKER_LIMIT = 64 << 20  # a marker lists names and their identities; never read more
 TMP_DIR = re.compile(r"^\.zerofast-tmp-\d+$")
+TMP_MARK = ".zerofast-tmp"  # inside each temporary folder: only such folders are ever removed
 # Files an export replaces even in a folder it did not write (``overwrite``): model weights.
 WEIGHT_FILE = re.compile(r"^(model(-\d{5,}-of-\d{5,})?\.safetensors|pytorch_model(-\d{5,}-of-\d{5,})?\.bin)"
                          r"(\.index\.json)?$")
@@ -43,11 +46,12 @@ def output_dir(out_dir: Path, overwrite: bool) -> Iterator[tuple[Path, list[str]
         _lock(fd, out_dir)
         previous = _check_owner(out_dir, overwrite)
         for name in os.listdir(out_dir):
-            if TMP_DIR.match(name):  # the lock says no export is alive to own it
+            if _our_tmp(out_dir / name):  # the lock says no export is alive to own it
                 shutil.rmtree(out_dir / name, ignore_errors=True)
         tmp = out_dir / f".zerofast-tmp-{os.getpid()}"
         try:
             tmp.mkdir()
+            (tmp / TMP_MARK).touch()
         except OSError as e:
             raise ExportError(f"cannot create the temporary folder: {os_error(e)}", tmp) from e
         try:
@@ -74,15 +78,61 @@ def _lock(fd: int, out_dir: Path) -> None:
         raise OutputExistsError("another zerofast export is writing into this folder", out_dir) from None
 
 
+def _our_tmp(path: Path) -> bool:
+    """A temporary folder of an earlier zerofast export: the name, a real folder, and our mark
+    (or empty: killed between making it and marking it). A user's folder that happens to be
+    named ``.zerofast-tmp-7`` is left alone."""
+    if not TMP_DIR.match(path.name) or path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        return (path / TMP_MARK).is_file() or not os.listdir(path)
+    except OSError:
+        return False
+
+
+def _identity(path: Path) -> list[int] | None:
+    """What tells a file zerofast moved into place from another file under the same name: a
+    forged marker can name a user's files, but not their inode and nanosecond mtime."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_ino, st.st_mtime_ns] if stat.S_ISREG(st.st_mode) else None
+
+
 def _read_marker(out_dir: Path) -> list[str] | None:
-    """The files the previous export wrote; None where no zerofast export was ever committed."""
+    """The files the previous export wrote and that are still as it left them; None where no
+    zerofast export can be shown to have been committed (no marker, or none of its files)."""
     for name in (MARKER, LEGACY_MARKER):
-        try:
-            files = json.loads((out_dir / name).read_text())["files"]
-        except (OSError, ValueError, KeyError, TypeError):
+        record = _read_json(out_dir / name)
+        if not isinstance(record, dict):
             continue
-        return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
+        files, identities = record.get("files"), record.get("identities")
+        if not isinstance(files, list) or not isinstance(identities, dict):
+            continue
+        verified = [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")
+                    and identities.get(f) is not None and identities.get(f) == _identity(out_dir / f)]
+        return verified or None
     return None
+
+
+def _read_json(path: Path) -> object:
+    """A marker's JSON, or None. Not followed if it is a link, never blocking on a FIFO, read to
+    a bounded size: the folder may come from anywhere (a marker linked to /dev/zero never ends)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MARKER_LIMIT + 1)
+        return json.loads(data) if len(data) <= MARKER_LIMIT else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def _check_owner(out_dir: Path, overwrite: bool) -> list[str]:
@@ -90,7 +140,7 @@ def _check_owner(out_dir: Path, overwrite: bool) -> list[str]:
     ``overwrite`` given); files a user added to an export of ours stay and do not block a rerun."""
     previous = _read_marker(out_dir)
     ours = set(previous or ()) | set(_HIDDEN)
-    foreign = sorted(n for n in os.listdir(out_dir) if n not in ours and not TMP_DIR.match(n))
+    foreign = sorted(n for n in os.listdir(out_dir) if n not in ours and not _our_tmp(out_dir / n))
     if foreign and not overwrite and previous is None:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise OutputExistsError(
@@ -126,8 +176,11 @@ def commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | Non
 
 
 def _write_marker(out_dir: Path, tmp: Path, files: Sequence[str]) -> None:
+    # A staged file keeps its inode and mtime when it is moved into place.
+    identities = {n: _identity(tmp / n) or _identity(out_dir / n) for n in files}
     staged = tmp / Path(MARKER).name
-    write_text(staged, json.dumps({"written_by": "zerofast", "files": list(files)}, indent=2) + "\n")
+    write_text(staged, json.dumps({"written_by": "zerofast", "files": list(files), "identities": identities},
+                                  indent=2) + "\n")
     final = out_dir / MARKER
     try:
         final.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ExportError
+from ..errors import ExportError, ZeroFastError, few, first_line, short_repr
 from .formats import FORMATS, TIED_KEY, WeightFormat
 
 
@@ -31,22 +31,50 @@ def _load_indexed(index_path: Path, fmt: WeightFormat) -> "OrderedDict[str, torc
     try:
         index = json.loads(index_path.read_text())
         weight_map, metadata = dict(index["weight_map"]), dict(index.get("metadata") or {})
-    except (ValueError, KeyError, TypeError) as e:
-        raise ExportError(f"expected an index with a 'weight_map', could not read it ({e})", index_path) from None
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError) as e:
+        raise ExportError(f"expected an index with a 'weight_map', could not read it ({first_line(e)[:200]})",
+                          index_path) from None
     merged: dict[str, torch.Tensor] = {}
     for name in dict.fromkeys(weight_map.values()):
-        merged.update(_read_weights(index_path.parent / name, fmt)[0])
+        merged.update(_read_weights(_shard_path(index_path, name), fmt)[0])
     missing = sorted(set(weight_map) - set(merged))
     if missing:
-        raise ExportError(f"the index lists {len(missing)} tensors its files do not hold, e.g. {missing[:3]}",
+        raise ExportError(f"the index lists {len(missing)} tensors its files do not hold, e.g. {few(missing, 3)}",
                           index_path)
     return _tie(merged, _tied_from(metadata, index_path), index_path)
+
+
+def _shard_path(index_path: Path, name: object) -> Path:
+    """A file the index names: a plain file name in the index's own folder, nothing else (the
+    index may come from anywhere; ``../x`` or ``/etc/passwd`` must not be read)."""
+    folder = index_path.parent
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ExportError(f"expected the index to name files in its folder, found {short_repr(name)}", index_path)
+    path = folder / name
+    if path.resolve().parent != folder.resolve():
+        raise ExportError(f"the index names {short_repr(name)}, a link that leads out of the folder", index_path)
+    return path
 
 
 def _read_weights(path: Path, fmt: WeightFormat) -> tuple[dict[str, torch.Tensor], dict]:
     if not path.is_file():
         raise ExportError("the index lists this file, but it is missing", path)
-    return fmt.read(path)
+    try:
+        tensors, metadata = fmt.read(path)
+    except ZeroFastError:
+        raise
+    except Exception as e:  # the readers fail in their own ways on a file zerofast did not write
+        # torch's message advises weights_only=False, which would run whatever the file holds.
+        detail = "" if "weights_only" in str(e) else f": {first_line(e)[:200]}"
+        raise ExportError(f"expected a {fmt.name} weight file as zerofast writes them, could not read it "
+                          f"({type(e).__name__}{detail})", path) from None
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in tensors.items()):
+        raise ExportError(f"expected a {fmt.name} file holding a dict of named tensors, found "
+                          f"{type(tensors).__name__}", path)
+    if not isinstance(metadata, dict):
+        metadata = {}
+    return tensors, metadata
 
 
 def _tied_from(metadata: dict, where: Path) -> dict[str, str]:
@@ -56,8 +84,8 @@ def _tied_from(metadata: dict, where: Path) -> dict[str, str]:
     try:
         tied = json.loads(raw) if isinstance(raw, str) else raw
         return {str(a): str(s) for a, s in tied.items()}
-    except (ValueError, AttributeError):
-        raise ExportError(f"expected {TIED_KEY!r} to hold a JSON object {{alias: source}}, found {raw!r}",
+    except (ValueError, AttributeError, TypeError, RecursionError):
+        raise ExportError(f"expected {TIED_KEY!r} to hold a JSON object {{alias: source}}, found {short_repr(raw)}",
                           where) from None
 
 
@@ -65,6 +93,7 @@ def _tie(tensors: dict[str, torch.Tensor], tied: dict[str, str], where: Path) ->
     out = OrderedDict(tensors)
     for alias, source in tied.items():
         if source not in out:
-            raise ExportError(f"tied weight {alias!r} points to {source!r}, which the export does not hold", where)
+            raise ExportError(f"tied weight {short_repr(alias)} points to {short_repr(source)}, which the export does "
+                              "not hold", where)
         out[alias] = out[source]
     return out

@@ -9,6 +9,8 @@ type-checked here, with the file in hand.
 """
 from __future__ import annotations
 
+import itertools
+import math
 import pickle
 import struct
 from dataclasses import dataclass
@@ -26,9 +28,12 @@ from ..errors import (
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
     ZeroFastError,
+    few,
     first_line,
+    short_repr,
     some,
 )
+from .pickle_bounds import BoundsExceeded
 from .stand_ins import RefusedState
 from .unpickle import Refused, load_archive
 
@@ -43,6 +48,11 @@ def load_file(path: Path) -> Any:
     except RefusedState as e:
         raise UnsafeCheckpointError(
             f"refused pickle global {e.global_name!r}: {e.reason}; nothing was executed", path) from None
+    except BoundsExceeded as e:
+        raise UnsafeCheckpointError(f"refused data.pkl: {e}; nothing was executed", path) from None
+    except RecursionError:
+        raise UnsafeCheckpointError("refused data.pkl: its objects nest too deeply; nothing was executed",
+                                    path) from None
     except ZeroFastError:
         raise
     # A malformed pickle fails inside the unpickler or a rebuild function with any of these (bad
@@ -143,6 +153,15 @@ def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
     return LoadedCheckpoint(files, stage, world_size, model_states, optim_states)
 
 
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value  # not ``or``: the truth of a tensor raises
+
+
+def _keys(mapping: dict) -> str:
+    shown = sorted(str(k)[:40] if isinstance(k, str) else short_repr(k, 40) for k in itertools.islice(mapping, 12))
+    return str(shown) if len(mapping) <= 12 else f"{str(shown)[:-1]}, ... ({len(mapping)} in all)]"
+
+
 def _expect_dict(path: Path, obj: Any, what: str) -> dict:
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"expected {what} to be a dict, found {type(obj).__name__}", path)
@@ -160,7 +179,7 @@ def _expect_list(path: Path, obj: Any, what: str) -> list:
 
 def _expect_int(path: Path, obj: Any, what: str, minimum: int = 0) -> int:
     if type(obj) is not int or obj < minimum:  # bool is an int to Python, never to DeepSpeed
-        raise CorruptCheckpointError(f"expected {what} to be an int >= {minimum}, found {obj!r:.80}", path)
+        raise CorruptCheckpointError(f"expected {what} to be an int >= {minimum}, found {short_repr(obj)}", path)
     return obj
 
 
@@ -178,14 +197,22 @@ def _expect_mapping(path: Path, obj: Any, what: str, value_type: type, value_wha
         if not isinstance(k, str) or not isinstance(v, value_type):
             raise CorruptCheckpointError(
                 f"expected {what} to map names (str) to {value_what}, found {type(k).__name__} -> "
-                f"{type(v).__name__} for {k!r:.80}", path)
+                f"{type(v).__name__} for {short_repr(k)}", path)
     return mapping
 
 
+INT64_MAX = 2 ** 63 - 1
+
+
 def _shape(path: Path, name: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(type(d) is int and d >= 0 for d in value):
-        raise InconsistentCheckpointError(f"expected a shape (non-negative ints) for {name!r}, found {value!r:.80}",
-                                          path)
+    # Dims and their product must fit int64, as in torch: a zero-element shape could otherwise
+    # carry a dim of 2**64 into an output file's header.
+    if not isinstance(value, (tuple, list)) or len(value) > 64 \
+            or not all(type(d) is int and 0 <= d <= INT64_MAX for d in value) \
+            or math.prod(d or 1 for d in value) > INT64_MAX:
+        raise InconsistentCheckpointError(
+            f"expected a shape (at most 64 non-negative ints, product below 2**63) for {short_repr(name)}, found "
+            f"{short_repr(value)}", path)
     return tuple(value)
 
 
@@ -197,13 +224,13 @@ def _model_states(path: Path, module_optional: bool = False) -> ModelStates:
     """``module_optional``: a pipeline stage's file saves ``module`` as None (its layers have files)."""
     raw = _expect_dict(path, load_file(path), "the model-states file")
     if K.MODULE not in raw:
-        raise CorruptCheckpointError(f"expected a 'module' entry, found keys {sorted(map(str, raw))[:12]}", path)
+        raise CorruptCheckpointError(f"expected a 'module' entry, found keys {_keys(raw)}", path)
     found = raw[K.MODULE]
     module = _expect_mapping(path, {} if found is None and module_optional else found, "'module'", object, "tensors")
     for name, value in module.items():
         if not isinstance(value, torch.Tensor):
             raise UnsupportedCheckpointError(
-                f"expected every 'module' entry to be a tensor, found a {type(value).__name__} for {name!r} "
+                f"expected every 'module' entry to be a tensor, found a {type(value).__name__} for {short_repr(name)} "
                 "(non-tensor extra state is not supported yet)", path)
     shapes = raw.get(K.PARAM_SHAPES)
     if shapes is not None:
@@ -215,12 +242,13 @@ def _model_states(path: Path, module_optional: bool = False) -> ModelStates:
     return ModelStates(
         path=path,
         module=module,
-        buffer_names=_expect_names(path, raw.get(K.BUFFER_NAMES) or [], "'buffer_names'"),
+        buffer_names=_expect_names(path, _default(raw.get(K.BUFFER_NAMES), []), "'buffer_names'"),
         param_shapes=shapes,
         frozen_param_shapes=None if frozen is None else _shapes(path, frozen, "'frozen_param_shapes'"),
-        frozen_param_fragments=dict(_expect_mapping(path, raw.get(K.FROZEN_PARAM_FRAGMENTS) or {},
+        frozen_param_fragments=dict(_expect_mapping(path, _default(raw.get(K.FROZEN_PARAM_FRAGMENTS), {}),
                                                     "'frozen_param_fragments'", torch.Tensor, "tensors")),
-        shared_params=dict(_expect_mapping(path, raw.get(K.SHARED_PARAMS) or {}, "'shared_params'", str, "names")),
+        shared_params=dict(_expect_mapping(path, _default(raw.get(K.SHARED_PARAMS), {}), "'shared_params'", str,
+                                           "names")),
         dp_world_size=None if dp_world_size is None else _expect_int(path, dp_world_size, "'dp_world_size'", 1),
         raw=raw,
     )
@@ -235,7 +263,7 @@ def _optim_states(path: Path, group_counts: bool = False) -> OptimStates:
     if key is None:
         raise CorruptCheckpointError(
             "expected 'fp32_flat_groups' (stage 3) or 'single_partition_of_fp32_groups' (stages 1-2) in "
-            f"'optimizer_state_dict', found keys {sorted(map(str, osd))[:12]}", path)
+            f"'optimizer_state_dict', found keys {_keys(osd)}", path)
     groups = _expect_list(path, osd[key], f"{key!r}")
     for i, g in enumerate(groups):
         if not isinstance(g, torch.Tensor) or g.dim() != 1 or not g.is_floating_point():
@@ -308,12 +336,12 @@ def _missing_optimizer_files(files: CheckpointFiles, meta: ModelStates) -> None:
         return
     world = meta.dp_world_size or len(files.model_files)
     bf16 = _bf16(meta)
-    names = [optim_file_name(r, bf16) for r in range(world)]
+    names = [(r, optim_file_name(r, bf16)) for r in range(min(world, 4))]  # dp_world_size is the file's
     why = f"ds_config says ZeRO stage {declared}" if declared else "'param_shapes' is recorded"
     if files.partitioned_model_states:
         why = "the model states are partitioned per rank (ZeRO-3)"
     raise IncompleteCheckpointError(
-        f"expected the ZeRO optimizer files ({why}), found none; missing: {some(names)}", files.tag_dir)
+        f"expected the ZeRO optimizer files ({why}), found none; missing: {_some_of(names, world)}", files.tag_dir)
 
 
 def _stage(files: CheckpointFiles, models: list[ModelStates], optims: list[OptimStates]) -> int:
@@ -363,16 +391,20 @@ def _world_size(files: CheckpointFiles, stage: int, models: list[ModelStates], o
         strays = [p.name for p in files.optim_files[recorded:]]
         raise IncompleteCheckpointError(
             f"partition_count is {recorded} but {found} rank files are present; stray files from another save: "
-            f"{strays if len(strays) <= 4 else some(strays)}", files.tag_dir)
+            f"{few(strays)}", files.tag_dir)
     bf16 = bool(files.bf16_optim_files)
-    missing = [(r, optim_file_name(r, bf16)) for r in range(found, recorded)]
+    # partition_count comes from the file: list the first few missing ranks, never the range.
+    missing = [(r, optim_file_name(r, bf16)) for r in range(found, min(recorded, found + 4))]
+    count = recorded - found
     if stage == 3:
         _no_stray_model_files(files, recorded)
-        missing += [(r, zero3_model_file_name(r)) for r in range(len(files.model_files), recorded)]
+        present = len(files.model_files)
+        missing += [(r, zero3_model_file_name(r)) for r in range(present, min(recorded, present + 4))]
+        count += recorded - present
     if missing:
         raise IncompleteCheckpointError(
             f"expected the files of {recorded} ranks (partition_count {recorded}); missing: "
-            f"{some(name for _, name in sorted(missing))}", files.tag_dir)
+            f"{_some_of(sorted(missing)[:4], count)}", files.tag_dir)
     return recorded
 
 
@@ -410,12 +442,18 @@ def _load_universal(files: CheckpointFiles, models: list[ModelStates]) -> Loaded
     world = int(meta.dp_world_size or len(models))
     if stage == 3:
         _no_stray_model_files(files, world)
-        missing = [zero3_model_file_name(r) for r in range(len(models), world)]
+        missing = [(r, zero3_model_file_name(r)) for r in range(len(models), min(world, len(models) + 4))]
         if missing:
             raise IncompleteCheckpointError(
                 f"dp_world_size is {world} but only {len(models)} model-states files are present; missing: "
-                f"{some(missing)}", files.tag_dir)
+                f"{_some_of(missing, world - len(models))}", files.tag_dir)
     return LoadedCheckpoint(files, stage, world, models, [], UniversalState(files.universal, common))
+
+
+def _some_of(missing: list[tuple[int, str]], count: int) -> str:
+    """The first few of ``count`` missing files, as ``some`` shows them, from a short list."""
+    shown = ", ".join(name for _, name in missing)
+    return shown if count <= len(missing) else f"{shown} and {count - len(missing)} more"
 
 
 def _check_parallelism(meta: ModelStates, universal: bool) -> None:
@@ -427,16 +465,16 @@ def _check_parallelism(meta: ModelStates, universal: bool) -> None:
     for what, degree, kind in (("pp_degree", dims.get(K.PP_DEGREE), "pipeline-parallel"),
                                ("mp_world_size", meta.raw.get(K.MP_WORLD_SIZE), "tensor-parallel"),
                                ("tp_degree", dims.get(K.TP_DEGREE), "tensor-parallel")):
-        if degree is None or degree == 1:
+        if degree is None or (type(degree) is int and degree == 1):
             continue
         if universal:  # ds_to_universal keeps neither a pipeline's layer files nor the tp ranks apart
             raise UnsupportedCheckpointError(
                 f"universal checkpoints of {kind} saves are not supported yet (expected {what} 1, found "
-                f"{degree!r:.40})", meta.path)
+                f"{short_repr(degree, 40)})", meta.path)
         missing = ("the layer_*-model_states.pt files of this pipeline-parallel save are missing" if kind[0] == "p"
                    else "the other tensor-parallel ranks' files of this save are missing")
         raise IncompleteCheckpointError(f"expected {what} 1 in a folder with only mp_rank_00 files, found "
-                                        f"{degree!r:.40}: {missing}", meta.path)
+                                        f"{short_repr(degree, 40)}: {missing}", meta.path)
 
 
 def _check_flat_groups(stage: int, optims: list[OptimStates]) -> None:

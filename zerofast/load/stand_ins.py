@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ..errors import short_repr
+
 
 class RefusedState(Exception):
     """A stand-in was handed something no DeepSpeed object holds. Raised while unpickling, so
@@ -27,16 +29,23 @@ class RefusedState(Exception):
 _PLAIN = (type(None), bool, int, float, str)
 
 
-def _plain(value: Any, depth: int = 0) -> bool:
+def _plain(value: Any, depth: int = 0, seen: set | None = None) -> bool:
     if type(value) in _PLAIN or isinstance(value, (torch.dtype, torch.Tensor)):
         return True
     if depth >= 4:
         return False
+    # The memo shares containers: without ``seen``, a 4 KB pickle is a tree of 200**4 nodes.
+    seen = set() if seen is None else seen
+    if (id(value), depth) in seen:
+        return True
     if type(value) in (list, tuple, torch.Size):
-        return all(_plain(v, depth + 1) for v in value)
-    if type(value) is dict:
-        return all(type(k) is str and _plain(v, depth + 1) for k, v in value.items())
-    return False
+        ok = all(_plain(v, depth + 1, seen) for v in value)
+    elif type(value) is dict:
+        ok = all(type(k) is str and _plain(v, depth + 1, seen) for k, v in value.items())
+    else:
+        return False
+    seen.add((id(value), depth))  # ``value`` lives as long as the check: its id stays its own
+    return ok
 
 
 def _check_fields(name: str, fields: Any) -> dict:
@@ -45,13 +54,45 @@ def _check_fields(name: str, fields: Any) -> dict:
     for key, value in fields.items():
         # A dunder key would shadow object machinery (__reduce_ex__, __class__, ...) on the instance.
         if type(key) is not str or key.startswith("__"):
-            raise RefusedState(name, f"refused attribute name {key!r}")
+            raise RefusedState(name, f"refused attribute name {short_repr(key)}")
         if not _plain(value):
-            raise RefusedState(name, f"attribute {key!r} holds a {type(value).__name__}, not plain data")
+            raise RefusedState(name, f"attribute {short_repr(key)} holds a {type(value).__name__}, not plain data")
     return fields
 
 
-class DeepSpeedRecord:
+class Frozen:
+    """A read-only callable that stands for a function in the allowlist. The function itself
+    could be changed by the pickle (BUILD sets ``__defaults__`` with ``setattr``) for every later
+    load in the process; this wrapper has no attribute that can be set."""
+
+    __slots__ = ("_func",)
+
+    def __init__(self, func):
+        object.__setattr__(self, "_func", func)
+
+    def __call__(self, *args, **kwargs):
+        return self._func(*args, **kwargs)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("read-only")
+
+    __delattr__ = __setattr__
+
+    def __repr__(self) -> str:
+        return f"<zerofast {self._func.__name__}>"
+
+
+class _ReadOnlyClass(type):
+    """The metaclass of the stand-in classes: the pickle gets the class itself (NEWOBJ needs a
+    type), and must not be able to change it for later loads."""
+
+    def __setattr__(cls, name, value):
+        raise AttributeError(f"{cls.__name__} is read-only")
+
+    __delattr__ = __setattr__
+
+
+class DeepSpeedRecord(metaclass=_ReadOnlyClass):
     """Attribute bag for a DeepSpeed object (loss scaler, fragment address, ...).
 
     It accepts only plain data (see ``_plain``): the state comes from an untrusted pickle, and
@@ -71,13 +112,13 @@ class DeepSpeedRecord:
         self.__dict__.update(_check_fields(self.ds_name, state))
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if k != "args")
+        fields = ", ".join(f"{k}={short_repr(v)}" for k, v in list(self.__dict__.items())[:8] if k != "args")
         return f"<{self.ds_name}({fields})>"
 
 
 def _record_class(qualified: str) -> type:
     short = qualified.rsplit(".", 1)[1]
-    return type(short, (DeepSpeedRecord,), {"ds_name": qualified})
+    return _ReadOnlyClass(short, (DeepSpeedRecord,), {"ds_name": qualified})
 
 
 _ZERO_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
@@ -102,6 +143,6 @@ _RECORD_CLASSES = (
 # Full DeepSpeed name -> stand-in. With the tensor, container and dtype names in
 # ``unpickle.ALLOWED``, this is the whole allowlist.
 STAND_INS: dict[str, Any] = {
-    _ZERO_STAGE_ENUM: zero_stage,
+    _ZERO_STAGE_ENUM: Frozen(zero_stage),
     **{name: _record_class(name) for name in _RECORD_CLASSES},
 }

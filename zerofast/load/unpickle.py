@@ -29,8 +29,11 @@ from typing import Any, Callable
 import torch
 
 from .archive import ArchiveIndex, index_archive
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from .stand_ins import STAND_INS, DeepSpeedRecord
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError, short_repr
+from .pickle_bounds import BoundsExceeded, check_pickle
+from .stand_ins import STAND_INS, DeepSpeedRecord, Frozen
+
+INT64_MAX = 2 ** 63 - 1
 
 
 class Refused(pickle.UnpicklingError):
@@ -39,56 +42,97 @@ class Refused(pickle.UnpicklingError):
         self.global_name = global_name
 
 
-class _StorageType:
+class _Immutable:
+    """No attribute can be set or deleted once made. BUILD (``setattr`` for a slot state) acts
+    on whatever the pickle put on the stack, without asking ``find_class``; what it reaches
+    must not change: an allowlisted object outlives the load, a storage reference guards the
+    bounds of its tensors."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+    __delattr__ = __setattr__
+
+
+class _StorageType(_Immutable):
     """What ``torch.FloatStorage`` and friends resolve to: only their element dtype matters."""
 
+    __slots__ = ("dtype",)
+
     def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
+        object.__setattr__(self, "dtype", dtype)
 
 
-class _StorageRef:
+class _Built:
+    """Every tensor rebuilt in one file, and their bytes: a file may not rebuild more bytes than
+    a small multiple of its own size (320 views of one storage would otherwise each be
+    materialized by the consolidation)."""
+
+    def __init__(self, limit: int):
+        self.tensors: list[tuple] = []
+        self.nbytes = 0
+        self.limit = limit
+
+
+class _StorageRef(_Immutable):
     """A storage as the rebuild functions see it: its bytes (a slice of the file mapping) and
     dtype. Lighter than a TypedStorage, which the rebuild functions do not need."""
 
     __slots__ = ("mapping", "dtype", "numel", "built")
 
-    def __init__(self, mapping: torch.UntypedStorage, dtype: torch.dtype, numel: int, built: list):
-        self.mapping, self.dtype, self.numel = mapping, dtype, numel
-        self.built = built  # every tensor rebuilt in this file, shared by its storages
+    def __init__(self, mapping: torch.UntypedStorage, dtype: torch.dtype, numel: int, built: _Built):
+        for name, value in (("mapping", mapping), ("dtype", dtype), ("numel", numel),
+                            ("built", built)):  # built: shared by the file's storages
+            object.__setattr__(self, name, value)
 
 
 def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> torch.Tensor:
     if not isinstance(storage, _StorageRef):
         raise TypeError(f"expected a storage, got {type(storage).__name__}")
     size, stride = _dims(size), _dims(stride)
-    if len(size) != len(stride) or type(storage_offset) is not int or storage_offset < 0:
-        raise ValueError(f"expected matching sizes and strides and an offset >= 0, got {size} {stride} "
-                         f"{storage_offset!r}")
+    if len(size) != len(stride) or type(storage_offset) is not int or not 0 <= storage_offset <= INT64_MAX:
+        raise ValueError(f"expected matching sizes and strides and an offset >= 0, got {short_repr(size)} "
+                         f"{short_repr(stride)} {short_repr(storage_offset)}")
     extent = storage_offset + 1 + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else 0
-    if math.prod(size) > storage.numel:
+    numel = math.prod(size)
+    if numel > storage.numel:
         # Overlapping strides would let an 18 KB file demand terabytes once anything copies it;
         # saved parameters and buffers never repeat elements.
-        raise ValueError(f"a tensor of size {size} has more elements than its {storage.numel}-element storage")
+        raise ValueError(f"a tensor of size {short_repr(size)} has more elements than its {storage.numel}-element "
+                         "storage")
     if extent > storage.numel:
         # set_ only checks against the whole mapping; the tensor must stay inside its own entry.
-        raise ValueError(f"a tensor of size {size} and stride {stride} at offset {storage_offset} reaches element "
-                         f"{extent}, past the end of its {storage.numel}-element storage")
+        raise ValueError(f"a tensor of size {short_repr(size)} and stride {short_repr(stride)} at offset "
+                         f"{storage_offset} reaches element {extent}, past the end of its {storage.numel}-element "
+                         "storage")
+    built = storage.built
+    built.nbytes += numel * storage.dtype.itemsize
+    if built.nbytes > built.limit:
+        raise _TooManyViews(built.limit)
     t = torch.empty(0, dtype=storage.dtype)
     t.set_(storage.mapping, storage_offset, size, stride)
-    storage.built.append((t, t.data_ptr(), t.shape, t.stride()))
+    built.tensors.append((t, t.data_ptr(), t.shape, t.stride()))
     return t
+
+
+class _TooManyViews(BoundsExceeded):
+    def __init__(self, limit: int):
+        super().__init__(f"its tensors hold more than {limit} bytes in all, more than a small multiple of the file "
+                         "(many tensors over one storage)")
 
 
 def _dims(value) -> tuple[int, ...]:
     # Called twice per tensor: a plain loop, no generator (a quarter of the metadata time of a
     # 50k-tensor checkpoint went here).
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, (tuple, list)) and len(value) <= 64:
         for d in value:
-            if type(d) is not int or d < 0:
+            if type(d) is not int or not 0 <= d <= INT64_MAX:
                 break
         else:
             return tuple(value)
-    raise ValueError(f"expected a tuple of non-negative ints, got {value!r:.80}")
+    raise ValueError(f"expected a tuple of at most 64 ints in [0, 2**63), got {short_repr(value)}")
 
 
 def _rebuild_parameter(data, *_ignored) -> torch.Tensor:
@@ -100,30 +144,38 @@ def _rebuild_parameter(data, *_ignored) -> torch.Tensor:
 def _rebuild_from_type_v2(func, new_type, args, state) -> torch.Tensor:
     # DeepSpeed's stage-3 flat groups carry a ``ds_id`` attribute, saved this way; only the
     # tensor matters here. ``func`` is an allowlisted rebuild function resolved by find_class.
-    if func not in (_rebuild_tensor, _rebuild_parameter) or new_type is not _TENSOR_TYPE:
+    if func not in (REBUILD_TENSOR, REBUILD_PARAMETER) or new_type is not _TENSOR_TYPE \
+            or not isinstance(args, tuple):
         raise TypeError("expected a plain tensor rebuild")
     return func(*args)
 
 
 _TENSOR_TYPE = object()  # what the name ``torch.Tensor`` resolves to
+# The pickle sees the rebuild functions through read-only wrappers: BUILD could otherwise
+# rewrite a function's ``__defaults__`` or ``__class__`` for every later load in the process.
+REBUILD_TENSOR = Frozen(_rebuild_tensor)
+REBUILD_PARAMETER = Frozen(_rebuild_parameter)
 
 
 def _storage_types() -> dict[str, _StorageType]:
+    # Quantized storages (QInt8Storage, ...) hold scales that a plain view would drop; DeepSpeed
+    # never writes them, so their names are refused like any other global.
     return {f"torch.{name}": _StorageType(dtype)
-            for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+            for dtype, name in torch.storage._dtype_to_storage_type_map().items() if not name.startswith("Q")}
 
 
 ALLOWED: dict[str, Any] = {
+    # Types CPython defines in C: their attributes cannot be set.
     "collections.OrderedDict": collections.OrderedDict,
     "builtins.set": set,
     "torch.Size": torch.Size,
     "torch.device": torch.device,
     # Only ever compared against: the real class is callable and would build tensors of any size.
     "torch.Tensor": _TENSOR_TYPE,
-    "torch._utils._rebuild_tensor": _rebuild_tensor,
-    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
-    "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch._utils._rebuild_tensor": REBUILD_TENSOR,
+    "torch._utils._rebuild_tensor_v2": REBUILD_TENSOR,
+    "torch._utils._rebuild_parameter": REBUILD_PARAMETER,
+    "torch._tensor._rebuild_from_type_v2": Frozen(_rebuild_from_type_v2),
     **{str(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)},
     **_storage_types(),
     **STAND_INS,
@@ -166,24 +218,29 @@ class _Storages:
         _remember_mapping(path, self.mapping)
         self.made: dict[str, _StorageRef] = {}
         self.declared: dict[str, int] = {}
-        self.built: list[tuple] = []
+        # Tied weights make two names for one tensor; the limit leaves room for that and more.
+        self.built = _Built(4 * index.file_size + (1 << 20))
 
     def __call__(self, pid: object) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
                 and isinstance(pid[2], str) and type(pid[4]) is int and pid[4] >= 0):
-            raise CorruptCheckpointError(f"expected a torch storage reference in the pickle, found {pid!r:.80}",
+            raise CorruptCheckpointError(f"expected a torch storage reference in the pickle, found {short_repr(pid)}",
                                          self.path)
         _, kind, key, _location, numel = pid
         dtype = kind.dtype
+        if numel > INT64_MAX:
+            raise CorruptCheckpointError(f"expected a storage of fewer than 2**63 elements, found {short_repr(numel)}",
+                                         self.path)
         nbytes = numel * dtype.itemsize
         if self.declared.setdefault(key, nbytes) != nbytes:
             raise CorruptCheckpointError(
-                f"the pickle declares storage {key!r} twice, with {self.declared[key]} and {nbytes} bytes", self.path)
+                f"the pickle declares storage {short_repr(key)} twice, with {self.declared[key]} and {nbytes} bytes",
+                self.path)
         made = self.made.get(key)
         if made is None:
             made = self.made[key] = self._ref(key, dtype, numel, nbytes)
         elif made.dtype != dtype:
-            raise CorruptCheckpointError(f"storage {key!r} is referenced with two dtypes", self.path)
+            raise CorruptCheckpointError(f"storage {short_repr(key)} is referenced with two dtypes", self.path)
         return made
 
     def _ref(self, key: str, dtype: torch.dtype, numel: int, nbytes: int) -> _StorageRef:
@@ -227,10 +284,11 @@ def file_location(path: str, tensor: torch.Tensor) -> tuple[int, tuple[int, int,
 def load_archive(path: Path) -> Any:
     """Unpickle one ``torch.save`` archive with only allowlisted globals and mapped storages."""
     index = index_archive(path)
+    check_pickle(index.pickle_bytes)
     storages = _Storages(path, index)
     unpickler = _Unpickler(index.pickle_bytes, storages)
     result = unpickler.load()
-    _check_tensors(path, result, storages.built)
+    _check_tensors(path, result, storages.built.tensors)
     left = len(index.pickle_bytes) - unpickler.consumed()
     if left:
         # Another reader could parse the tail differently; torch.save writes nothing after STOP.

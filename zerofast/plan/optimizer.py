@@ -14,11 +14,12 @@ last rank's state may be longer than its masters; the offsets agree either way.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
 
-from ..errors import InconsistentCheckpointError, MissingOptimizerStateError, UnsupportedCheckpointError
+from ..errors import InconsistentCheckpointError, MissingOptimizerStateError, UnsupportedCheckpointError, short_repr
 from ..load import LoadedCheckpoint, OptimStates
 from . import keys as K
 from .build import out_dtype_for
@@ -106,9 +107,25 @@ def group_states(o: OptimStates, stage: int) -> list[_GroupState]:
 def _flat_param_indices(o: OptimStates, inner: dict, where: str) -> list:
     """torch numbers the parameters through its param_groups in order; each one is a flat group
     here, so this order is the order of the fp32 flat groups."""
-    groups = inner.get(K.PARAM_GROUPS) or []
-    return [i for g, group in enumerate(groups)
-            for i in _as_dict(o, group, f"{where}.param_groups[{g}]").get(K.PARAMS, [])]
+    return [i for _, params in param_groups(o, inner, where) for i in params]
+
+
+def param_groups(o: OptimStates, inner: dict, where: str) -> list[tuple[dict, list[int]]]:
+    """Each of torch's param groups with its ``params`` (parameter indices), checked."""
+    groups = inner.get(K.PARAM_GROUPS)
+    groups = [] if groups is None else groups
+    if not isinstance(groups, (list, tuple)):
+        raise InconsistentCheckpointError(f"expected {where}.param_groups to be a list, found {type(groups).__name__}",
+                                          o.path)
+    out = []
+    for g, group in enumerate(groups):
+        params = _as_dict(o, group, f"{where}.param_groups[{g}]").get(K.PARAMS, [])
+        if not isinstance(params, (list, tuple)) or not all(type(i) is int for i in params):
+            raise InconsistentCheckpointError(
+                f"expected {where}.param_groups[{g}]['params'] to be a list of parameter indices (ints), found "
+                f"{short_repr(params)}", o.path)
+        out.append((group, list(params)))
+    return out
 
 
 def _as_dict(o: OptimStates, value: Any, where: str) -> dict:
@@ -130,7 +147,8 @@ def per_element_keys(states: list[_GroupState]) -> list[str]:
     found = None
     for _, state in states:
         keys = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        found = keys if found is None else [k for k in found if k in keys]
+        present = set(keys)
+        found = keys if found is None else [k for k in found if k in present]
     return found or []
 
 
@@ -198,7 +216,7 @@ def _universal_scalar_states(ckpt: LoadedCheckpoint) -> dict:
 
 def _settings(group: dict) -> dict:
     """A param group's hyperparameters as JSON data."""
-    settings = {k: _plain(v) for k, v in group.items() if k != K.PARAMS}
+    settings = {str(k)[:200]: _plain(v) for k, v in group.items() if k != K.PARAMS}
     return {k: v for k, v in settings.items() if v is not _SKIP}
 
 
@@ -214,13 +232,19 @@ def _scalars(state: dict) -> dict:
 _SKIP = object()
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, depth: int = 0) -> Any:
+    """``value`` as JSON data (hyperparameters, ``step``), or _SKIP. Shallow and short lists only:
+    the pickle may share one list under many others."""
     if isinstance(value, torch.Tensor):
-        return value.item() if value.dim() == 0 else _SKIP
-    if value is None or isinstance(value, (bool, int, float, str)):
+        value = value.item() if value.dim() == 0 and not value.is_complex() else _SKIP
+    if value is None or type(value) in (bool, str):
         return value
-    if isinstance(value, (list, tuple)):
-        items = [_plain(v) for v in value]
+    if type(value) is int:
+        return value if abs(value) < 2 ** 63 else _SKIP
+    if type(value) is float:
+        return value if math.isfinite(value) else _SKIP  # NaN is not JSON
+    if type(value) in (list, tuple) and depth < 2 and len(value) <= 64:
+        items = [_plain(v, depth + 1) for v in value]
         return _SKIP if any(v is _SKIP for v in items) else items
     return _SKIP
 
@@ -228,13 +252,15 @@ def _plain(value: Any) -> Any:
 def _param_groups(ckpt: LoadedCheckpoint, owner: dict[str, tuple[int, int]]) -> list[dict]:
     """The wrapped optimizer's param groups of rank 0, ``params`` given as names. Elastic
     checkpoints keep no param groups; then this is empty."""
-    inner = ckpt.optim_states[0].raw[K.OPTIMIZER_STATE_DICT].get(K.inner_key(ckpt.stage))
+    o = ckpt.optim_states[0]
+    field = K.inner_key(ckpt.stage)
+    inner = o.raw[K.OPTIMIZER_STATE_DICT].get(field)
     if not isinstance(inner, dict):
         return []
     position = 0
     out = []
-    for group in inner.get(K.PARAM_GROUPS) or []:  # dicts: group_states has checked them
-        count = len(group.get(K.PARAMS, []))
+    for group, params in param_groups(o, inner, f"optimizer_state_dict.{field}"):
+        count = len(params)
         flat = range(position, position + count)
         position += count
         settings = _settings(group)

@@ -48,6 +48,10 @@ def header(items: Sequence[TensorPlan], metadata: dict[str, str]) -> tuple[bytes
     placed = []
     pos = 0
     for tp in sorted(items, key=lambda t: -t.out_dtype.itemsize):
+        if tp.name == "__metadata__":
+            # The name of the header's metadata entry: the file would lose one or the other.
+            raise ExportError("a tensor named '__metadata__' cannot be stored in safetensors, whose header uses that "
+                              "name for its metadata; use --format torch")
         head[tp.name] = {"dtype": _code(tp), "shape": list(tp.shape), "data_offsets": [pos, pos + tp.nbytes]}
         placed.append((tp, pos))
         pos += tp.nbytes

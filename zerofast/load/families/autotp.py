@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 
 from ...discover import CheckpointFiles
-from ...errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError
+from ...errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError, short_repr
 from ...plan import keys as K
 from ..checkpoint import _check_flat_groups, _model_states, _optim_states, _stage, load_file
 from . import FamilyCheckpoint, Stored
@@ -45,8 +45,11 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
     ckpt = FamilyCheckpoint(files, stage, dp * T, models, optims, family="tensor",
                             stored=stored, aliases=dict(first.shared_params), buffers=frozenset(first.buffer_names))
     ckpt.degrees = {"family": "tensor-parallel (AutoTP)", "dp": dp, "tp": T}
-    info = first.raw.get(K.UNIVERSAL_INFO) or {}
-    replicated = info.get("tp_replicated_parameter_patterns") or []
+    # Not ``or``: the truth of a tensor the file put here raises.
+    info = first.raw.get(K.UNIVERSAL_INFO)
+    info = info if isinstance(info, dict) else {}
+    replicated = info.get("tp_replicated_parameter_patterns")
+    replicated = [] if replicated is None else replicated if isinstance(replicated, (list, tuple)) else [replicated]
     ckpt.extra = {"maps": maps, "replicated": {_literal(first.path, p) for p in replicated}}
     ckpt.partition_ends = frozenset((dp - 1) * T + t for t in range(T))
     _check_frozen(ckpt, metas, maps)
@@ -99,7 +102,7 @@ def _literal(path, pattern) -> str:
     plain = _ESCAPED.sub("", body) if body is not None else None
     if plain is None or _META & set(plain):
         raise UnsupportedCheckpointError(
-            f"expected AutoTP parameter patterns of the form ^escaped\\.name$, found {pattern!r:.80}", path)
+            f"expected AutoTP parameter patterns of the form ^escaped\\.name$, found {short_repr(pattern)}", path)
     return _ESCAPED.sub(lambda m: m.group(1), body)
 
 

@@ -110,19 +110,41 @@ def _walk_flat(ckpt, src, flat, params, model_dtype, where) -> list[_Slot]:
     element of a longer one), so every way to tile the buffer with matching parameters is
     followed; exactly one complete tiling must exist.
     """
-    by_key: dict[tuple[int, bytes], set[tuple[int, ...]]] = {}
+    # Candidates are found by a digest of their first few values, and only those are compared
+    # whole: the work per offset stays small unless many parameters share their leading values.
+    by_prefix: dict[tuple[int, bytes], dict[bytes, set[tuple[int, ...]]]] = {}
     for t in params.values():
         if t.numel() > 0:
-            by_key.setdefault((t.numel(), _digest(t.reshape(-1))), set()).add(tuple(t.shape))
-    numels = sorted({n for n, _ in by_key})
+            flat_t = t.reshape(-1)
+            by_prefix.setdefault((t.numel(), _digest(flat_t[:_PREFIX])), {}).setdefault(
+                _digest(flat_t), set()).add(tuple(t.shape))
+    numels = sorted({n for n, _ in by_prefix})
     total = flat.numel()
+    # Same-valued parameters of distinct sizes make the reachable offsets grow combinatorially;
+    # the work is bounded by the buffer's size, past which the cut counts as ambiguous.
+    budget = [8 * total + (1 << 22)]
+
+    def spend(elements: int) -> None:
+        budget[0] -= elements
+        if budget[0] < 0:
+            raise InconsistentCheckpointError(
+                f"cannot cut {where} into module parameters: too many parameters share their values (matching "
+                f"would compare more than {8 * total + (1 << 22)} elements)", ckpt.meta.path)
 
     def shapes_at(offset: int) -> set[tuple[int, ...]]:
         found: set[tuple[int, ...]] = set()
+        prefixes: dict[int, bytes] = {}
         for n in numels:
             if offset + n > total:
                 break
-            found |= by_key.get((n, _digest(flat[offset:offset + n].to(model_dtype))), set())
+            m = min(n, _PREFIX)
+            spend(m)
+            if m not in prefixes:
+                prefixes[m] = _digest(flat[offset:offset + m].to(model_dtype))
+            candidates = by_prefix.get((n, prefixes[m]))
+            if candidates:
+                spend(n)
+                found |= candidates.get(_digest(flat[offset:offset + n].to(model_dtype)), set())
         return found
 
     steps = _tilings(total, shapes_at)
@@ -131,6 +153,9 @@ def _walk_flat(ckpt, src, flat, params, model_dtype, where) -> list[_Slot]:
             f"cannot cut {where} into module parameters: no sequence of parameters whose values equal "
             f"master.to({model_dtype}) covers it exactly, or more than one does", ckpt.meta.path)
     return [_Slot(src, offset, shape, f"{where}[{offset}:]") for offset, shape in steps]
+
+
+_PREFIX = 16
 
 
 def _tilings(total: int, shapes_at) -> list[tuple[int, tuple[int, ...]]] | None:
