@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                          "as <param>.<key>, and their step and hyperparameters to optimizer_state.json")
     ex.add_argument("--device", default="cpu",
                     help="where to gather and cast: cpu, or cuda (each rank its LOCAL_RANK's GPU) / cuda:N")
-    ex.add_argument("--workers", type=_positive, default=1, metavar="N",
+    ex.add_argument("--workers", type=_positive("workers"), default=1, metavar="N",
                     help="share the export among N processes on this machine (under torchrun, the ranks "
                          "share it without this)")
     peft = ex.add_mutually_exclusive_group()
@@ -117,14 +117,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of workers, got {text!r}")
-    return value
+def _positive(what: str):
+    """An argparse type: a positive int, or an error that says what the number counts."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected a positive number of {what}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _size(text: str) -> int:
@@ -216,10 +220,10 @@ def _add_resume(sub, common) -> None:
                                    "that a plain engine.load_checkpoint(OUT) at that size resumes training.")
     r.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     r.add_argument("out", metavar="OUT", help="the new checkpoint root")
-    r.add_argument("--world-size", type=_positive_int, required=True, metavar="N",
+    r.add_argument("--world-size", type=_positive("ranks"), required=True, metavar="N",
                    help="the new data-parallel world size")
     r.add_argument("--overwrite", action="store_true", help="write into a non-empty folder zerofast did not write")
-    r.add_argument("--workers", type=_positive, default=1, metavar="N",
+    r.add_argument("--workers", type=_positive("workers"), default=1, metavar="N",
                    help="share the files among N processes on this machine (under torchrun, the ranks share them)")
     r.set_defaults(run=_reshard)
     u = sub.add_parser("to-universal", parents=[common], help="write DeepSpeed's universal checkpoint layout",
@@ -230,19 +234,9 @@ def _add_resume(sub, common) -> None:
     u.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     u.add_argument("out", metavar="OUT", help="the universal tag folder, e.g. ckpt_universal/global_step100")
     u.add_argument("--overwrite", action="store_true", help="write into a non-empty folder zerofast did not write")
-    u.add_argument("--workers", type=_positive, default=1, metavar="N",
+    u.add_argument("--workers", type=_positive("workers"), default=1, metavar="N",
                    help="share the files among N processes on this machine (under torchrun, the ranks share them)")
     u.set_defaults(run=_to_universal)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def _reshard(args: argparse.Namespace) -> int:

@@ -157,7 +157,7 @@ def commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | Non
     that are missing or half replaced.
     """
     final = [*data_files, *([index] if index else [])]
-    _write_marker(out_dir, tmp, sorted(set(previous) | set(final)))
+    write_marker(out_dir, tmp, sorted(set(previous) | set(final)))
     try:
         stale = set(previous) | {n for n in os.listdir(out_dir) if WEIGHT_FILE.match(n)}
         for name in sorted(stale, key=lambda n: not n.endswith(".index.json")):
@@ -172,10 +172,10 @@ def commit(out_dir: Path, tmp: Path, data_files: Sequence[str], index: str | Non
     # Every file is in place. The marker still lists the replaced names too, which only ever tells
     # a rerun what it may remove, so failing to shrink it (on a full disk) must not fail the export.
     with contextlib.suppress(OSError, ExportError):
-        _write_marker(out_dir, tmp, final)
+        write_marker(out_dir, tmp, final)
 
 
-def _write_marker(out_dir: Path, tmp: Path, files: Sequence[str]) -> None:
+def write_marker(out_dir: Path, tmp: Path, files: Sequence[str]) -> None:
     # A staged file keeps its inode and mtime when it is moved into place.
     identities = {n: _identity(tmp / n) or _identity(out_dir / n) for n in files}
     staged = tmp / Path(MARKER).name

@@ -104,7 +104,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     limit = parse_size(max_shard_size)
     compute = resolve_device(device)
     started = time.monotonic()
-    team = team or _ALONE
+    team = team or ALONE
     out = Path(out_dir)
     if merge_adapters and (adapter or exclude_frozen):
         raise ValueError("merge_adapters writes the whole base model: it excludes adapter and exclude_frozen")
@@ -216,7 +216,7 @@ class _Alone:
         return writes
 
 
-_ALONE = _Alone()
+ALONE = _Alone()
 
 
 # ---------------------------------------------------------------------------------------------

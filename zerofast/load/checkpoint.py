@@ -137,7 +137,7 @@ def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
         from .families import load_family  # MoE, pipeline, AutoTP: their own loaders and layout builders
 
         return load_family(files)
-    model_states = [_model_states(p) for p in files.model_files]
+    model_states = [read_model_states(p) for p in files.model_files]
     _check_parallelism(model_states[0], files.universal is not None)
     if files.other_mp_rank is not None:  # rank 00 records degree 1, yet another rank's file is here
         raise UnsupportedCheckpointError(
@@ -145,11 +145,11 @@ def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
             f"{int(files.other_mp_rank.split('mp_rank_')[1][:2])})", files.tag_dir)
     if files.universal is not None:
         return _load_universal(files, model_states)
-    optim_states = [_optim_states(p) for p in files.optim_files]
-    stage = _stage(files, model_states, optim_states)
+    optim_states = [read_optim_states(p) for p in files.optim_files]
+    stage = settle_stage(files, model_states, optim_states)
     _agree_with_config(files, model_states[0], stage, "the optimizer files")
-    world_size = _world_size(files, stage, model_states, optim_states)
-    _check_flat_groups(stage, optim_states)
+    world_size = settle_world_size(files, stage, model_states, optim_states)
+    check_flat_groups(stage, optim_states)
     return LoadedCheckpoint(files, stage, world_size, model_states, optim_states)
 
 
@@ -162,7 +162,7 @@ def _keys(mapping: dict) -> str:
     return str(shown) if len(mapping) <= 12 else f"{str(shown)[:-1]}, ... ({len(mapping)} in all)]"
 
 
-def _expect_dict(path: Path, obj: Any, what: str) -> dict:
+def expect_dict(path: Path, obj: Any, what: str) -> dict:
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"expected {what} to be a dict, found {type(obj).__name__}", path)
     return obj
@@ -171,28 +171,28 @@ def _expect_dict(path: Path, obj: Any, what: str) -> dict:
 # The pickle decides every type below. Each is checked here, where the file is known, so that
 # planning never meets a string where it expects an int (and never fails with a bare TypeError).
 
-def _expect_list(path: Path, obj: Any, what: str) -> list:
+def expect_list(path: Path, obj: Any, what: str) -> list:
     if not isinstance(obj, (list, tuple)):
         raise CorruptCheckpointError(f"expected {what} to be a list, found {type(obj).__name__}", path)
     return list(obj)
 
 
-def _expect_int(path: Path, obj: Any, what: str, minimum: int = 0) -> int:
+def expect_int(path: Path, obj: Any, what: str, minimum: int = 0) -> int:
     if type(obj) is not int or obj < minimum:  # bool is an int to Python, never to DeepSpeed
         raise CorruptCheckpointError(f"expected {what} to be an int >= {minimum}, found {short_repr(obj)}", path)
     return obj
 
 
 def _expect_names(path: Path, obj: Any, what: str) -> list[str]:
-    names = _expect_list(path, obj, what)
+    names = expect_list(path, obj, what)
     for n in names:
         if not isinstance(n, str):
             raise CorruptCheckpointError(f"expected {what} to hold names (str), found {type(n).__name__}", path)
     return names
 
 
-def _expect_mapping(path: Path, obj: Any, what: str, value_type: type, value_what: str) -> dict:
-    mapping = _expect_dict(path, obj, what)
+def expect_mapping(path: Path, obj: Any, what: str, value_type: type, value_what: str) -> dict:
+    mapping = expect_dict(path, obj, what)
     for k, v in mapping.items():
         if not isinstance(k, str) or not isinstance(v, value_type):
             raise CorruptCheckpointError(
@@ -217,16 +217,16 @@ def _shape(path: Path, name: str, value: Any) -> tuple[int, ...]:
 
 
 def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:
-    return {name: _shape(path, name, s) for name, s in _expect_mapping(path, mapping, what, object, "shapes").items()}
+    return {name: _shape(path, name, s) for name, s in expect_mapping(path, mapping, what, object, "shapes").items()}
 
 
-def _model_states(path: Path, module_optional: bool = False) -> ModelStates:
+def read_model_states(path: Path, module_optional: bool = False) -> ModelStates:
     """``module_optional``: a pipeline stage's file saves ``module`` as None (its layers have files)."""
-    raw = _expect_dict(path, load_file(path), "the model-states file")
+    raw = expect_dict(path, load_file(path), "the model-states file")
     if K.MODULE not in raw:
         raise CorruptCheckpointError(f"expected a 'module' entry, found keys {_keys(raw)}", path)
     found = raw[K.MODULE]
-    module = _expect_mapping(path, {} if found is None and module_optional else found, "'module'", object, "tensors")
+    module = expect_mapping(path, {} if found is None and module_optional else found, "'module'", object, "tensors")
     for name, value in module.items():
         if not isinstance(value, torch.Tensor):
             raise UnsupportedCheckpointError(
@@ -236,7 +236,7 @@ def _model_states(path: Path, module_optional: bool = False) -> ModelStates:
     if shapes is not None:
         if isinstance(shapes, dict):  # very old DeepSpeed saved a single group unwrapped
             shapes = [shapes]
-        shapes = [_shapes(path, g, "a 'param_shapes' group") for g in _expect_list(path, shapes, "'param_shapes'")]
+        shapes = [_shapes(path, g, "a 'param_shapes' group") for g in expect_list(path, shapes, "'param_shapes'")]
     frozen = raw.get(K.FROZEN_PARAM_SHAPES)
     dp_world_size = raw.get(K.DP_WORLD_SIZE)
     return ModelStates(
@@ -245,26 +245,26 @@ def _model_states(path: Path, module_optional: bool = False) -> ModelStates:
         buffer_names=_expect_names(path, _default(raw.get(K.BUFFER_NAMES), []), "'buffer_names'"),
         param_shapes=shapes,
         frozen_param_shapes=None if frozen is None else _shapes(path, frozen, "'frozen_param_shapes'"),
-        frozen_param_fragments=dict(_expect_mapping(path, _default(raw.get(K.FROZEN_PARAM_FRAGMENTS), {}),
+        frozen_param_fragments=dict(expect_mapping(path, _default(raw.get(K.FROZEN_PARAM_FRAGMENTS), {}),
                                                     "'frozen_param_fragments'", torch.Tensor, "tensors")),
-        shared_params=dict(_expect_mapping(path, _default(raw.get(K.SHARED_PARAMS), {}), "'shared_params'", str,
+        shared_params=dict(expect_mapping(path, _default(raw.get(K.SHARED_PARAMS), {}), "'shared_params'", str,
                                            "names")),
-        dp_world_size=None if dp_world_size is None else _expect_int(path, dp_world_size, "'dp_world_size'", 1),
+        dp_world_size=None if dp_world_size is None else expect_int(path, dp_world_size, "'dp_world_size'", 1),
         raw=raw,
     )
 
 
-def _optim_states(path: Path, group_counts: bool = False) -> OptimStates:
+def read_optim_states(path: Path, group_counts: bool = False) -> OptimStates:
     """``group_counts``: accept a different ``partition_count`` per group (MoE expert groups are
     partitioned over fewer ranks); ``partition_count`` is then the first group's."""
-    raw = _expect_dict(path, load_file(path), "the optimizer-states file")
-    osd = _expect_dict(path, raw.get(K.OPTIMIZER_STATE_DICT), "'optimizer_state_dict'")
+    raw = expect_dict(path, load_file(path), "the optimizer-states file")
+    osd = expect_dict(path, raw.get(K.OPTIMIZER_STATE_DICT), "'optimizer_state_dict'")
     key = next((k for k in (K.ZERO3_FLAT, K.ZERO12_FLAT) if k in osd), None)
     if key is None:
         raise CorruptCheckpointError(
             "expected 'fp32_flat_groups' (stage 3) or 'single_partition_of_fp32_groups' (stages 1-2) in "
             f"'optimizer_state_dict', found keys {_keys(osd)}", path)
-    groups = _expect_list(path, osd[key], f"{key!r}")
+    groups = expect_list(path, osd[key], f"{key!r}")
     for i, g in enumerate(groups):
         if not isinstance(g, torch.Tensor) or g.dim() != 1 or not g.is_floating_point():
             found = f"a {g.dim()}-D {g.dtype} tensor" if isinstance(g, torch.Tensor) else type(g).__name__
@@ -272,7 +272,7 @@ def _optim_states(path: Path, group_counts: bool = False) -> OptimStates:
                                          path)
     count = osd.get(K.PARTITION_COUNT)
     if isinstance(count, (list, tuple)):
-        counts = {_expect_int(path, c, "each 'partition_count'", 1) for c in count}
+        counts = {expect_int(path, c, "each 'partition_count'", 1) for c in count}
         if len(counts) > 1 and not group_counts:
             # Expert (MoE) groups are partitioned over their own, smaller data-parallel group; a
             # folder without expert files cannot be an MoE save, and no other layout does this.
@@ -283,15 +283,15 @@ def _optim_states(path: Path, group_counts: bool = False) -> OptimStates:
     stage = osd.get(K.ZERO_STAGE)
     pads = osd.get(K.ALIGNMENT_PADDINGS)
     if pads is not None:
-        pads = [_expect_list(path, g, "a 'param_alignment_paddings' group")
-                for g in _expect_list(path, pads, "'param_alignment_paddings'")]
+        pads = [expect_list(path, g, "a 'param_alignment_paddings' group")
+                for g in expect_list(path, pads, "'param_alignment_paddings'")]
         for g in pads:
             for p in g:
-                _expect_int(path, p, "each 'param_alignment_paddings' entry")
+                expect_int(path, p, "each 'param_alignment_paddings' entry")
     return OptimStates(
         path=path,
-        zero_stage=None if stage is None else _expect_int(path, stage, "'zero_stage'"),
-        partition_count=None if count is None else _expect_int(path, count, "'partition_count'", 1),
+        zero_stage=None if stage is None else expect_int(path, stage, "'zero_stage'"),
+        partition_count=None if count is None else expect_int(path, count, "'partition_count'", 1),
         flat_groups=groups,
         param_alignment_paddings=pads,
         raw=raw,
@@ -344,7 +344,7 @@ def _missing_optimizer_files(files: CheckpointFiles, meta: ModelStates) -> None:
         f"expected the ZeRO optimizer files ({why}), found none; missing: {_some_of(names, world)}", files.tag_dir)
 
 
-def _stage(files: CheckpointFiles, models: list[ModelStates], optims: list[OptimStates]) -> int:
+def settle_stage(files: CheckpointFiles, models: list[ModelStates], optims: list[OptimStates]) -> int:
     if not optims:
         _missing_optimizer_files(files, models[0])
         return 0
@@ -373,7 +373,7 @@ def _stage(files: CheckpointFiles, models: list[ModelStates], optims: list[Optim
     return recorded
 
 
-def _world_size(files: CheckpointFiles, stage: int, models: list[ModelStates], optims: list[OptimStates]) -> int:
+def settle_world_size(files: CheckpointFiles, stage: int, models: list[ModelStates], optims: list[OptimStates]) -> int:
     meta = models[0]
     if stage == 0:
         return int(meta.dp_world_size or 1)
@@ -425,9 +425,9 @@ def _load_universal(files: CheckpointFiles, models: list[ModelStates]) -> Loaded
     if not path.is_file():
         raise IncompleteCheckpointError(
             f"expected {path.name} in the universal checkpoint's {files.universal.name!r} folder, found none", path.parent)
-    common = _expect_dict(path, load_file(path), "the universal optimizer state")
+    common = expect_dict(path, load_file(path), "the universal optimizer state")
     recorded = common.get(K.ZERO_STAGE)
-    recorded = None if recorded is None else _expect_int(path, recorded, "'zero_stage'")
+    recorded = None if recorded is None else expect_int(path, recorded, "'zero_stage'")
     # As in the source's own files, DeepSpeed's BF16_Optimizer (stage 1) records no stage.
     stage = 3 if files.partitioned_model_states else (1 if recorded is None else recorded)
     if stage not in (1, 2, 3) or (recorded is not None and recorded != stage):
@@ -477,7 +477,7 @@ def _check_parallelism(meta: ModelStates, universal: bool) -> None:
                                         f"{short_repr(degree, 40)}: {missing}", meta.path)
 
 
-def _check_flat_groups(stage: int, optims: list[OptimStates]) -> None:
+def check_flat_groups(stage: int, optims: list[OptimStates]) -> None:
     """Every rank's flat groups share one dtype. At stages 1-2 a group's flat buffer is cut into
     equal partitions, and DeepSpeed saves them without the group's end padding: so the ranks
     hold [P, ..., P, p <= P, 0, ..., 0] elements. Any other shortfall would shift every later

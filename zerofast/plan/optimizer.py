@@ -47,8 +47,8 @@ def build_optimizer_plan(ckpt: LoadedCheckpoint, table: SourceTable, keys: Seque
 
 
 def _entries(ckpt: LoadedCheckpoint, table: SourceTable, keys: Sequence[str]) -> dict[str, dict]:
-    states = _checked_states(ckpt)
-    return {key: partitioned_entries(ckpt, table, _state_flat_groups(ckpt, states, key), f"'{key}' groups")
+    states = checked_states(ckpt)
+    return {key: partitioned_entries(ckpt, table, state_flat_groups(ckpt, states, key), f"'{key}' groups")
             for key in keys}
 
 
@@ -73,7 +73,7 @@ def _model_order(ckpt: LoadedCheckpoint, entries: dict) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # Reading the state out of the files.
 
-def _checked_states(ckpt: LoadedCheckpoint) -> list[list[_GroupState]]:
+def checked_states(ckpt: LoadedCheckpoint) -> list[list[_GroupState]]:
     if ckpt.stage == 0:
         raise UnsupportedCheckpointError(
             "optimizer states are read from ZeRO stage 1-3 checkpoints; this is stage 0, whose optimizer state "
@@ -138,7 +138,7 @@ def available_keys(ckpt: LoadedCheckpoint) -> list[str]:
     """The per-element states every rank keeps for every flat group, e.g. ``["exp_avg", "exp_avg_sq"]``."""
     if ckpt.universal is not None:
         return universal.state_keys(ckpt)
-    per_rank = [per_element_keys(groups) for groups in _checked_states(ckpt)]
+    per_rank = [per_element_keys(groups) for groups in checked_states(ckpt)]
     return [k for k in per_rank[0] if all(k in keys for keys in per_rank)] if per_rank else []
 
 
@@ -152,7 +152,7 @@ def per_element_keys(states: list[_GroupState]) -> list[str]:
     return found or []
 
 
-def _state_flat_groups(ckpt: LoadedCheckpoint, states: list[list[_GroupState]], key: str) -> FlatGroups:
+def state_flat_groups(ckpt: LoadedCheckpoint, states: list[list[_GroupState]], key: str) -> FlatGroups:
     masters = master_flat_groups(ckpt)
     last = ckpt.last_ranks
     out: FlatGroups = []
@@ -195,7 +195,7 @@ def scalar_states(ckpt: LoadedCheckpoint) -> dict:
     """
     if ckpt.universal is not None:
         return _universal_scalar_states(ckpt)
-    states = _checked_states(ckpt)
+    states = checked_states(ckpt)
     table = SourceTable()
     masters = master_flat_groups(ckpt)
     entries = partitioned_entries(ckpt, table, masters, "flat fp32 groups")

@@ -42,10 +42,10 @@ from ...load.stand_ins import DeepSpeedRecord
 from ...plan import FROZEN, keys, SourceTable, TensorPlan, build_plan
 from ...plan.layouts import master_flat_groups, partitioned_entries
 from ...plan.model import tensor_identity
-from ...plan.optimizer import _checked_states, _state_flat_groups, available_keys, group_states
+from ...plan.optimizer import checked_states, state_flat_groups, available_keys, group_states
 from .. import ds_pickle
-from ..outdir import _write_marker, os_error, output_dir, write_text
-from ..run import _ALONE
+from ..outdir import write_marker, os_error, output_dir, write_text
+from ..run import ALONE
 from ..torch_stream import Skeleton, write_torch_file
 
 if TYPE_CHECKING:
@@ -77,12 +77,12 @@ def reshard(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size:
     """
     if type(world_size) is not int or world_size < 1:
         raise ReshardError(f"expected a world size (an int >= 1), got {world_size!r}")
-    team = team or _ALONE
+    team = team or ALONE
     out = Path(out_dir)
     with team.step("reading the checkpoint", out):
         files = discover(ckpt_dir, tag)
         ckpt = load_checkpoint(files)
-        source = _Source.read(ckpt)
+        source = Source.read(ckpt)
         writer = _LAYOUTS[ckpt.stage](source, world_size)
     with team.output_dir(out, overwrite) as (tmp, previous):
         def produce():
@@ -132,7 +132,7 @@ def commit_tree(out_dir: Path, tmp: Path, names: list[str], previous: list[str])
     after the tag folder it names), after removing what they replace and what the previous run
     wrote (``latest`` first, so it never names a folder that is gone). The export's marker claims
     every name first, so a rerun after an interruption recognizes them as zerofast's."""
-    _write_marker(out_dir, tmp, sorted(set(previous) | set(names)))
+    write_marker(out_dir, tmp, sorted(set(previous) | set(names)))
     try:
         for name in sorted(set(previous) | set(names), key=lambda n: n != "latest"):
             path = out_dir / name
@@ -145,14 +145,14 @@ def commit_tree(out_dir: Path, tmp: Path, names: list[str], previous: list[str])
     except OSError as e:
         raise ExportError(f"stopped while moving the new files into place: {os_error(e)}; run it again",
                           out_dir) from e
-    _write_marker(out_dir, tmp, names)
+    write_marker(out_dir, tmp, names)
 
 
 # ---------------------------------------------------------------------------------------------
 # The source: every tensor the output needs, as plans over one source table.
 
 @dataclass
-class _Source:
+class Source:
     ckpt: LoadedCheckpoint
     table: SourceTable
     executor: Executor
@@ -162,14 +162,14 @@ class _Source:
     copies: dict[tuple, torch.Tensor]
 
     @classmethod
-    def read(cls, ckpt: LoadedCheckpoint) -> "_Source":
+    def read(cls, ckpt: LoadedCheckpoint) -> "Source":
         table = SourceTable()
         masters, moments, frozen = {}, {}, {}
         if ckpt.stage:
             _check_optimizer(ckpt)
             masters = _plans(partitioned_entries(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups"))
-            states = _checked_states(ckpt)
-            moments = {key: _plans(partitioned_entries(ckpt, table, _state_flat_groups(ckpt, states, key),
+            states = checked_states(ckpt)
+            moments = {key: _plans(partitioned_entries(ckpt, table, state_flat_groups(ckpt, states, key),
                                                        f"'{key}' groups"))
                        for key in available_keys(ckpt)}
             plan = build_plan(ckpt, table, None)
@@ -255,7 +255,7 @@ def _ds_config(cfg: Any, world: int) -> Any:
     return out
 
 
-def _replaced(raw: dict, source: _Source, file: Path, skeleton: Skeleton, world: int, new: dict | None = None) -> dict:
+def _replaced(raw: dict, source: Source, file: Path, skeleton: Skeleton, world: int, new: dict | None = None) -> dict:
     """A copy of a file's top-level dict with ``new`` values (same key order), world size updated."""
     out, new = {}, new or {}
     for key, value in raw.items():
@@ -276,7 +276,7 @@ def _replaced(raw: dict, source: _Source, file: Path, skeleton: Skeleton, world:
 class _Stage0:
     """Every rank holds everything: one model-states file, only its world size changes."""
 
-    def __init__(self, source: _Source, world: int):
+    def __init__(self, source: Source, world: int):
         self.source, self.world = source, world
 
     def files(self):
@@ -286,7 +286,7 @@ class _Stage0:
 
 
 class _Zero12:
-    def __init__(self, source: _Source, world: int):
+    def __init__(self, source: Source, world: int):
         self.source, self.world = source, world
         ckpt = source.ckpt
         self.first = ckpt.optim_states[0]
@@ -386,7 +386,7 @@ class _Zero12:
 
 
 class _Zero3:
-    def __init__(self, source: _Source, world: int):
+    def __init__(self, source: Source, world: int):
         self.source, self.world = source, world
         ckpt = source.ckpt
         first = ckpt.optim_states[0]

@@ -29,15 +29,15 @@ import torch
 from ...discover import discover
 from ...errors import ExportError, UnsupportedCheckpointError
 from ...load import ModelStates, load_checkpoint
-from ...load.checkpoint import _model_states
+from ...load.checkpoint import read_model_states
 from ...plan import keys
 from ...plan import BUFFER, FROZEN, TensorPlan, build_plan
 from ...plan.optimizer import group_states
 from .. import ds_pickle
 from ..outdir import os_error, output_dir
-from ..run import _ALONE
+from ..run import ALONE
 from ..torch_stream import Skeleton
-from .reshard import _Source, commit_tree, concat, write_shared
+from .reshard import Source, commit_tree, concat, write_shared
 
 if TYPE_CHECKING:
     from ..distributed import Team
@@ -51,7 +51,7 @@ def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag
     """Write the ZeRO stage 1-3 checkpoint at ``ckpt_dir`` as a universal checkpoint in ``out_dir``
     (a tag folder: ``latest_universal`` in its parent names it). Returns ``out_dir``. ``team``:
     the ranks sharing the files (``zerofast.export.distributed``); None writes them all."""
-    team = team or _ALONE
+    team = team or ALONE
     out = Path(out_dir)
     with team.step("reading the checkpoint", out):
         files = discover(ckpt_dir, tag)
@@ -60,7 +60,7 @@ def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag
             raise UnsupportedCheckpointError(
                 "universal checkpoints are made from ZeRO stage 1-3 saves; this is stage 0, which every world "
                 "size already loads", ckpt.meta.path)
-        source = _Source.read(ckpt)
+        source = Source.read(ckpt)
     with team.output_dir(out, overwrite) as (tmp, previous):
         write_shared(team, out, tmp, files.tag, lambda: _files(source), source.executor)
         with team.step("committing", out):
@@ -73,7 +73,7 @@ def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag
     return out
 
 
-def _files(source: _Source):
+def _files(source: Source):
     """(path under the output folder, object, skeleton) of every file under ``zero/``."""
     yield "zero/optimizer_state.pt", *_optimizer_state(source)
     for name, items in _param_files(source):
@@ -90,7 +90,7 @@ def _write_latest(out: Path) -> None:
         raise ExportError(f"cannot write {LATEST}: {os_error(e)}", out.parent / LATEST) from e
 
 
-def _optimizer_state(source: _Source) -> tuple[dict, Skeleton]:
+def _optimizer_state(source: Source) -> tuple[dict, Skeleton]:
     """What DeepSpeed's universal loader reads besides the parameters: loss scaling, clipping, the
     version, the step (stage 3) and the param groups; none of the partitioned tensors."""
     first = source.ckpt.optim_states[0]
@@ -113,13 +113,13 @@ def _optimizer_state(source: _Source) -> tuple[dict, Skeleton]:
     return out, sk
 
 
-def _global(source: _Source, first, key, value, sk: Skeleton):
+def _global(source: Source, first, key, value, sk: Skeleton):
     if key == keys.ZERO_STAGE:
         return ds_pickle.ZeroStageEnum(int(value))
     return source.copy(value, first.path, str(key), sk)
 
 
-def _param_files(source: _Source):
+def _param_files(source: Source):
     """(folder name, [(file stem, object, skeleton)]) per parameter, frozen param and buffer."""
     ckpt = source.ckpt
     stage3 = ckpt.stage == 3
@@ -145,13 +145,13 @@ def _param_obj(tp: TensorPlan, sk: Skeleton, flat: bool):
     return {"param": sk.tensor(tp), "cat_dim": 0}
 
 
-def _module_entries(source: _Source) -> dict[str, TensorPlan]:
+def _module_entries(source: Source) -> dict[str, TensorPlan]:
     """Frozen params and buffers, each whole, in the dtype the checkpoint holds them."""
     plan = build_plan(source.ckpt, source.table, None)
     return {n: tp for n, tp in plan.tensors.items() if tp.kind in (FROZEN, BUFFER)}
 
 
-def _steps(source: _Source) -> dict[str, tuple[Path, torch.Tensor]]:
+def _steps(source: Source) -> dict[str, tuple[Path, torch.Tensor]]:
     """Each trainable parameter's scalar ``step``, from the flat group that holds it on rank 0."""
     ckpt = source.ckpt
     first = ckpt.optim_states[0]
@@ -197,5 +197,5 @@ def universal_module_state(universal_dir: str | os.PathLike) -> "OrderedDict[str
 def _meta(folder: Path) -> ModelStates:
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         if (folder / name).is_file():
-            return _model_states(folder / name)
+            return read_model_states(folder / name)
     raise UnsupportedCheckpointError("expected the model-states file of a universal checkpoint", folder)

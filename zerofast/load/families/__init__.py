@@ -20,7 +20,7 @@ import torch
 
 from ...discover import CheckpointFiles
 from ...errors import InconsistentCheckpointError
-from ..checkpoint import LoadedCheckpoint, ModelStates, _check_flat_groups
+from ..checkpoint import LoadedCheckpoint, ModelStates, check_flat_groups
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def merged_meta(first: ModelStates, stored: dict[str, Stored], buffers, aliases,
 def check_partitions(ckpt: FamilyCheckpoint) -> None:
     """Each partition's ranks must hold equal parts of its flat buffer, as in a dense save."""
     for p in ckpt.partitions:
-        _check_flat_groups(ckpt.stage, [narrow_group(ckpt.optim_states[r], p.group) for r in p.ranks])
+        check_flat_groups(ckpt.stage, [narrow_group(ckpt.optim_states[r], p.group) for r in p.ranks])
 
 
 def narrow_group(o, group: int):

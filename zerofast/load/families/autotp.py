@@ -23,7 +23,7 @@ import re
 from ...discover import CheckpointFiles
 from ...errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedCheckpointError, short_repr
 from ...plan import keys as K
-from ..checkpoint import _check_flat_groups, _model_states, _optim_states, _stage, load_file
+from ..checkpoint import check_flat_groups, read_model_states, read_optim_states, settle_stage, load_file
 from . import FamilyCheckpoint, Stored
 
 
@@ -32,9 +32,9 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
     _refuse_pipeline_without_layers(files)
     if files.incomplete:
         raise IncompleteCheckpointError(files.incomplete, files.tag_dir)
-    models = [_model_states(p) for p in files.model_files]
-    optims = [_optim_states(p) for p in files.optim_files]
-    stage = _stage(files, models, optims)
+    models = [read_model_states(p) for p in files.model_files]
+    optims = [read_optim_states(p) for p in files.optim_files]
+    stage = settle_stage(files, models, optims)
     if stage == 0:
         raise UnsupportedCheckpointError("tensor-parallel checkpoints without ZeRO are not supported", files.tag_dir)
     dp = len(optims) // T
@@ -55,7 +55,7 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
     _check_frozen(ckpt, metas, maps)
     if stage != 3:
         for t in range(T):
-            _check_flat_groups(stage, [optims[d * T + t] for d in range(dp)])
+            check_flat_groups(stage, [optims[d * T + t] for d in range(dp)])
     return ckpt
 
 

@@ -24,8 +24,8 @@ from ...discover import MOE_EXPERT, CheckpointFiles
 from ...errors import CorruptCheckpointError, InconsistentCheckpointError
 from ...plan import keys as K
 from ...plan.model import tensor_identity
-from ..checkpoint import (_expect_dict, _expect_int, _expect_list, _expect_mapping, _model_states, _optim_states, _stage,
-                          _world_size, load_file)
+from ..checkpoint import (expect_dict, expect_int, expect_list, expect_mapping, read_model_states, read_optim_states, settle_stage,
+                          settle_world_size, load_file)
 from . import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
 
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
@@ -33,13 +33,13 @@ EXPERT_NAME = re.compile(r"^(.*" + re.escape(EXPERTS) + r")(\d+)(\..+)$")
 
 
 def load(files: CheckpointFiles) -> FamilyCheckpoint:
-    first = _model_states(files.model_files[0])
+    first = read_model_states(files.model_files[0])
     zero_off = bool(files.optim_files) and files.optim_files[0].name.startswith("expp_rank_")
-    optims = [] if zero_off else [_optim_states(p, group_counts=True) for p in files.optim_files]
-    stage = _stage(files, [first], optims)
-    world = _world_size(files, stage, [first], optims)
-    num_experts = [_expect_int(first.path, n, "each 'num_experts' entry", 1)
-                   for n in _expect_list(first.path, first.raw.get(K.NUM_EXPERTS), "'num_experts'")]
+    optims = [] if zero_off else [read_optim_states(p, group_counts=True) for p in files.optim_files]
+    stage = settle_stage(files, [first], optims)
+    world = settle_world_size(files, stage, [first], optims)
+    num_experts = [expect_int(first.path, n, "each 'num_experts' entry", 1)
+                   for n in expect_list(first.path, first.raw.get(K.NUM_EXPERTS), "'num_experts'")]
     layers = _expert_layers(files, num_experts)
     stored = _module_with_experts(first, layers)
     ckpt = FamilyCheckpoint(files, stage, world, [first], optims, family="moe", stored=stored,
@@ -62,7 +62,7 @@ def _expert_layers(files: CheckpointFiles, num_experts: list[int]) -> dict[str, 
     for path in files.expert_files:
         m = MOE_EXPERT.match(path.name)
         layer, expert = int(m.group(1)), int(m.group(2))
-        tensors = _expect_mapping(path, _expect_dict(path, load_file(path), "an expert file"), "an expert file",
+        tensors = expect_mapping(path, expect_dict(path, load_file(path), "an expert file"), "an expert file",
                                   torch.Tensor, "tensors")
         by_layer.setdefault(layer, []).append((expert, path, tensors))
     if sorted(by_layer) != list(range(len(num_experts))):

@@ -24,19 +24,19 @@ import torch
 from ...discover import PIPE_LAYER, CheckpointFiles
 from ...errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ...plan import keys as K
-from ..checkpoint import _expect_dict, _expect_mapping, _model_states, _optim_states, _stage, load_file
+from ..checkpoint import expect_dict, expect_mapping, read_model_states, read_optim_states, settle_stage, load_file
 from . import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
 
 TIED = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
 
 
 def load(files: CheckpointFiles) -> FamilyCheckpoint:
-    stages = [_model_states(p, module_optional=True) for p in files.model_files]
+    stages = [read_model_states(p, module_optional=True) for p in files.model_files]
     P = len(stages)
     for ms in stages:
         _check_degree(ms, P)
-    optims = [_optim_states(p) for p in files.optim_files]
-    stage = _stage(files, stages, optims)
+    optims = [read_optim_states(p) for p in files.optim_files]
+    stage = settle_stage(files, stages, optims)
     dp = len(optims) // P if optims else int(stages[0].dp_world_size or 1)
     _check_partition_counts(optims, dp)
     known = _known_names(stages)
@@ -92,7 +92,7 @@ def _layer_tensors(files: CheckpointFiles, known) -> tuple[dict[str, Stored], di
     tied_at: dict[str, int] = {}
     for path in files.layer_files:
         index = int(PIPE_LAYER.match(path.name).group(1))
-        tensors = _expect_mapping(path, _expect_dict(path, load_file(path), "a layer file"), "a layer file",
+        tensors = expect_mapping(path, expect_dict(path, load_file(path), "a layer file"), "a layer file",
                                   torch.Tensor, "tensors")
         prefix = _layer_prefix(path, index, tensors, known)
         key = TIED.match(prefix + "x")

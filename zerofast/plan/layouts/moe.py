@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ...load import LoadedCheckpoint, load_file
-from ...load.checkpoint import _expect_dict
+from ...load.checkpoint import expect_dict
 from ...load.families import FamilyCheckpoint
 from ...load.families.moe import EXPERT_NAME
 from ..model import Entry, SourceTable
@@ -26,7 +26,7 @@ def stage0_masters(ckpt: FamilyCheckpoint, table: SourceTable) -> dict[str, Entr
     dense = {n: s.tensor for n, s in ckpt.stored.items() if not EXPERT_NAME.match(n)}
     ep = ckpt.parallelism["ep"]
     for e, path in enumerate(ckpt.files.optim_files):
-        raw = _expect_dict(path, load_file(path), "an expp_rank optimizer file")
+        raw = expect_dict(path, load_file(path), "an expp_rank optimizer file")
         mine = dict(dense)
         for experts, n in ckpt.extra["experts"].values():
             mine.update(t for expert, _, tensors in experts if expert // (n // ep) == e for t in tensors.items())
