@@ -333,12 +333,13 @@ def test_marker_that_cannot_shrink_does_not_fail_a_complete_export(ref, tmp_path
 
 _KILLED = textwrap.dedent("""
     import os, signal, sys, threading, time
+    from zerofast.export import windows
     from zerofast.export.formats import safetensors as write_shards
     from zerofast.export import export
 
     ckpt, out, fmt, shard, mode, value = sys.argv[1:7]
     value = float(value)
-    write_shards._WINDOW_BYTES = write_shards._BATCH_BYTES = 1 << 20  # many progress reports: kills by bytes land inside files
+    windows.WINDOW_BYTES = write_shards._BATCH_BYTES = 1 << 20  # many progress reports: kills by bytes land inside files
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)

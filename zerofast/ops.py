@@ -58,9 +58,14 @@ def _fake_registered() -> bool:
 
 
 def _register_fake() -> None:
-    # The op only writes into `out`, so its fake kernel has nothing to compute; having one lets
-    # FakeTensor tracing (torch.compile, torch.library.opcheck) pass through the op.
+    # These ops only write into their outputs (or a file), so their fake kernels have nothing to
+    # compute; having them lets FakeTensor tracing (torch.compile, opcheck) pass through them.
     torch.library.register_fake("zerofast::gather_cast")(lambda sources, segments, out, stream_sources=False: None)
+    torch.library.register_fake("zerofast::read_cast")(lambda sources, fds, offsets, segments, outs: None)
+    torch.library.register_fake("zerofast::read_cast_to_file")(
+        lambda sources, fds, offsets, segments, out_fd, out_offsets, out_numels, out_dtype: None)
+    # read_cast_new has none: its output shapes are the values of its `dims` tensor, data that a
+    # fake tensor does not carry.
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -24,8 +24,8 @@ from ..errors import ExportError
 from ..execute import Executor
 from ..plan import TensorPlan
 from . import ds_pickle
-from .formats.safetensors import _fill, _pieces, _windows
 from .outdir import writing
+from .windows import write_windows
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
 _MAPPED_FROM = 1 << 20
@@ -86,8 +86,7 @@ def write_torch_file(path: Path, obj: Any, skeleton: Skeleton, executor: Executo
             placed.append((tp, offset))
         placed.sort(key=lambda p: p[1])
         with open(path, "r+b") as f:
-            for start, end, batch in _windows(_pieces(placed, 0)):
-                _fill(f.fileno(), start, end, batch, executor)
+            write_windows(f.fileno(), placed, 0, executor)
 
 
 def _entry_offsets(path: Path) -> dict[str, tuple[int, int]]:

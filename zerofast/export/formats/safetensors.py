@@ -2,18 +2,17 @@
 the executor's batch reader writes each tensor at its offset straight from the checkpoint files
 (``copy_file_range``, or ``pwrite`` with the cast fused; see ``zerofast.execute.read_batch``).
 Executors without one (a GPU computing) fill a memory-mapped window of the file instead, one
-window (``_WINDOW_BYTES``) at a time. The data is written once, and memory stays flat whatever
+window (``windows.WINDOW_BYTES``) at a time. The data is written once, and memory stays flat whatever
 the model size.
 """
 from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -23,9 +22,9 @@ from ...execute import Executor
 from ...plan.model import TensorPlan
 from ..outdir import writing
 from ..shards import ShardFile
+from ..windows import write_windows
 from . import TIED_KEY, Advance, WeightFormat
 
-_WINDOW_BYTES = 64 << 20
 _BATCH_BYTES = 256 << 20
 
 
@@ -72,9 +71,7 @@ def write(path: Path, file: ShardFile, metadata: dict[str, str] | None, executor
                 executor.batch.write(f.fileno(), batch)
                 advance(sum(tp.nbytes for tp, _ in batch))
             return
-        for start, end, batch in _windows(_pieces(placed, len(head))):
-            _fill(f.fileno(), start, end, batch, executor)
-            advance(end - start)
+        write_windows(f.fileno(), placed, len(head), executor, advance)
 
 
 def _reserve(fd: int, size: int) -> None:
@@ -104,41 +101,6 @@ def _batches(placed: Sequence[tuple[TensorPlan, int]], base: int) -> Iterator[li
             batch, size = [], 0
     if batch:
         yield batch
-
-
-def _pieces(placed: Iterable[tuple[TensorPlan, int]], base: int) -> Iterator[tuple[TensorPlan, int]]:
-    """(tensor or slice of one, file offset), each at most one window long."""
-    for tp, off in placed:
-        size = tp.out_dtype.itemsize
-        step = max(1, _WINDOW_BYTES // size)
-        for lo in range(0, tp.numel, step):
-            hi = min(tp.numel, lo + step)
-            yield (tp if hi - lo == tp.numel else tp.slice(lo, hi)), base + off + lo * size
-
-
-def _windows(pieces: Iterable[tuple[TensorPlan, int]]) -> Iterator[tuple[int, int, list[tuple[TensorPlan, int]]]]:
-    """Consecutive pieces grouped into byte ranges of at most one window."""
-    batch: list[tuple[TensorPlan, int]] = []
-    start = end = 0
-    for tp, off in pieces:
-        if batch and off + tp.nbytes - start > _WINDOW_BYTES:
-            yield start, end, batch
-            batch = []
-        if not batch:
-            start = off
-        batch.append((tp, off))
-        end = off + tp.nbytes
-    if batch:
-        yield start, end, batch
-
-
-def _fill(fd: int, start: int, end: int, batch: Sequence[tuple[TensorPlan, int]], executor: Executor) -> None:
-    base = start - start % mmap.ALLOCATIONGRANULARITY
-    # The tensor holds the only reference to the mapping, so returning unmaps it: written pages
-    # leave this process's memory and wait in the page cache for write-back.
-    window = torch.frombuffer(mmap.mmap(fd, end - base, offset=base), dtype=torch.uint8)
-    for tp, off in batch:
-        executor.run(tp, out=window[off - base:off - base + tp.nbytes].view(tp.out_dtype))
 
 
 def read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
