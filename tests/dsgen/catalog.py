@@ -201,33 +201,40 @@ def ensure_checkpoint(name: str) -> Path:
     """Return the checkpoint root for layout ``name``, generating it if it is not cached."""
     if name not in ALL_LAYOUTS:
         raise KeyError(f"unknown layout {name!r}; known: {sorted(ALL_LAYOUTS)}")
-    final = checkpoint_path(name)
-    if _complete(final):
+    return build_cached(checkpoint_path(name), _complete, lambda tmp: _run_train(ALL_LAYOUTS[name], tmp),
+                        f"generation of {name}")
+
+
+def build_cached(final: Path, complete, build, what: str) -> Path:
+    """``final`` (a cache folder named ``<stem>-<key>``), made by ``build(tmp)`` unless
+    ``complete(final)`` already holds. Every generator of the cache shares one exclusive lock,
+    which also keeps the CPUs free; the result is renamed into place only once complete, and
+    the folders of the same stem that older code made (other keys) are dropped."""
+    if complete(final):
         return final
-    root = cache_dir()
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".generate.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one generator at a time: also keeps the CPUs free
-        if _complete(final):
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if complete(final):
             return final
         # Generation only happens under this lock, so any temp folder present now was left
         # behind by a killed generator.
         for stale in root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
-            _run_train(ALL_LAYOUTS[name], tmp)
-            if not _complete(tmp):
-                raise RuntimeError(f"generation of {name} finished without latest/ground_truth.pt in {tmp}")
+            build(tmp)
+            if not complete(tmp):
+                raise RuntimeError(f"{what} finished without a complete result in {tmp}")
             if final.exists():  # an incomplete leftover
                 shutil.rmtree(final)
             os.rename(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        # Drop this layout's folders made by older code (other keys).
-        for old in root.glob(f"{name}-*"):
-            if old != final and old.is_dir() and old.name[len(name) + 1:].isalnum():
+        stem = final.name.rsplit("-", 1)[0]
+        for old in root.glob(f"{stem}-*"):
+            if old != final and old.is_dir() and old.name[len(stem) + 1:].isalnum():
                 shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -9,18 +9,16 @@ transformers and peft versions).
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.metadata
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, _free_port, cache_dir
+from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, _free_port, build_cached, cache_dir
 
 TRAIN = Path(__file__).resolve().with_name("hf_train.py")
 
@@ -83,29 +81,7 @@ def ensure_run(name: str) -> Path:
     """The output_dir of run ``name``, trained now if it is not cached."""
     if name not in HF_RUNS:
         raise KeyError(f"unknown run {name!r}; known: {sorted(HF_RUNS)}")
-    final = run_path(name)
-    if _complete(final):
-        return final
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".generate.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _complete(final):
-            return final
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            _train(HF_RUNS[name], tmp)
-            if not _complete(tmp):
-                raise RuntimeError(f"run {name} finished without ground_truth.pt in {tmp}")
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for old in root.glob(f"hf-{name}-*"):
-            if old != final and old.is_dir() and old.name[len(name) + 4:].isalnum():
-                shutil.rmtree(old, ignore_errors=True)
-    return final
+    return build_cached(run_path(name), _complete, lambda tmp: _train(HF_RUNS[name], tmp), f"run {name}")
 
 
 def main(argv=None) -> int:

@@ -13,15 +13,14 @@ hashes the source's catalog key, this file and the DeepSpeed version.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.dsgen.catalog import LAYOUTS, REPO_ROOT, TIMEOUT_S, _ds_version, cache_dir, ensure_checkpoint, layout_key
+from tests.dsgen.catalog import (LAYOUTS, REPO_ROOT, TIMEOUT_S, _ds_version, build_cached, cache_dir, ensure_checkpoint,
+                                 layout_key)
 
 HERE = Path(__file__).resolve()
 # ZeRO-2, ZeRO-3, and stage 1 with the BF16_Optimizer (no zero_stage recorded anywhere).
@@ -61,26 +60,12 @@ def ensure_universal(name: str) -> Path:
         return final
     source = ensure_checkpoint(name)  # before the lock: it takes the same lock itself
     tag = (source / "latest").read_text().strip()
-    root = cache_dir()
-    with open(root / ".generate.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _complete(final):
-            return final
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def convert(tmp: Path) -> None:
         tmp.mkdir(parents=True)
-        try:
-            _convert(source / tag, tmp / f"{tag}_universal", LAYOUTS[name]["stage"])
-            if not _complete(tmp):
-                raise RuntimeError(f"ds_to_universal finished without latest_universal in {tmp}")
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        for old in root.glob(f"universal-{name}-*"):
-            if old != final and old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
-    return final
+        _convert(source / tag, tmp / f"{tag}_universal", LAYOUTS[name]["stage"])
+
+    return build_cached(final, _complete, convert, f"ds_to_universal of {name}")
 
 
 if __name__ == "__main__":
