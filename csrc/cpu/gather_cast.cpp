@@ -10,10 +10,13 @@
 #include <vector>
 
 #include "../gather_cast_checks.h"
+#include "cast.h"
 #include "../page_advice.h"
 
 namespace zerofast {
 namespace {
+
+using cpu::cast_piece;
 
 // One entry per source, so the per-range loop does no dtype lookups.
 struct SourceView {
@@ -30,16 +33,6 @@ std::vector<SourceView> source_views(const std::vector<at::Tensor>& sources) {
                      s.scalar_type()});
   }
   return views;
-}
-
-// Casts go through ATen's own copy kernel on borrowed memory: Tensor.to is defined by that
-// kernel, including how each CPU's vector units round and which NaN they emit, so anything
-// hand-written here could only drift from it.
-void cast_piece(const char* src, at::ScalarType src_dtype, char* dst, at::ScalarType dst_dtype, int64_t n) {
-  const auto cpu = at::TensorOptions().device(at::kCPU);
-  at::Tensor s = at::from_blob(const_cast<char*>(src), {n}, cpu.dtype(src_dtype));
-  at::Tensor d = at::from_blob(dst, {n}, cpu.dtype(dst_dtype));
-  d.copy_(s);
 }
 
 struct OutView {

@@ -30,9 +30,12 @@
 #include <vector>
 
 #include "../gather_cast_checks.h"
+#include "cast.h"
 
 namespace zerofast {
 namespace {
+
+using cpu::cast_piece;
 
 // One row of `segments`: (out index, source index, source offset, output offset, length), in
 // elements of the source and of the output.
@@ -119,15 +122,6 @@ bool copy_range(int in_fd, int64_t in_off, int out_fd, int64_t out_off, int64_t 
     nbytes -= done;
   }
   return true;
-}
-
-// Tensor.to is defined by ATen's copy kernel (how each CPU's vector units round, which NaN they
-// emit), so casts borrow it on raw memory rather than reimplementing it.
-void cast_piece(const char* src, at::ScalarType src_dtype, char* dst, at::ScalarType dst_dtype, int64_t n) {
-  const auto cpu = at::TensorOptions().device(at::kCPU);
-  at::Tensor s = at::from_blob(const_cast<char*>(src), {n}, cpu.dtype(src_dtype));
-  at::Tensor d = at::from_blob(dst, {n}, cpu.dtype(dst_dtype));
-  d.copy_(s);
 }
 
 bool env_flag(const char* name, bool fallback) {
