@@ -3,6 +3,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+
+#include <string>
 #include <c10/util/Exception.h>
 
 #include <vector>
@@ -27,6 +29,23 @@ inline void check_gather_cast_tensors(const std::vector<at::Tensor>& sources, co
   }
 }
 
+// One row of a plan (source index, source offset, output offset, length): the source exists and
+// both ranges fit. `op` names the call in the message, and `out_index` the output (-1: `out`).
+// TORCH_CHECK builds its message only on failure, so the check costs no allocation per row.
+inline void check_segment_row(const char* op, int64_t i, const std::vector<at::Tensor>& sources, int64_t src,
+                              int64_t src_off, int64_t dst_off, int64_t len, int64_t out_numel,
+                              int64_t out_index = -1) {
+  const auto nsrc = static_cast<int64_t>(sources.size());
+  TORCH_CHECK(src >= 0 && src < nsrc, op, ": `segments[", i, "]` names source ", src, " but there are ", nsrc,
+              " sources");
+  TORCH_CHECK(src_off >= 0 && dst_off >= 0 && len >= 0, op, ": `segments[", i, "]` has a negative offset or length");
+  TORCH_CHECK(len <= sources[src].numel() - src_off, op, ": `segments[", i, "]` reads [", src_off, ", ", src_off,
+              "+", len, ") past the end of `sources[", src, "]` (numel ", sources[src].numel(), ")");
+  TORCH_CHECK(len <= out_numel - dst_off, op, ": `segments[", i, "]` writes [", dst_off, ", ", dst_off, "+", len,
+              ") past the end of ", out_index < 0 ? std::string("`out`") : "output " + std::to_string(out_index),
+              " (numel ", out_numel, ")");
+}
+
 // Every range is checked before any byte moves, so a bad plan fails without touching `out`.
 inline void check_gather_cast_segments(const std::vector<at::Tensor>& sources, const at::Tensor& segments,
                                        const at::Tensor& out) {
@@ -35,18 +54,10 @@ inline void check_gather_cast_segments(const std::vector<at::Tensor>& sources, c
               "gather_cast: `segments` must be a contiguous CPU int64 tensor of shape [N, 4], got ",
               segments.scalar_type(), " ", segments.sizes(), " on ", segments.device());
   const int64_t* seg = segments.const_data_ptr<int64_t>();
-  const int64_t nsrc = static_cast<int64_t>(sources.size());
   const int64_t out_numel = out.numel();
   for (int64_t i = 0; i < segments.size(0); ++i) {
-    const int64_t src = seg[4 * i], src_off = seg[4 * i + 1], dst_off = seg[4 * i + 2], len = seg[4 * i + 3];
-    TORCH_CHECK(src >= 0 && src < nsrc, "gather_cast: `segments[", i, "]` names source ", src, " but there are ",
-                nsrc, " sources");
-    TORCH_CHECK(src_off >= 0 && dst_off >= 0 && len >= 0, "gather_cast: `segments[", i,
-                "]` has a negative offset or length");
-    TORCH_CHECK(len <= sources[src].numel() - src_off, "gather_cast: `segments[", i, "]` reads [", src_off, ", ",
-                src_off, "+", len, ") past the end of `sources[", src, "]` (numel ", sources[src].numel(), ")");
-    TORCH_CHECK(len <= out_numel - dst_off, "gather_cast: `segments[", i, "]` writes [", dst_off, ", ", dst_off,
-                "+", len, ") past the end of `out` (numel ", out_numel, ")");
+    const int64_t* r = seg + 4 * i;
+    check_segment_row("gather_cast", i, sources, r[0], r[1], r[2], r[3], out_numel);
   }
 }
 

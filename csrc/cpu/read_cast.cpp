@@ -297,21 +297,13 @@ const int64_t* check_rows(const at::Tensor& segments, const std::vector<at::Tens
               "read_cast: `segments` must be a contiguous CPU int64 tensor of shape [N, 5], got ",
               segments.scalar_type(), " ", segments.sizes(), " on ", segments.device());
   const int64_t* seg = segments.const_data_ptr<int64_t>();
-  const auto nsrc = static_cast<int64_t>(sources.size());
   const auto nout = static_cast<int64_t>(out_numel.size());
   for (int64_t i = 0; i < segments.size(0); ++i) {
     const int64_t* r = seg + kRow * i;
     const int64_t out = r[0], src = r[1], src_off = r[2], dst_off = r[3], len = r[4];
     TORCH_CHECK(out >= 0 && out < nout, "read_cast: `segments[", i, "]` names output ", out, " but there are ",
                 nout, " outputs");
-    TORCH_CHECK(src >= 0 && src < nsrc, "read_cast: `segments[", i, "]` names source ", src, " but there are ",
-                nsrc, " sources");
-    TORCH_CHECK(src_off >= 0 && dst_off >= 0 && len >= 0, "read_cast: `segments[", i,
-                "]` has a negative offset or length");
-    TORCH_CHECK(len <= sources[src].numel() - src_off, "read_cast: `segments[", i, "]` reads [", src_off, ", ",
-                src_off, "+", len, ") past the end of `sources[", src, "]` (numel ", sources[src].numel(), ")");
-    TORCH_CHECK(len <= out_numel[out] - dst_off, "read_cast: `segments[", i, "]` writes [", dst_off, ", ", dst_off,
-                "+", len, ") past the end of output ", out, " (numel ", out_numel[out], ")");
+    check_segment_row("read_cast", i, sources, src, src_off, dst_off, len, out_numel[out], out);
     check_castable(sources[src].scalar_type(), out_dtype[out], src, out);
   }
   return seg;
