@@ -127,6 +127,19 @@ def rewrite(path: Path, edit) -> None:
     save(obj, path)
 
 
+MODEL = "mp_rank_00_model_states.pt"  # the model-states file of stages 0-2
+
+
+def optim_name(rank: int, bf16: bool = True) -> str:
+    """The optimizer file of ``rank`` as DeepSpeed names it (stages 1-3)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def zero3_model_name(rank: int) -> str:
+    """The model-states file of ``rank`` at stage 3."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
 def copy_checkpoint(root: Path, dst: Path) -> tuple[Path, Path]:
     """Copy a cached checkpoint; return (root, tag folder) of the copy."""
     shutil.copytree(root, dst)

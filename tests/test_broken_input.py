@@ -18,7 +18,8 @@ import torch
 import zerofast
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
-from tests.planting import Call, ZERO_STAGE_ENUM, copy_checkpoint, member, replace_member, rewrite, run_isolated
+from tests.planting import MODEL, Call, ZERO_STAGE_ENUM, copy_checkpoint, member, replace_member, rewrite, run_isolated
+from tests.planting import optim_name as _optim, zero3_model_name as _model3
 
 pytestmark = needs_deepspeed
 
@@ -26,15 +27,6 @@ S0 = "s0_bf16_w2"
 S2 = "s2_bf16_w2_frozen_tied"
 S2W4 = "s2_fp32_w4_odd_3groups"
 S3 = "s3_bf16_w2_frozen_tied"
-MODEL = "mp_rank_00_model_states.pt"
-
-
-def _optim(rank: int, bf16: bool = True) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-
-def _model3(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 
 
 @pytest.fixture

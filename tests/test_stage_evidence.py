@@ -11,18 +11,10 @@ import zerofast
 from zerofast.cli import describe
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
-from tests.planting import copy_checkpoint, rewrite
+from tests.planting import MODEL, copy_checkpoint, rewrite
+from tests.planting import optim_name as _optim, zero3_model_name as _model3
 
 pytestmark = needs_deepspeed
-MODEL = "mp_rank_00_model_states.pt"
-
-
-def _optim(rank: int, bf16: bool = True) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-
-def _model3(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
 
 
 @pytest.fixture
