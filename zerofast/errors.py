@@ -139,6 +139,12 @@ class MissingOptimizerStateError(ZeroFastError, KeyError):
     __str__ = ZeroFastError.__str__  # KeyError's would quote the message
 
 
+class UnplacedOptimizerStateError(UnsupportedCheckpointError):
+    """A writer (reshard, to-universal, export of the optimizer states) met a partitioned
+    optimizer value that no layout rule places, and refuses it instead of copying the old
+    rank's partition through."""
+
+
 class DeviceError(ZeroFastError, RuntimeError):
     """The requested device cannot run zerofast: an unknown device type, or no CUDA GPU visible."""
 

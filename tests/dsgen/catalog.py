@@ -35,9 +35,11 @@ TRAIN = HERE / "train.py"
 MODELS = HERE / "models.py"
 FAMILY_TRAIN = HERE / "train_families.py"
 FAMILY_MODELS = HERE / "family_models.py"
+MUON_TRAIN = HERE / "train_muon.py"
 TIMEOUT_S = float(os.environ.get("ZEROFAST_DSGEN_TIMEOUT", "300"))
 
-# name -> spec. Keys: stage, world_size, dtype, n_groups, steps, model, ds_config (see train.py).
+# name -> spec. Keys: stage, world_size, dtype, n_groups, steps, model, ds_config (see train.py);
+# "optimizer": "muon" trains with DeepSpeed's Muon instead of a client AdamW (see train_muon.py).
 # Every model has embed/lm_head tying and int64 + bool + float buffers unless noted.
 LAYOUTS: dict[str, dict] = {
     # -- stage 0: no ZeRO. The masters (if any) live in the model states file. --
@@ -111,6 +113,18 @@ LAYOUTS: dict[str, dict] = {
         "ds_config": {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
                                                                     "warmup_num_steps": 10}}},
     },
+    # -- DeepSpeed's Muon (issue 25): group 0 keeps momentum_buffer (2-D params), group 1 Adam's
+    # moments. ZeRO-3 needs reduce_scatter off with Muon. --
+    "s1_bf16_w2_muon": {
+        "stage": 1, "world_size": 2, "dtype": "bf16", "n_groups": 1, "optimizer": "muon",
+    },
+    "s2_bf16_w2_muon": {
+        "stage": 2, "world_size": 2, "dtype": "bf16", "n_groups": 1, "optimizer": "muon",
+    },
+    "s3_bf16_w2_muon": {
+        "stage": 3, "world_size": 2, "dtype": "bf16", "n_groups": 1, "optimizer": "muon",
+        "ds_config": {"zero_optimization": {"reduce_scatter": False}},
+    },
     "s3_fp32_w1": {
         "stage": 3, "world_size": 1, "dtype": "fp32", "n_groups": 1,
         "model": {"empty_param": True},
@@ -125,6 +139,8 @@ def _scripts(spec: dict) -> list[Path]:
     """The generator and model files a layout's checkpoint depends on (the script first)."""
     if "family" in spec:
         return [FAMILY_TRAIN, FAMILY_MODELS, TRAIN, MODELS]
+    if spec.get("optimizer") == "muon":
+        return [MUON_TRAIN, TRAIN, MODELS]
     return [TRAIN, MODELS]
 
 

@@ -238,6 +238,8 @@ def _optimizer_layout(ckpt: LoadedCheckpoint, wanted: bool | Sequence[str], max_
     if wanted is False or (not isinstance(wanted, bool) and not wanted):
         return None
     keys = available_keys(ckpt) if wanted is True else list(wanted)
+    if wanted is True:  # all of them: none may be left behind unsaid
+        ckpt.layout.refuse_unplaced(ckpt, keys, "export --optimizer-states")
     if not keys:
         raise ExportError("optimizer_states: the optimizer keeps no per-element state in this checkpoint",
                           ckpt.files.tag_dir)

@@ -22,8 +22,10 @@ Call order, for one checkpoint (:func:`zerofast.layouts.discover` and
    parameters from per-rank flat tensors laid out like the fp32 masters: the masters
    themselves, or one per-element optimizer state. Writers call it for both.
 5. Optional, for the optimizer's state: :meth:`Layout.optimizer_keys`,
-   :meth:`Layout.optimizer_entries`, :meth:`Layout.scalar_states`. The defaults read saves whose
-   optimizer files partition every state like the masters.
+   :meth:`Layout.optimizer_entries`, :meth:`Layout.scalar_states`, and
+   :meth:`Layout.refuse_unplaced` (writers call it before copying the rest of the optimizer's
+   state through). The defaults read saves whose optimizer files partition every state like
+   the masters, each key for the flat groups that keep it.
 
 ``writable`` says whether reshard and to-universal can write the save back at another world
 size; their writers refuse the layouts that cannot.
@@ -76,6 +78,10 @@ class Layout:
 
     def scalar_states(self, ckpt: LoadedCheckpoint) -> dict:
         return optimizer.flat_scalar_states(ckpt)
+
+    def refuse_unplaced(self, ckpt: LoadedCheckpoint, placed: Sequence[str], writer: str) -> None:
+        """Raise ``UnplacedOptimizerStateError`` for a partitioned optimizer value outside ``placed``."""
+        optimizer.refuse_unplaced(ckpt, placed, writer)
 
     def __repr__(self) -> str:
         return f"<zerofast layout {self.name!r}>"

@@ -112,6 +112,9 @@ class UniversalLayout(Layout):
                     f"{available}", ckpt.state.zero_dir)
         return {key: trainable(ckpt, table, key) for key in keys}
 
+    def refuse_unplaced(self, ckpt: UniversalCheckpoint, placed, writer: str) -> None:
+        """Nothing here is partitioned: every state is a whole tensor in its own file."""
+
     def scalar_states(self, ckpt: UniversalCheckpoint) -> dict:
         states, groups = scalar_states(ckpt)
         order = optimizer.model_order(ckpt, states)

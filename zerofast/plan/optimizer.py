@@ -21,7 +21,8 @@ import torch
 
 from .. import keys as K
 from ..dtypes import out_dtype_for
-from ..errors import InconsistentCheckpointError, MissingOptimizerStateError, UnsupportedCheckpointError, short_repr
+from ..errors import (InconsistentCheckpointError, MissingOptimizerStateError, UnplacedOptimizerStateError,
+                      UnsupportedCheckpointError, short_repr)
 from ..load import LoadedCheckpoint, OptimStates
 from .builders import master_flat_groups
 from .model import FlatGroups, Plan, SourceTable, TensorPlan
@@ -38,8 +39,9 @@ def build_optimizer_plan(ckpt: LoadedCheckpoint, table: SourceTable, keys: Seque
         raise ValueError(f"expected {'one key' if not qualified else 'at least one key'}, got {list(keys)}")
     tensors: dict[str, TensorPlan] = {}
     by_key = ckpt.layout.optimizer_entries(ckpt, table, keys)
-    for name in model_order(ckpt, by_key[keys[0]]):
-        for key in keys:
+    every = {name: None for key in keys for name in by_key[key]}
+    for name in model_order(ckpt, every):
+        for key in (k for k in keys if name in by_key[k]):
             shape, stored, segs = by_key[key][name]
             out = f"{name}.{key}" if qualified else name
             tensors[out] = TensorPlan(out, shape, KIND, stored, out_dtype_for(stored, dtype), tuple(segs))
@@ -50,8 +52,7 @@ def flat_state_entries(ckpt: LoadedCheckpoint, table: SourceTable, keys: Sequenc
     """``{key: {param: entry}}`` of a save whose optimizer files partition each state like the
     masters; the layout places them as it places its masters."""
     states = checked_states(ckpt)
-    return {key: ckpt.layout.trainable_from(ckpt, table, state_flat_groups(ckpt, states, key), f"'{key}' groups")
-            for key in keys}
+    return {key: state_entries(ckpt, table, states, key) for key in keys}
 
 
 def model_order(ckpt: LoadedCheckpoint, entries: dict) -> list[str]:
@@ -126,40 +127,108 @@ def _as_dict(o: OptimStates, value: Any, where: str) -> dict:
 
 
 def available_keys(ckpt: LoadedCheckpoint) -> list[str]:
-    """The per-element states the optimizer keeps for every parameter, e.g. ``["exp_avg", "exp_avg_sq"]``."""
+    """The per-element states the optimizer keeps, each for the parameters of the groups that
+    keep it (Muon: ``momentum_buffer`` in one group, ``exp_avg``/``exp_avg_sq`` in the other)."""
     return ckpt.layout.optimizer_keys(ckpt)
 
 
 def flat_keys(ckpt: LoadedCheckpoint) -> list[str]:
-    """The per-element states every rank keeps for every flat group."""
-    per_rank = [per_element_keys(groups) for groups in checked_states(ckpt)]
-    return [k for k in per_rank[0] if all(k in keys for keys in per_rank)] if per_rank else []
+    """The per-element states kept for some flat group by every rank, in first-seen order."""
+    out: list[str] = []
+    for held in group_keys(checked_states(ckpt)):
+        out += [k for k in held if k not in out]
+    return out
+
+
+def group_keys(states: list[list[_GroupState]]) -> list[list[str]]:
+    """Per flat group, the per-element states every rank keeps for it."""
+    if not states:
+        return []
+    per_rank = [[_tensor_keys(state) for _, state in groups] for groups in states]
+    return [[k for k in keys if all(k in rank[g] for rank in per_rank)] for g, keys in enumerate(per_rank[0])]
+
+
+def _tensor_keys(state: dict) -> list[str]:
+    """Keys that hold a tensor with elements (not a scalar like ``step``)."""
+    return [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
 def per_element_keys(states: list[_GroupState]) -> list[str]:
-    """Keys that hold a tensor with elements (not a scalar like ``step``) in every group."""
-    found = None
+    """Keys that hold a tensor with elements in some group of one rank."""
+    out: list[str] = []
     for _, state in states:
-        keys = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        present = set(keys)
-        found = keys if found is None else [k for k in found if k in present]
-    return found or []
+        out += [k for k in _tensor_keys(state) if k not in out]
+    return out
 
 
-def state_flat_groups(ckpt: LoadedCheckpoint, states: list[list[_GroupState]], key: str) -> FlatGroups:
+def state_entries(ckpt: LoadedCheckpoint, table: SourceTable, states: list[list[_GroupState]],
+                  key: str) -> dict:
+    """``{param: entry}`` of ``key`` for every parameter whose flat group keeps it. A group
+    without it is stood in for by its fp32 masters, so the layout places the rest as usual;
+    the parameters read from a stand-in are dropped."""
+    held = group_keys(states)
+    if not any(key in keys for keys in held):
+        merged = {k: v for _, state in states[0] for k, v in state.items()}
+        raise _missing_key(ckpt.optim_states[0], "every flat group", merged, key, states[0])
     masters = master_flat_groups(ckpt)
+    flats, stand_ins = state_flat_groups(ckpt, states, key, held, masters)
+    entries = ckpt.layout.trainable_from(ckpt, table, flats, f"'{key}' groups")
+    dropped = {table.add(str(ckpt.optim_states[r].path), *masters[r][g]) for r, g in stand_ins}
+    return {name: e for name, e in entries.items() if not any(seg[0] in dropped for seg in e[2])}
+
+
+def state_flat_groups(ckpt: LoadedCheckpoint, states: list[list[_GroupState]], key: str,
+                      held: list[list[str]], masters: FlatGroups) -> tuple[FlatGroups, list[tuple[int, int]]]:
+    """Per rank and flat group, ``key``'s partition, or the fp32 master where the group does not
+    keep it; and the (rank, group) of those stand-ins."""
     last = ckpt.last_ranks
     out: FlatGroups = []
+    stand_ins = []
     for r, (o, groups) in enumerate(zip(ckpt.optim_states, states)):
         rank = []
         for g, (where, state) in enumerate(groups):
-            value = state.get(key)
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                raise _missing_key(o, where, state, key, groups)
+            if key not in held[g]:
+                rank.append(masters[r][g])
+                stand_ins.append((r, g))
+                continue
+            value = state[key]
             _check_length(o, f"{where}.{key}", value, masters[r][g][1], may_be_longer=ckpt.stage != 3 and r in last)
             rank.append((f"{where}.{key}", value))
         out.append(rank)
-    return out
+    return out, stand_ins
+
+
+def refuse_unplaced(ckpt: LoadedCheckpoint, placed: Sequence[str], writer: str) -> None:
+    """Raise :class:`UnplacedOptimizerStateError` for the first partitioned (per-element) value
+    ``writer`` would not place: a key outside ``placed``, one some rank keeps for a flat group
+    that another rank does not, or one not laid out like its group's fp32 partition. Copying
+    such a value through would hand every new rank the old rank's partition: a wrong answer,
+    not an error."""
+    states = checked_states(ckpt)
+    held = group_keys(states)
+    masters = master_flat_groups(ckpt)
+    for r, (o, groups) in enumerate(zip(ckpt.optim_states, states)):
+        for g, (where, state) in enumerate(groups):
+            for key in _tensor_keys(state):
+                why = _unplaced(ckpt, r, state[key], masters[r][g][1], key in placed, held[g], key)
+                if why:
+                    raise UnplacedOptimizerStateError(
+                        f"{writer} cannot place the partitioned optimizer state {where}.{key} "
+                        f"({state[key].numel()} elements): {why}; refusing rather than copying this rank's "
+                        "partition into the new files", o.path)
+
+
+def _unplaced(ckpt: LoadedCheckpoint, r: int, value: torch.Tensor, master: torch.Tensor, placed: bool,
+              held: list[str], key: str) -> str | None:
+    """Why ``value`` cannot be placed, or None when it can."""
+    if key not in held:
+        return f"not every rank keeps it for this group (kept by all: {held})"
+    if not placed:
+        return "the writer does not place this key"
+    n, m = value.numel(), master.numel()
+    if n == m or (ckpt.stage != 3 and r in ckpt.last_ranks and n > m):
+        return None
+    return f"no layout rule covers it (its fp32 partition holds {m} elements)"
 
 
 def _missing_key(o: OptimStates, where: str, state: dict, key: str, groups: list[_GroupState]) -> Exception:

@@ -43,7 +43,7 @@ from ... import keys
 from ...plan import FROZEN, SourceTable, TensorPlan, build_plan
 from ...plan.builders import master_flat_groups
 from ...plan.model import tensor_identity
-from ...plan.optimizer import checked_states, state_flat_groups, available_keys, group_states
+from ...plan.optimizer import available_keys, group_states
 from .. import ds_pickle
 from ..outdir import write_marker, os_error, output_dir, write_text
 from ..run import ALONE
@@ -163,7 +163,7 @@ class Source:
     copies: dict[tuple, torch.Tensor]
 
     @classmethod
-    def read(cls, ckpt: LoadedCheckpoint) -> "Source":
+    def read(cls, ckpt: LoadedCheckpoint, writer: str = "reshard") -> "Source":
         if not ckpt.layout.writable:
             raise UnsupportedCheckpointError(
                 f"checkpoints with {ckpt.layout.title} ({ckpt.layout.name}) cannot be written back at another world "
@@ -173,10 +173,9 @@ class Source:
         if ckpt.stage:
             _check_optimizer(ckpt)
             masters = _plans(ckpt.layout.trainable_from(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups"))
-            states = checked_states(ckpt)
-            moments = {key: _plans(ckpt.layout.trainable_from(ckpt, table, state_flat_groups(ckpt, states, key),
-                                                       f"'{key}' groups"))
-                       for key in available_keys(ckpt)}
+            placed = available_keys(ckpt)
+            ckpt.layout.refuse_unplaced(ckpt, placed, writer)
+            moments = {key: _plans(entries) for key, entries in ckpt.layout.optimizer_entries(ckpt, table, placed).items()}
             plan = build_plan(ckpt, table, None)
             frozen = {n: tp for n, tp in plan.tensors.items() if tp.kind == FROZEN}
         return cls(ckpt, table, Executor(table.tensors, streamable=table.mapped), masters, moments, frozen, {})

@@ -60,7 +60,7 @@ def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag
             raise UnsupportedCheckpointError(
                 "universal checkpoints are made from ZeRO stage 1-3 saves; this is stage 0, which every world "
                 "size already loads", ckpt.meta.path)
-        source = Source.read(ckpt)
+        source = Source.read(ckpt, "to-universal")
     with team.output_dir(out, overwrite) as (tmp, previous):
         write_shared(team, out, tmp, files.tag, lambda: _files(source), source.executor)
         with team.step("committing", out):
@@ -126,7 +126,8 @@ def _param_files(source: Source):
     steps = _steps(source)
     for name, master in source.masters.items():
         items = []
-        for key, tp in [("fp32", master)] + [(k, plans[name]) for k, plans in source.moments.items()]:
+        moments = [(k, plans[name]) for k, plans in source.moments.items() if name in plans]  # its group's keys
+        for key, tp in [("fp32", master)] + moments:
             sk = source.new_file()
             items.append((key, _param_obj(tp, sk, flat=stage3), sk))
         if name in steps:
