@@ -332,6 +332,7 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
         "parallelism": ckpt.parallelism,
         "tensors": tensors, "tied": dict(plan.aliases), "output_bytes": output,
         "frozen_excluded": plan.frozen_excluded, "absent_frozen": list(plan.absent_frozen),
+        "optimizer_groups": ckpt.layout.optimizer_groups(ckpt) if plan.stage else [],
     }
 
 
@@ -419,10 +420,21 @@ def format_report(r: dict) -> str:
         lines += ["", "frozen        absent: saved with exclude_frozen_parameters=True (as the HF Trainer saves PEFT "
                   f"models), so the frozen weights are not in this checkpoint{named}"]
     lines += ["", "tied          " + (", ".join(f"{a} -> {s}" for a, s in r["tied"].items()) or "none"), ""]
+    lines += _optimizer_lines(r.get("optimizer_groups") or [])
     lines.append(f"{'export as':<10}{'size':>12}")
     for label, nbytes in r["output_bytes"].items():
         lines.append(f"{label:<10}{human_bytes(nbytes):>12}   {nbytes:,} bytes")
     return "\n".join(lines)
+
+
+def _optimizer_lines(groups: list[dict]) -> list[str]:
+    """One line per optimizer param group with the per-element states it keeps."""
+    lines = []
+    for i, g in enumerate(groups):
+        label = f"group {i}" + (f" ({g['name']})" if g.get("name") else "")
+        count = f"{g['params']} params: " if g.get("params") is not None else ""
+        lines.append(f"{'optimizer' if i == 0 else '':<14}{label}: {count}{', '.join(g['keys']) or 'no per-element state'}")
+    return lines + ([""] if lines else [])
 
 
 def human_bytes(n: int) -> str:

@@ -113,8 +113,17 @@ LAYOUTS: dict[str, dict] = {
         "ds_config": {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
                                                                     "warmup_num_steps": 10}}},
     },
-    # -- DeepSpeed's Muon (issue 25): group 0 keeps momentum_buffer (2-D params), group 1 Adam's
-    # moments. ZeRO-3 needs reduce_scatter off with Muon. --
+    "s3_fp32_w1": {
+        "stage": 3, "world_size": 1, "dtype": "fp32", "n_groups": 1,
+        "model": {"empty_param": True},
+    },
+}
+
+
+# DeepSpeed's Muon (issue 25), trained by train_muon.py: group 0 keeps momentum_buffer (the 2-D
+# params), group 1 Adam's moments. Kept out of LAYOUTS, whose tests expect Adam's keys in every
+# group; tests/test_muon.py judges these. ZeRO-3 needs reduce_scatter off with Muon.
+MUON_LAYOUTS: dict[str, dict] = {
     "s1_bf16_w2_muon": {
         "stage": 1, "world_size": 2, "dtype": "bf16", "n_groups": 1, "optimizer": "muon",
     },
@@ -125,14 +134,9 @@ LAYOUTS: dict[str, dict] = {
         "stage": 3, "world_size": 2, "dtype": "bf16", "n_groups": 1, "optimizer": "muon",
         "ds_config": {"zero_optimization": {"reduce_scatter": False}},
     },
-    "s3_fp32_w1": {
-        "stage": 3, "world_size": 1, "dtype": "fp32", "n_groups": 1,
-        "model": {"empty_param": True},
-    },
 }
 
-
-ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS}
+ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS, **MUON_LAYOUTS}
 
 
 def _scripts(spec: dict) -> list[Path]:

@@ -9,7 +9,8 @@ The config names the optimizer (``"optimizer": {"type": "Muon"}``), so DeepSpeed
 ``MuonWithAuxAdam`` itself: it splits each param group into a Muon half (the 2-D parameters,
 per-element state ``momentum_buffer``) and an Adam half (``exp_avg``, ``exp_avg_sq``, ``step``).
 The ground truth's ``optimizer_states`` therefore lists each key for the parameters of the half
-that keeps it, and ``muon_params`` names the Muon half.
+that keeps it, ``muon_params`` names the Muon half, and ``state_dtypes`` gives the dtype the live
+optimizer holds each key in.
 
 Where the truth comes from, per key:
 - stage 3 and Adam's keys at stages 1-2: DeepSpeed's ``safe_get_full_optimizer_state``;
@@ -26,6 +27,11 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
+
+# Muon's Newton-Schulz step is torch.compile'd; compiling its CPU kernels takes minutes on a
+# loaded machine. Eager runs the same operations, in the training run and in the resume alike.
+torch._dynamo.config.disable = True
+
 import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
@@ -123,6 +129,7 @@ def ground_truth(spec: dict, engine, stage: int) -> dict:
         "trainable": trainable, "frozen": frozen, "tied": tied, "state_dict_keys": keys,
         "buffers": {n: b.detach().cpu().clone() for n, b in module.named_buffers() if n in set(keys)},
         "empty_trainable": [], "param_groups": [], "optimizer_states": states, "muon_params": muon,
+        "state_dtypes": state_dtypes(engine),
         "optimizer_step": adam_step(engine), "stage": stage, "spec": spec, "ds_version": deepspeed.__version__,
         "model_dtype": "bfloat16" if spec["dtype"] == "bf16" else "float32",
     }
@@ -153,6 +160,16 @@ def momentum_12(engine) -> dict:
                 assert torch.equal(out[id(p)], value), f"ranks disagree on the momentum of param {pid}"
             else:
                 out[id(p)] = value
+    return out
+
+
+def state_dtypes(engine) -> dict:
+    """key -> the dtype the live optimizer holds it in (Muon's momentum: bf16 in a bf16 run)."""
+    out = {}
+    for state in engine.optimizer.optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                out.setdefault(key, str(value.dtype).replace("torch.", ""))
     return out
 
 

@@ -79,6 +79,10 @@ class Layout:
     def scalar_states(self, ckpt: LoadedCheckpoint) -> dict:
         return optimizer.flat_scalar_states(ckpt)
 
+    def optimizer_groups(self, ckpt: LoadedCheckpoint) -> list[dict]:
+        """Per optimizer param group: name, flat groups, parameters and per-element state keys."""
+        return optimizer.flat_group_keys(ckpt)
+
     def refuse_unplaced(self, ckpt: LoadedCheckpoint, placed: Sequence[str], writer: str) -> None:
         """Raise ``UnplacedOptimizerStateError`` for a partitioned optimizer value outside ``placed``."""
         optimizer.refuse_unplaced(ckpt, placed, writer)

@@ -112,6 +112,10 @@ class UniversalLayout(Layout):
                     f"{available}", ckpt.state.zero_dir)
         return {key: trainable(ckpt, table, key) for key in keys}
 
+    def optimizer_groups(self, ckpt: UniversalCheckpoint) -> list[dict]:
+        """One entry: a universal folder keeps each state per parameter, not per group."""
+        return [{"name": None, "flat_groups": 0, "params": None, "keys": state_keys(ckpt)}]
+
     def refuse_unplaced(self, ckpt: UniversalCheckpoint, placed, writer: str) -> None:
         """Nothing here is partitioned: every state is a whole tensor in its own file."""
 

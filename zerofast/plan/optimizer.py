@@ -24,6 +24,7 @@ from ..dtypes import out_dtype_for
 from ..errors import (InconsistentCheckpointError, MissingOptimizerStateError, UnplacedOptimizerStateError,
                       UnsupportedCheckpointError, short_repr)
 from ..load import LoadedCheckpoint, OptimStates
+from . import whole_params
 from .builders import master_flat_groups
 from .model import FlatGroups, Plan, SourceTable, TensorPlan
 
@@ -148,6 +149,30 @@ def group_keys(states: list[list[_GroupState]]) -> list[list[str]]:
     return [[k for k in keys if all(k in rank[g] for rank in per_rank)] for g, keys in enumerate(per_rank[0])]
 
 
+def flat_group_keys(ckpt: LoadedCheckpoint) -> list[dict]:
+    """Per param group of the wrapped optimizer: its name (when it has one), how many flat
+    groups and parameters it spans, and the per-element states it keeps. Elastic saves keep
+    no param groups; then each flat group is reported on its own."""
+    states = checked_states(ckpt)
+    held = group_keys(states)
+    o = ckpt.optim_states[0]
+    field = K.inner_key(ckpt.stage)
+    inner = o.raw[K.OPTIMIZER_STATE_DICT].get(field)
+    groups = param_groups(o, inner, f"optimizer_state_dict.{field}") if isinstance(inner, dict) else \
+        [({}, [g]) for g in range(len(held))]
+    shapes = ckpt.meta.param_shapes or []
+    out, flat = [], 0
+    for group, params in groups:
+        span = range(flat, min(flat + len(params), len(held)))
+        flat += len(params)
+        keys = [k for g in span for k in held[g]]
+        name = group.get("name")
+        out.append({"name": name if isinstance(name, str) else None, "flat_groups": len(span),
+                    "params": sum(len(shapes[g]) for g in span if g < len(shapes)),
+                    "keys": list(dict.fromkeys(keys))})
+    return out
+
+
 def _tensor_keys(state: dict) -> list[str]:
     """Keys that hold a tensor with elements (not a scalar like ``step``)."""
     return [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
@@ -164,36 +189,58 @@ def per_element_keys(states: list[_GroupState]) -> list[str]:
 def state_entries(ckpt: LoadedCheckpoint, table: SourceTable, states: list[list[_GroupState]],
                   key: str) -> dict:
     """``{param: entry}`` of ``key`` for every parameter whose flat group keeps it. A group
-    without it is stood in for by its fp32 masters, so the layout places the rest as usual;
-    the parameters read from a stand-in are dropped."""
+    without it, or with it laid out over whole parameters (:mod:`.whole_params`), is stood in
+    for by its fp32 masters so the layout places the rest as usual; the parameters read from a
+    stand-in are dropped, and those of whole-parameter groups read on their own."""
     held = group_keys(states)
     if not any(key in keys for keys in held):
         merged = {k: v for _, state in states[0] for k, v in state.items()}
         raise _missing_key(ckpt.optim_states[0], "every flat group", merged, key, states[0])
     masters = master_flat_groups(ckpt)
-    flats, stand_ins = state_flat_groups(ckpt, states, key, held, masters)
-    entries = ckpt.layout.trainable_from(ckpt, table, flats, f"'{key}' groups")
+    raw = raw_flats(states, key, held, masters)
+    whole = whole_params.whole_groups(ckpt, raw, masters, [g for g, keys in enumerate(held) if key in keys])
+    flats, stand_ins = state_flat_groups(ckpt, raw, key, held, masters, whole)
+    found = ckpt.layout.trainable_from(ckpt, table, flats, f"'{key}' groups")
     dropped = {table.add(str(ckpt.optim_states[r].path), *masters[r][g]) for r, g in stand_ins}
-    return {name: e for name, e in entries.items() if not any(seg[0] in dropped for seg in e[2])}
+    out = {name: e for name, e in found.items() if not any(seg[0] in dropped for seg in e[2])}
+    for g in sorted(whole):
+        out.update(whole_params.entries(ckpt, table, raw, masters, g))
+    return out
 
 
-def state_flat_groups(ckpt: LoadedCheckpoint, states: list[list[_GroupState]], key: str,
-                      held: list[list[str]], masters: FlatGroups) -> tuple[FlatGroups, list[tuple[int, int]]]:
-    """Per rank and flat group, ``key``'s partition, or the fp32 master where the group does not
-    keep it; and the (rank, group) of those stand-ins."""
+def whole_state_groups(ckpt: LoadedCheckpoint, key: str) -> set[int]:
+    """The flat groups whose ``key`` is laid out over whole parameters (Muon's momentum, ZeRO 1-2)."""
+    states = checked_states(ckpt)
+    held = group_keys(states)
+    masters = master_flat_groups(ckpt)
+    return whole_params.whole_groups(ckpt, raw_flats(states, key, held, masters), masters,
+                                     [g for g, keys in enumerate(held) if key in keys])
+
+
+def raw_flats(states: list[list[_GroupState]], key: str, held: list[list[str]], masters: FlatGroups) -> FlatGroups:
+    """Per rank and flat group, ``key``'s tensor as stored, or the fp32 master where the group
+    does not keep it."""
+    return [[(f"{where}.{key}", state[key]) if key in held[g] else masters[r][g]
+             for g, (where, state) in enumerate(groups)] for r, groups in enumerate(states)]
+
+
+def state_flat_groups(ckpt: LoadedCheckpoint, raw: FlatGroups, key: str, held: list[list[str]],
+                      masters: FlatGroups, whole: set[int]) -> tuple[FlatGroups, list[tuple[int, int]]]:
+    """``raw`` checked to be laid out like the fp32 partitions, with the groups that do not keep
+    ``key`` or keep it over whole parameters stood in for by the masters; and the (rank, group)
+    of those stand-ins."""
     last = ckpt.last_ranks
     out: FlatGroups = []
     stand_ins = []
-    for r, (o, groups) in enumerate(zip(ckpt.optim_states, states)):
+    for r, (o, groups) in enumerate(zip(ckpt.optim_states, raw)):
         rank = []
-        for g, (where, state) in enumerate(groups):
-            if key not in held[g]:
+        for g, (where, value) in enumerate(groups):
+            if key not in held[g] or g in whole:
                 rank.append(masters[r][g])
                 stand_ins.append((r, g))
                 continue
-            value = state[key]
-            _check_length(o, f"{where}.{key}", value, masters[r][g][1], may_be_longer=ckpt.stage != 3 and r in last)
-            rank.append((f"{where}.{key}", value))
+            _check_length(o, where, value, masters[r][g][1], may_be_longer=ckpt.stage != 3 and r in last)
+            rank.append((where, value))
         out.append(rank)
     return out, stand_ins
 
@@ -201,17 +248,18 @@ def state_flat_groups(ckpt: LoadedCheckpoint, states: list[list[_GroupState]], k
 def refuse_unplaced(ckpt: LoadedCheckpoint, placed: Sequence[str], writer: str) -> None:
     """Raise :class:`UnplacedOptimizerStateError` for the first partitioned (per-element) value
     ``writer`` would not place: a key outside ``placed``, one some rank keeps for a flat group
-    that another rank does not, or one not laid out like its group's fp32 partition. Copying
-    such a value through would hand every new rank the old rank's partition: a wrong answer,
-    not an error."""
+    that another rank does not, or one laid out neither like its group's fp32 partition nor over
+    whole parameters. Copying such a value through would hand every new rank the old rank's
+    partition: a wrong answer, not an error."""
     states = checked_states(ckpt)
     held = group_keys(states)
     masters = master_flat_groups(ckpt)
+    whole = {key: whole_state_groups(ckpt, key) for key in flat_keys(ckpt)}
     for r, (o, groups) in enumerate(zip(ckpt.optim_states, states)):
         for g, (where, state) in enumerate(groups):
             for key in _tensor_keys(state):
                 why = _unplaced(ckpt, r, state[key], masters[r][g][1], key in placed, held[g], key)
-                if why:
+                if why and not (key in placed and g in whole.get(key, ())):
                     raise UnplacedOptimizerStateError(
                         f"{writer} cannot place the partitioned optimizer state {where}.{key} "
                         f"({state[key].numel()} elements): {why}; refusing rather than copying this rank's "
@@ -220,7 +268,7 @@ def refuse_unplaced(ckpt: LoadedCheckpoint, placed: Sequence[str], writer: str) 
 
 def _unplaced(ckpt: LoadedCheckpoint, r: int, value: torch.Tensor, master: torch.Tensor, placed: bool,
               held: list[str], key: str) -> str | None:
-    """Why ``value`` cannot be placed, or None when it can."""
+    """Why ``value`` cannot be placed like the fp32 partition, or None when it can."""
     if key not in held:
         return f"not every rank keeps it for this group (kept by all: {held})"
     if not placed:

@@ -43,7 +43,7 @@ from ... import keys
 from ...plan import FROZEN, SourceTable, TensorPlan, build_plan
 from ...plan.builders import master_flat_groups
 from ...plan.model import tensor_identity
-from ...plan.optimizer import available_keys, group_states
+from ...plan.optimizer import available_keys, group_states, whole_state_groups
 from .. import ds_pickle
 from ..outdir import write_marker, os_error, output_dir, write_text
 from ..run import ALONE
@@ -161,6 +161,7 @@ class Source:
     moments: dict[str, dict[str, TensorPlan]]  # per-element optimizer key -> name -> full state
     frozen: dict[str, TensorPlan]  # frozen name -> full value in the model dtype
     copies: dict[tuple, torch.Tensor]
+    whole: dict[str, set[int]]  # key -> flat groups keeping it over whole parameters (Muon, ZeRO 1-2)
 
     @classmethod
     def read(cls, ckpt: LoadedCheckpoint, writer: str = "reshard") -> "Source":
@@ -169,16 +170,17 @@ class Source:
                 f"checkpoints with {ckpt.layout.title} ({ckpt.layout.name}) cannot be written back at another world "
                 "size yet; plain data-parallel ZeRO 0-3 saves can", ckpt.files.tag_dir)
         table = SourceTable()
-        masters, moments, frozen = {}, {}, {}
+        masters, moments, frozen, whole = {}, {}, {}, {}
         if ckpt.stage:
             _check_optimizer(ckpt)
             masters = _plans(ckpt.layout.trainable_from(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups"))
             placed = available_keys(ckpt)
             ckpt.layout.refuse_unplaced(ckpt, placed, writer)
             moments = {key: _plans(entries) for key, entries in ckpt.layout.optimizer_entries(ckpt, table, placed).items()}
+            whole = {key: whole_state_groups(ckpt, key) for key in placed}
             plan = build_plan(ckpt, table, None)
             frozen = {n: tp for n, tp in plan.tensors.items() if tp.kind == FROZEN}
-        return cls(ckpt, table, Executor(table.tensors, streamable=table.mapped), masters, moments, frozen, {})
+        return cls(ckpt, table, Executor(table.tensors, streamable=table.mapped), masters, moments, frozen, {}, whole)
 
     def copy(self, value: Any, file: Path, where: str, skeleton: Skeleton) -> Any:
         """``value`` from a loaded pickle, made writable: tensors become placeholders filled from
@@ -336,6 +338,18 @@ class _Zero12:
             offset += n + pad
         return concat(f"{what}[{g}] of rank {r}", length, _dtype(plans), pieces)
 
+    def _whole(self, plans: dict[str, TensorPlan], g: int, r: int, what: str) -> TensorPlan:
+        """A state laid out over the whole parameters touching rank r's partition (Muon's
+        momentum, see plan/whole_params.py), back to back without padding."""
+        start, end, offset, pieces, length = r * self.sizes[g], (r + 1) * self.sizes[g], 0, [], 0
+        for (name, shape), pad in zip(self.groups[g], self.pads[g]):
+            n = math.prod(shape)
+            if n and offset < end and offset + n > start:
+                pieces.append((plans[name], 0, n, length))
+                length += n
+            offset += n + pad
+        return concat(f"{what}[{g}] of rank {r}", length, _dtype(plans), pieces)
+
     def _mappings(self, g: int, r: int) -> OrderedDict:
         start, end, offset, out = r * self.sizes[g], (r + 1) * self.sizes[g], 0, OrderedDict()
         for (name, shape), pad in zip(self.groups[g], self.pads[g]):
@@ -376,7 +390,9 @@ class _Zero12:
             entry = {}
             for key, value in group_state.items():
                 if key in self.source.moments:
-                    entry[key] = sk.tensor(self._part(self.source.moments[key], g, r, self.sizes[g], key))
+                    plans = self.source.moments[key]
+                    entry[key] = sk.tensor(self._whole(plans, g, r, key) if g in self.source.whole.get(key, ())
+                                           else self._part(plans, g, r, self.sizes[g], key))
                 else:
                     entry[key] = self.source.copy(value, src.path, f"{where}.{key}", sk)
             state[g] = entry
