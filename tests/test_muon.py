@@ -4,8 +4,9 @@ Real saves from tests/dsgen/train_muon.py (world 2, bf16, frozen params, a tied 
 (Muon, the 2-D parameters) keeps ``momentum_buffer``, group 1 (Adam) ``exp_avg``/``exp_avg_sq``.
 At ZeRO-1/2 the momentum is bf16 and laid out over the whole parameters that touch a rank's
 partition. Everything is judged against DeepSpeed's own values taken in the training run, and
-reshard / to-universal by DeepSpeed loading the result at the new world size
-(tests/dsgen/resume.py: masters, every optimizer key, steps, frozen params and buffers).
+reshard by DeepSpeed loading the result at the new world size (tests/dsgen/resume.py: masters,
+every optimizer key, steps, frozen params and buffers). to-universal refuses these saves: see
+test_to_universal_refuses_what_deepspeed_cannot_load.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 import zerofast
 from zerofast.cli import describe, main
 from zerofast.export.formats.reshard import reshard
-from zerofast.export.formats.universal import to_universal, universal_module_state
+from zerofast.export.formats.universal import to_universal
 
 from tests.conftest import needs_deepspeed
 from tests.helpers import assert_bitwise_equal, real_root, real_truth
@@ -100,9 +101,7 @@ def outputs(tmp_path_factory):
         root = real_root(layout)
         w3 = reshard(root, base / f"s{stage}_w3", 3).parent
         w1 = reshard(w3, base / f"s{stage}_w1", 1).parent  # and back down, from the rewritten one
-        universal = to_universal(root, base / f"s{stage}_universal" / "global_step3")
-        torch.save(universal_module_state(universal), base / f"s{stage}_universal" / "module_state.pt")
-        out[stage] = {"w3": w3, "w1": w1, "universal": universal.parent}
+        out[stage] = {"w3": w3, "w1": w1}
     return out
 
 
@@ -118,10 +117,22 @@ def test_reshard_keeps_every_key(outputs, stage):
 
 def test_deepspeed_resumes_the_reshards(outputs, tmp_path):
     """DeepSpeed's load_checkpoint at world 3 gives back the run's masters, every optimizer key
-    of both groups, steps, frozen params and buffers; then trains a step. The universal
-    conversions are loaded with load_universal in the same job."""
+    of both groups, steps, frozen params and buffers; then trains a step."""
     cases = [_case(layout, outputs[stage]["w3"], 3) for stage, layout in SOURCES.items()]
-    cases += [_case(layout, outputs[stage]["universal"], 3, universal=True) for stage, layout in SOURCES.items()]
     results = _resume(tmp_path, 3, cases)
     assert set(results) == {c["name"] for c in cases}
     assert {name: errors for name, errors in results.items() if errors} == {}
+
+
+@pytest.mark.parametrize("stage", sorted(SOURCES))
+def test_to_universal_refuses_what_deepspeed_cannot_load(tmp_path, stage):
+    """DeepSpeed 0.19.8's universal loader gives every parameter the same states (stage 3: Adam's
+    two, with group 0's hyperparameters for all; stages 1-2: sliced like the fp32 partition, so
+    a 1010-element momentum where Muon needs 1280). Loaded by DeepSpeed, a universal folder of a
+    Muon save fails (stage 3: KeyError 'step') or restores a momentum of the wrong length."""
+    with pytest.raises(zerofast.UnplacedOptimizerStateError, match="to-universal cannot place") as e:
+        to_universal(real_root(SOURCES[stage]), tmp_path / "u" / "global_step3")
+    assert "momentum_buffer" in str(e.value) or "exp_avg" in str(e.value)
+    assert e.value.path.endswith("optim_states.pt")
+    assert not (tmp_path / "u" / "global_step3").exists() or not [
+        p for p in (tmp_path / "u" / "global_step3").iterdir() if not p.name.startswith(".zerofast")]

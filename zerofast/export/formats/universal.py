@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...errors import ExportError, UnsupportedCheckpointError
+from ...errors import ExportError, UnplacedOptimizerStateError, UnsupportedCheckpointError
 from ...layouts import discover, load_checkpoint
 from ...load import ModelStates
 from ...load.records import read_model_states
@@ -61,6 +61,7 @@ def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag
                 "universal checkpoints are made from ZeRO stage 1-3 saves; this is stage 0, which every world "
                 "size already loads", ckpt.meta.path)
         source = Source.read(ckpt, "to-universal")
+        refuse_per_group_state(source)
     with team.output_dir(out, overwrite) as (tmp, previous):
         write_shared(team, out, tmp, files.tag, lambda: _files(source), source.executor)
         with team.step("committing", out):
@@ -71,6 +72,25 @@ def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag
                 commit_tree(out, tmp, names, previous)
                 _write_latest(out)
     return out
+
+
+def refuse_per_group_state(source: Source) -> None:
+    """DeepSpeed 0.19.8's universal loader restores the same states for every parameter, each
+    sliced like its fp32 partition (stage 3: ``exp_avg`` and ``exp_avg_sq`` only, with the step
+    of sub-group 0 and the hyperparameters of group 0 for all). A state kept by some param groups
+    only (Muon's ``momentum_buffer`` beside Adam's moments), or laid out over whole parameters,
+    would come back wrong or not at all; such a save is refused, like any value a writer cannot
+    place. ``reshard`` writes it at the new world size instead."""
+    first = source.ckpt.optim_states[0]
+    for key, plans in source.moments.items():
+        whole = source.whole.get(key)
+        if whole or set(plans) != set(source.masters):
+            what = (f"laid out over whole parameters in flat groups {sorted(whole)}" if whole else
+                    f"kept for {len(plans)} of the {len(source.masters)} trainable parameters (its param groups only)")
+            raise UnplacedOptimizerStateError(
+                f"to-universal cannot place the optimizer state {key!r}: it is {what}, and DeepSpeed's universal "
+                "loader restores every state for every parameter, sliced like the fp32 partition; use reshard "
+                "to change the world size", first.path)
 
 
 def _files(source: Source):
