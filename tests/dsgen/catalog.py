@@ -136,7 +136,25 @@ MUON_LAYOUTS: dict[str, dict] = {
     },
 }
 
-ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS, **MUON_LAYOUTS}
+# Reshard sources whose flat layout the plain ones do not cover (issue 25): elastic_checkpoint
+# (per-group lean states, padding stripped) and round_robin_gradients (each group's parameters
+# in an order that depends on the world size). Judged by tests/test_reshard_elastic.py.
+RESHARD_LAYOUTS: dict[str, dict] = {
+    "s1_bf16_w2_elastic": {
+        "stage": 1, "world_size": 2, "dtype": "bf16", "n_groups": 2,
+        "ds_config": {"zero_optimization": {"elastic_checkpoint": True}},
+    },
+    "s1_bf16_w2_round_robin": {
+        "stage": 1, "world_size": 2, "dtype": "bf16", "n_groups": 2,
+        "ds_config": {"zero_optimization": {"round_robin_gradients": True}},
+    },
+    "s2_bf16_w2_round_robin": {
+        "stage": 2, "world_size": 2, "dtype": "bf16", "n_groups": 2,
+        "ds_config": {"zero_optimization": {"round_robin_gradients": True}},
+    },
+}
+
+ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS, **MUON_LAYOUTS, **RESHARD_LAYOUTS}
 
 
 def _scripts(spec: dict) -> list[Path]:

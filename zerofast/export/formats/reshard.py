@@ -48,6 +48,7 @@ from .. import ds_pickle
 from ..outdir import write_marker, os_error, output_dir, write_text
 from ..run import ALONE
 from ..torch_stream import Skeleton, write_torch_file
+from . import round_robin
 
 if TYPE_CHECKING:
     from ..distributed import Team
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 NCCL_START_ALIGNMENT_FACTOR = 2  # DeepSpeed's stage_1_and_2.py / bf16_optimizer.py
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size default
 _FRAGMENT = "deepspeed.utils.tensor_fragment.fragment_address"
+ELASTIC_STEP = "base_optimizer_state_step"  # stage_1_and_2.BASE_OPTIMIZER_STATE_STEP
 _RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
@@ -218,22 +220,17 @@ def _plans(entries: dict) -> dict[str, TensorPlan]:
 
 
 def _check_optimizer(ckpt: LoadedCheckpoint) -> None:
-    cfg = ckpt.meta.raw.get(keys.DS_CONFIG)
-    zero = cfg.get("zero_optimization") if isinstance(cfg, dict) else None
-    if isinstance(zero, dict) and zero.get("round_robin_gradients"):
-        raise UnsupportedCheckpointError(
-            "resharding with round_robin_gradients is not supported: the flat order of the parameters depends on "
-            "the world size", ckpt.meta.path)
     if (ckpt.files.tag_dir / "offloaded_tensors").exists():
         raise UnsupportedCheckpointError("resharding NVMe-offloaded optimizer state is not supported",
                                          ckpt.files.tag_dir)
     inner_key = keys.inner_key(ckpt.stage)
     for o in ckpt.optim_states:
         inner = o.raw[keys.OPTIMIZER_STATE_DICT].get(inner_key)
-        if not isinstance(inner, dict) or not isinstance(inner.get(keys.PARAM_GROUPS), list):
+        elastic = ckpt.stage in (1, 2) and isinstance(inner, (list, tuple))  # elastic_checkpoint
+        if not elastic and (not isinstance(inner, dict) or not isinstance(inner.get(keys.PARAM_GROUPS), list)):
             raise UnsupportedCheckpointError(
-                f"resharding needs the wrapped optimizer's state_dict() in {inner_key!r}; found "
-                f"{type(inner).__name__} (an elastic_checkpoint save?)", o.path)
+                f"resharding needs the wrapped optimizer's state_dict() in {inner_key!r} (or, with "
+                f"elastic_checkpoint, a list of group states); found {type(inner).__name__}", o.path)
 
 
 def concat(name: str, length: int, dtype: torch.dtype, pieces: list[tuple[TensorPlan, int, int, int]]) -> TensorPlan:
@@ -300,6 +297,10 @@ class _Zero12:
         self.groups = [list(g.items()) for g in ckpt.meta.param_shapes]
         pads = self.first.param_alignment_paddings
         self.pads = [[int(p) for p in pads[g]] if pads else [0] * len(names) for g, names in enumerate(self.groups)]
+        self.round_robin = round_robin.enabled(ckpt)
+        if self.round_robin:  # the flat order, and so the paddings, depend on the world size
+            self.groups = [round_robin.reorder(params, ckpt.world_size, world) for params in self.groups]
+            self.pads = [round_robin.paddings([math.prod(s) for _, s in params], ckpt) for params in self.groups]
         self.totals, self.sizes = [], []
         for g, params in enumerate(self.groups):
             total = sum(math.prod(s) + p for (_, s), p in zip(params, self.pads[g]))
@@ -316,7 +317,9 @@ class _Zero12:
     def files(self):
         meta = self.source.ckpt.meta
         sk = self.source.new_file()
-        yield meta.path.name, _replaced(meta.raw, self.source, meta.path, sk, self.world), sk
+        shapes = ({keys.PARAM_SHAPES: [OrderedDict((n, torch.Size(s)) for n, s in params) for params in self.groups]}
+                  if self.round_robin else {})
+        yield meta.path.name, _replaced(meta.raw, self.source, meta.path, sk, self.world, shapes), sk
         prefix = self.first.path.name.split("zero_pp_rank_")[0]
         for r in range(self.world):
             sk = self.source.new_file()
@@ -376,26 +379,43 @@ class _Zero12:
             else self.world,
             keys.SLICE_MAPPINGS: [self._mappings(g, r) for g in range(n_groups)],
         }
+        if self.round_robin:
+            new[keys.ALIGNMENT_PADDINGS] = [list(pads) for pads in self.pads]
         if keys.ZERO_STAGE in osd:
             new[keys.ZERO_STAGE] = ds_pickle.ZeroStageEnum(int(osd[keys.ZERO_STAGE]))
         inner = _replaced(osd, self.source, src.path, sk, self.world, new)
+        if isinstance(new[keys.ZERO12_INNER], list) and ELASTIC_STEP not in inner:
+            inner[ELASTIC_STEP] = self._elastic_step(sk)
         return _replaced(src.raw, self.source, src.path, sk, self.world, {keys.OPTIMIZER_STATE_DICT: inner})
 
-    def _base_state(self, r: int, sk: Skeleton) -> dict:
+    def _elastic_step(self, sk: Skeleton) -> Any:
+        """DeepSpeed 0.19.8 saves ``base_optimizer_state_step`` only when the torch optimizer keeps
+        ``step`` in its param groups (torch's Adam keeps it per state), yet its elastic loader
+        asserts the key on every load, so its own elastic saves do not load. Written here from
+        the states' own ``step`` (all groups agree), the resharded save loads."""
+        steps = [state.get("step") for _, state in group_states(self.first, 1)]
+        return self.source.copy(steps[0], self.first.path, f"{keys.ZERO12_INNER}[0].step", sk)
+
+    def _base_state(self, r: int, sk: Skeleton) -> dict | list:
+        """The torch optimizer's state_dict() of rank r; with elastic_checkpoint, DeepSpeed's list
+        of one lean state per group instead, each state without the rank's share of the padding."""
         src = self.first
         base = src.raw[keys.OPTIMIZER_STATE_DICT][keys.ZERO12_INNER]
-        states = group_states(src, 1)
+        elastic = isinstance(base, (list, tuple))
         state = {}
-        for g, (where, group_state) in enumerate(states):
+        for g, (where, group_state) in enumerate(group_states(src, 1)):
+            length = self.sizes[g] - (self._padding(g, r) if elastic else 0)
             entry = {}
             for key, value in group_state.items():
                 if key in self.source.moments:
                     plans = self.source.moments[key]
                     entry[key] = sk.tensor(self._whole(plans, g, r, key) if g in self.source.whole.get(key, ())
-                                           else self._part(plans, g, r, self.sizes[g], key))
+                                           else self._part(plans, g, r, length, key))
                 else:
                     entry[key] = self.source.copy(value, src.path, f"{where}.{key}", sk)
             state[g] = entry
+        if elastic:
+            return [state[g] for g in range(len(state))]
         out = {}
         for key, value in base.items():
             if key == keys.STATE:

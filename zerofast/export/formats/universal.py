@@ -82,6 +82,11 @@ def refuse_per_group_state(source: Source) -> None:
     would come back wrong or not at all; such a save is refused, like any value a writer cannot
     place. ``reshard`` writes it at the new world size instead."""
     first = source.ckpt.optim_states[0]
+    inner = first.raw[keys.OPTIMIZER_STATE_DICT].get(keys.inner_key(source.ckpt.stage))
+    if isinstance(inner, (list, tuple)):
+        raise UnsupportedCheckpointError(
+            "to-universal needs the wrapped optimizer's param groups, which an elastic_checkpoint save does not "
+            "keep (DeepSpeed's universal loader reads them); use reshard to change the world size", first.path)
     for key, plans in source.moments.items():
         whole = source.whole.get(key)
         if whole or set(plans) != set(source.masters):
