@@ -5,14 +5,20 @@ Run under torchrun at the new world size:
     DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node N tests/dsgen/resume.py JOB.json
 
 JOB.json: {"result": path, "cases": [{"name", "spec", "ckpt", "truth", "source_model_states",
-"universal": bool, "restore_module": path or null}, ...]}. Each case builds the model and engine
+"universal": bool, "restore_module": path or null, "live": {"dump": path} or {"truth": path} or null},
+...]}. Each case builds the model and engine
 of the original run (its layout spec) at this world size, calls ``engine.load_checkpoint(ckpt)``
 (with ``load_universal`` for universal cases), and checks against the original run's ground
 truth, bit for bit: every fp32 master (``safe_get_full_fp32_param``), every Adam state
 (``safe_get_full_optimizer_state``), frozen params and buffers, the optimizer step, the lr
 scheduler state and ``global_steps``; then it runs one more training step. ``restore_module``
 names a state dict file (frozen params and buffers) loaded into the module after a universal
-load, which leaves the module state alone. Rank 0 writes ``{case: [errors]}`` to ``result``.
+load, which leaves the module state alone. With ``live`` (round_robin_gradients runs, which
+DeepSpeed's accessors misread), masters and optimizer states are read from DeepSpeed's live
+partitions instead (:func:`live_view`) and judged against the ``truth`` file, written by the
+``dump`` of an earlier job that loaded the original save at its own size; every module weight
+must then equal its master cast to the model dtype. Rank 0 writes ``{case: [errors]}`` to
+``result``.
 """
 import importlib.util
 import json
@@ -86,16 +92,25 @@ def run_case(case, errors):
     masters = train.stage0_fp32_masters(engine, stage)  # stage 0 has no safe_get_full_fp32_param
     # Muon's stage 1-2 momentum is not laid out like the masters: DeepSpeed's accessor misreads it.
     momentum = muon.momentum_12(engine) if spec.get("optimizer") == "muon" and stage in (1, 2) else {}
+    live = live_view(engine) if case.get("live") else None
+    reference = truth
+    if live is not None:
+        if case["live"].get("dump") and dist.get_rank() == 0:
+            torch.save(live, case["live"]["dump"])
+        reference = torch.load(case["live"]["truth"], weights_only=True) if case["live"].get("truth") else live
     for name, p in engine.module.named_parameters():
         if name in truth["trainable"]:
-            full = masters[id(p)] if stage == 0 else safe_get_full_fp32_param(p)
-            if full is None or not same_bits(full.float().reshape(truth["trainable"][name].shape),
-                                             truth["trainable"][name]):
+            full = live["trainable"][name] if live else masters[id(p)] if stage == 0 else safe_get_full_fp32_param(p)
+            if full is None or not same_bits(full.float().reshape(reference["trainable"][name].shape),
+                                             reference["trainable"][name]):
                 errors.append(f"fp32 master {name} differs")
-            for key, values in truth["optimizer_states"].items():
+            if live is not None and not same_bits(full.to(p.dtype).reshape(p.shape), p):
+                errors.append(f"module weight {name} is not its fp32 master in the model dtype")
+            for key, values in reference["optimizer_states"].items():
                 if name not in values:  # a key of another param group (Muon's or Adam's)
                     continue
-                state = momentum.get(id(p)) if key == "momentum_buffer" and momentum else \
+                state = live["optimizer_states"][key][name] if live else \
+                    momentum.get(id(p)) if key == "momentum_buffer" and momentum else \
                     safe_get_full_optimizer_state(p, key)
                 want = values[name].float()  # a bf16 momentum comes back as fp32 of the same values
                 if state is None or not same_bits(state.float().reshape(want.shape), want):
@@ -134,6 +149,26 @@ def run_case(case, errors):
     if not torch.isfinite(loss.detach()).all() or engine.global_steps != source["global_steps"] + 1:
         errors.append(f"the training step after resuming failed: loss {loss.item()}, steps {engine.global_steps}")
     engine.destroy()
+
+
+def live_view(engine):
+    """{"trainable": name -> fp32 master, "optimizer_states": key -> name -> state}, cut from
+    DeepSpeed's live partitions (gathered) at the offsets its optimizer keeps for each parameter
+    of each group (``round_robin_bit16_offsets``). DeepSpeed 0.19.8's safe_get_full_fp32_param
+    and safe_get_full_optimizer_state misread round_robin_gradients runs; this does not. Stages 1-2."""
+    opt = engine.optimizer
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out = {"trainable": {}, "optimizer_states": {k: {} for k in train.OPTIMIZER_KEYS}}
+    for i, params in enumerate(opt.round_robin_bit16_groups):
+        flat = opt.single_partition_of_fp32_groups[i]
+        for key, part in [(None, flat)] + [(k, opt.optimizer.state[flat][k]) for k in train.OPTIMIZER_KEYS]:
+            parts = [torch.zeros_like(part) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, part.contiguous())
+            whole = torch.cat(parts)
+            for p, offset in zip(params, opt.round_robin_bit16_offsets[i]):
+                value = whole[offset:offset + p.numel()].view(p.shape).detach().cpu().clone()
+                (out["trainable"] if key is None else out["optimizer_states"][key])[names[id(p)]] = value
+    return out
 
 
 def restore_module(engine, path):
