@@ -278,17 +278,3 @@ def test_workers_share_the_files(outputs, tmp_path):
             b = torch.load(tmp_path / "u" / "global_step3" / rel, weights_only=True)
             a, b = (a["param"], b["param"]) if isinstance(a, dict) else (a, b)
             assert_bitwise_equal(b, a, str(rel))
-
-
-def test_round_robin_gradients_are_refused(tmp_path):
-    """With round_robin_gradients DeepSpeed orders each group's flat buffer by world size."""
-    import shutil
-
-    src = tmp_path / "src"
-    shutil.copytree(real_root(SOURCES[1]), src)
-    path = src / "global_step3" / "mp_rank_00_model_states.pt"
-    states = torch.load(path, weights_only=False)
-    states["ds_config"]["zero_optimization"]["round_robin_gradients"] = True
-    torch.save(states, path)
-    with pytest.raises(zerofast.UnsupportedCheckpointError, match="round_robin_gradients"):
-        reshard(src, tmp_path / "out", 2)
