@@ -89,8 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="write into a non-empty folder zerofast did not write (replaces only weight files)")
     ex.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     ex.add_argument("--optimizer-states", action="store_true",
-                    help="also write the optimizer's per-element states (Adam moments) to optimizer.safetensors "
-                         "as <param>.<key>, and their step and hyperparameters to optimizer_state.json")
+                    help="also write the optimizer's per-element states (every key of every param group: Adam's "
+                         "moments, Muon's momentum, ...) to optimizer.safetensors as <param>.<key>, and their step "
+                         "and hyperparameters to optimizer_state.json")
     ex.add_argument("--device", default="cpu",
                     help="where to gather and cast: cpu, or cuda (each rank its LOCAL_RANK's GPU) / cuda:N")
     ex.add_argument("--workers", type=_positive("workers"), default=1, metavar="N",
