@@ -70,7 +70,11 @@ def _register_fake() -> None:
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """``device`` as a place the executor can run, or a :class:`DeviceError` that says what is missing."""
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):  # torch's own words for a name it does not know
+        raise DeviceError(f"device={str(device)!r}: not a device name; zerofast runs on "
+                          f"{' or '.join(map(repr, DEVICE_TYPES))} (e.g. 'cuda:0')") from None
     if device.type == "cpu":
         return device
     if device.type not in DEVICE_TYPES:

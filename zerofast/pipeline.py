@@ -52,7 +52,7 @@ def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float
     """Read and plan the state dict, or with ``optimizer_keys`` (exactly one) that per-element
     state of the wrapped optimizer, named like the parameters. A full state dict of a save that
     left its frozen weights out warns (``FrozenWeightsAbsentWarning``) unless ``warn_absent`` is off."""
-    dtypes.check(dtype)
+    dtype = dtypes.output_dtype(dtype)  # one vocabulary: torch.bfloat16, "bf16", "BFloat16", ...
     prepared = plan_checkpoint(load_checkpoint(discover(ckpt_dir, tag)), dtype, exclude_frozen=exclude_frozen,
                                optimizer_keys=optimizer_keys)
     plan = prepared.plan
