@@ -210,6 +210,28 @@ def _signalled(signum: int, at: int, *args) -> subprocess.CompletedProcess:
                           env=CHILD_ENV, capture_output=True, text=True, timeout=120)
 
 
+def _count_calls(monkeypatch, argv: list[str]) -> int:
+    """The calls the child counts, in a clean run here."""
+    from zerofast.output import windows
+    from zerofast.writers import torch_stream
+
+    count = [0]
+
+    def counted(real):
+        def call(*args, **kwargs):
+            count[0] += 1
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(windows, "_fill", counted(windows._fill))
+    monkeypatch.setattr(torch_stream, "torch_save", counted(torch_stream.torch_save))
+    monkeypatch.setattr(os, "replace", counted(os.replace))
+    monkeypatch.setattr(os, "unlink", counted(os.unlink))
+    assert main(argv) == 0
+    monkeypatch.undo()
+    return count[0]
+
+
 def _final_names(out: Path) -> dict[str, bytes]:
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
             if p.is_file() and not any(TMP_DIR.match(part) for part in p.relative_to(out).parts)
@@ -226,13 +248,11 @@ WRITERS = {
 
 @needs_deepspeed
 @pytest.mark.parametrize("writer", sorted(WRITERS))
-def test_signals_at_random_points_leave_nothing_behind(tmp_path, writer):
+def test_signals_at_random_points_leave_nothing_behind(tmp_path, monkeypatch, writer):
     ck = real_root(SMALL)
     rng = random.Random(writer)
     out = tmp_path / "out" / "global_step3"
-    clean = _signalled(signal.SIGINT, 0, *WRITERS[writer](ck, out))  # at=0: never signalled; counts the calls
-    assert clean.returncode == 0, clean.stderr
-    calls = int(clean.stdout.split()[-1])
+    calls = _count_calls(monkeypatch, [str(a) for a in WRITERS[writer](ck, out)])
     reference = _final_names(out)
     subprocess.run(["rm", "-rf", str(tmp_path / "out")], check=True)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
@@ -288,8 +308,8 @@ def _stop_latency(command: list[str], out: Path, signum: int, delay: float) -> f
     finally:
         if proc.poll() is None:
             proc.kill()
-    if proc.returncode == 0:
-        return None
+    if proc.returncode == 0 or (proc.returncode == -signum and not line):
+        return None  # it finished first (or was past its last step, its handler gone)
     assert line.startswith("zerofast: interrupted"), line
     assert proc.returncode == 128 + signum
     assert not _tmp_folders(out)
@@ -305,7 +325,7 @@ def test_a_signal_stops_a_long_write_within_half_a_second(tmp_path, writer):
                "export-torch": ["export", root, out, "--format", "torch", "--max-shard-size", "20MB"],
                "export-safetensors": ["export", root, out, "--max-shard-size", "20MB"]}[writer]
     seconds = []
-    for signum, delay in ((signal.SIGINT, 0.2), (signal.SIGTERM, 0.4)):
+    for signum, delay in ((signal.SIGINT, 0.05), (signal.SIGTERM, 0.15)):
         got = _stop_latency([str(a) for a in command], out, signum, delay)
         if got is not None:
             seconds.append(got)
