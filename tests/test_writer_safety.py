@@ -229,7 +229,7 @@ def test_remote_urls_are_refused_with_a_line_saying_to_download(tmp_path, capsys
 
 
 def test_unknown_device_is_a_device_error(tmp_path, capsys):
-    with pytest.raises(DeviceError, match="'tpu': not a device name"):
+    with pytest.raises(DeviceError, match="'tpu': not a device torch knows"):
         zerofast.export(real_root(SMALL), tmp_path / "o", device="tpu")
     assert main(["export", str(real_root(SMALL)), str(tmp_path / "o"), "--device", "tpu"]) == 1
     _one_error_line(capsys.readouterr().err, "device='tpu'")

@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from ..devices import device_of
 from ..errors import ExportError
 from ..ops import resolve_device
 from ..output.team import joined, signals_raise
@@ -24,16 +25,17 @@ from .run import export as export_files
 
 def _local_device(device: str | torch.device) -> torch.device:
     """``cuda`` without an index means this rank's own GPU, as torchrun numbers them."""
-    device = resolve_device(device) if isinstance(device, str) else device
-    if device.type != "cuda" or device.index is not None:
+    entry = device_of(device)
+    device = torch.device(device)
+    if entry.host or device.index is not None:
         return device
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    visible = torch.cuda.device_count()
+    visible = entry.count()
     if 0 < visible <= local:  # with none at all, resolve_device says so
         # NCCL refuses two ranks on one GPU, so a rank without a GPU of its own cannot share one.
-        raise ExportError(f"device='cuda': this rank (LOCAL_RANK {local}) has no GPU of its own, {visible} visible; "
-                          "start at most one rank per GPU on each node")
-    return torch.device("cuda", local)
+        raise ExportError(f"device={device.type!r}: this rank (LOCAL_RANK {local}) has no GPU of its own, {visible} "
+                          "visible; start at most one rank per GPU on each node")
+    return torch.device(device.type, local)
 
 
 def export(ckpt_dir, out_dir, *, device: str | torch.device = "cpu", **options) -> ExportResult:

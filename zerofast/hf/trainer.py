@@ -26,7 +26,8 @@ from .. import dtypes
 from ..errors import AmbiguousTagError, ExportError, PeftExportWarning, UnsupportedCheckpointError
 from ..execute import Executor
 from ..pipeline import Prepared
-from ..plan import FROZEN, TRAINABLE, Plan, TensorPlan, out_dtype_for
+from ..dtypes import out_dtype_for
+from ..plan import FROZEN, TRAINABLE, Plan, TensorPlan
 from .formats import safetensors
 
 CONFIG_FILES = ("config.json", "generation_config.json")

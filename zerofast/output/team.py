@@ -44,11 +44,8 @@ import torch
 
 from ..errors import ExportError, ZeroFastError
 from .transaction import Folder, output_dir
-
-TIMEOUT_ENV = "ZEROFAST_DIST_TIMEOUT"
-# A collective waits for the slowest rank to finish its share of the files, so the timeout must
-# cover the imbalance between ranks (at most one file), not a whole export.
-DEFAULT_TIMEOUT_S = 1800
+from ..devices import device_of
+from ..settings import DIST_TIMEOUT_ENV, settings
 
 
 def world_size() -> int:
@@ -65,14 +62,7 @@ def launched() -> bool:
 
 
 def timeout_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1
-    if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
-    return value
+    return settings().dist_timeout_s()
 
 
 def share(sizes: Sequence[int], ranks: int) -> list[int]:
@@ -184,7 +174,7 @@ class Team:
         except RuntimeError as e:  # gloo/NCCL errors, timeouts included, derive from it
             self.failing = True
             raise ExportError(f"lost contact with the other ranks while {what} (one crashed, was killed, or "
-                              f"outlasted the timeout, {TIMEOUT_ENV}; see its output): {_backend_reason(e)}",
+                              f"outlasted the timeout, {DIST_TIMEOUT_ENV}; see its output): {_backend_reason(e)}",
                               where) from None
 
     @contextlib.contextmanager
@@ -213,10 +203,9 @@ def joined(device: torch.device) -> Iterator[Team]:
     if dist.is_initialized():
         yield _team_of_default_group()
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s()))
+    entry = device_of(device)
+    entry.select(device)
+    dist.init_process_group(entry.backend, timeout=datetime.timedelta(seconds=timeout_s()))
     try:
         yield _team_of_default_group()
     finally:

@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..discover import discover
 from ..errors import InconsistentCheckpointError, ReshardError, UnsupportedCheckpointError
-from ..load import LoadedCheckpoint, load_checkpoint
+from ..layouts import discover, load_checkpoint
+from ..load import LoadedCheckpoint
 from ..output.team import ALONE
 from ..output.transaction import Folder, copy_file, local_folder, write_text
-from ..plan import TensorPlan, keys
+from .. import keys
+from ..plan import TensorPlan
 from ..plan.optimizer import group_states
 from . import ds_pickle
 from .source import Source, Written, concat, write_checkpoint

@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..discover import discover
+from .. import keys
 from ..errors import ExportError, UnsupportedCheckpointError
-from ..load import ModelStates, load_checkpoint
-from ..load.checkpoint import read_model_states
+from ..layouts import discover, load_checkpoint
+from ..load import ModelStates
+from ..load.records import read_model_states
 from ..output.team import ALONE
 from ..output.transaction import Folder, copy_file, local_folder, os_error, writing
-from ..plan import BUFFER, FROZEN, TensorPlan, build_plan, keys
+from ..plan import BUFFER, FROZEN, TensorPlan, build_plan
 from ..plan.optimizer import group_states
 from . import ds_pickle
 from .source import Source, Written, concat, write_checkpoint
