@@ -58,7 +58,7 @@ def built_devices() -> list[str]:
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """``device`` as a place the executor can run, or a :class:`DeviceError` that says what is missing."""
-    entry = device_of(device)  # a name torch does not know is a DeviceError there
+    entry = device_of(device)
     device = torch.device(device)
     if device.type == "cpu":
         return device

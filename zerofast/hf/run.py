@@ -78,15 +78,19 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     Args:
         ckpt_dir: the checkpoint root (holding ``latest``) or a tag folder.
         out_dir: the folder to write; created if missing. A folder holding files zerofast did not
-            write is refused unless ``overwrite`` is set; a previous zerofast export is replaced.
-        dtype: as for :func:`zerofast.reconstruct` (``None`` keeps the checkpoint's dtypes).
+            write, or another command's output (a resharded checkpoint), is refused unless
+            ``overwrite`` is set; a previous export is replaced. It may not be, lie inside or
+            hold the checkpoint (nor the ``base_model`` folder of a merge).
+        dtype: as for :func:`zerofast.reconstruct` (``None`` keeps the checkpoint's dtypes); a name
+            in any spelling (``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"``) is taken too.
         format: a name from :data:`zerofast.hf.formats.FORMATS`: ``"safetensors"`` (streamed
             into the files) or ``"torch"`` (``torch.save``, one shard in memory at a time).
         max_shard_size: per-file limit, an int of bytes or a string such as ``"5GB"``/``"4GiB"``.
         tag, exclude_frozen: as for :func:`zerofast.reconstruct`.
         duplicate_tied: write tied weights as real copies instead of recording the aliases.
-        overwrite: write into a non-empty folder that zerofast did not write; only model weight
-            files (``model*.safetensors``, ``pytorch_model*.bin`` and their indexes) are replaced.
+        overwrite: write into such a folder anyway; only the names the export writes and model
+            weight files (``model*.safetensors``, ``pytorch_model*.bin`` and their indexes) are
+            replaced, and ``ExportResult.replaced`` lists those it found.
         optimizer_states: also write the wrapped optimizer's per-element states (stages 1-3):
             ``True`` for all of them, or a list of keys such as ``["exp_avg"]``. They go to
             ``optimizer.safetensors`` (sharded like the weights) as ``<param>.<key>``, as stored
@@ -133,7 +137,9 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     index = fmt.index if len(files) > 1 else None
     extra = _optimizer_names(optim) if optim else []
     ckpt_files = prepared.checkpoint.files
-    with team.output_dir(out, overwrite, command=EXPORT, inputs=checkpoint_inputs(ckpt_files),
+    # The base model's weights are read (mapped) while the merged files are written.
+    base = [Path(base_model) / "model.safetensors"] if merge_adapters and base_model is not None else []
+    with team.output_dir(out, overwrite, command=EXPORT, inputs=checkpoint_inputs(ckpt_files) + base,
                          replaces=WEIGHT_FILE.match) as folder:
         mine = team.share(writes, ckpt_files.tag, out)
         advance = _counter(progress, sum(w.nbytes for w in mine))

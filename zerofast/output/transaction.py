@@ -140,9 +140,9 @@ def local_folder(out_dir: str | os.PathLike) -> Path:
 
 
 def checkpoint_inputs(files: CheckpointFiles) -> list[Path]:
-    """What a writer reads of a checkpoint: its tag folder and its rank files (which may be links
-    to elsewhere)."""
-    return [files.tag_dir, *files.model_files, *files.optim_files]
+    """What a writer reads of a checkpoint: its tag folder and every file its layout lists (which
+    may be links to elsewhere)."""
+    return [files.tag_dir, *files.paths()]
 
 
 def refuse_input(out: Path, inputs: Sequence[Path]) -> None:

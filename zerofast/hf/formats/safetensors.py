@@ -92,11 +92,12 @@ class _Pace:
     between ``_FIRST_BATCH / 4`` and ``_BATCH_BYTES``."""
 
     def __init__(self) -> None:
-        self.limit = _FIRST_BATCH
+        self.limit = min(_FIRST_BATCH, _BATCH_BYTES)
 
     def record(self, nbytes: int, seconds: float) -> None:
         rate = nbytes / max(seconds, 1e-6)
-        self.limit = int(min(_BATCH_BYTES, max(_FIRST_BATCH // 4, rate * _CALL_SECONDS)))
+        floor = min(_FIRST_BATCH // 4, _BATCH_BYTES)
+        self.limit = int(min(_BATCH_BYTES, max(floor, rate * _CALL_SECONDS)))
 
 
 def _batches(placed: Sequence[tuple[TensorPlan, int]], base: int,
