@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 import zerofast
 from zerofast.cli import describe, main
-from zerofast.export.formats.reshard import reshard
-from zerofast.export.formats.universal import to_universal
+from zerofast.writers.reshard import reshard
+from zerofast.writers.universal import to_universal
 
 from tests.conftest import needs_deepspeed
 from tests.helpers import assert_bitwise_equal, real_root, real_truth

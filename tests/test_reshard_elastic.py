@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zerofast
-from zerofast.export.formats.reshard import reshard
+from zerofast.writers.reshard import reshard
 
 from tests.conftest import needs_deepspeed
 from tests.helpers import assert_bitwise_equal, real_root, real_truth

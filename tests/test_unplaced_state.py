@@ -17,8 +17,8 @@ import torch
 import zerofast
 from zerofast import keys as K
 from zerofast.cli import main
-from zerofast.export.formats.reshard import reshard
-from zerofast.export.formats.universal import to_universal
+from zerofast.writers.reshard import reshard
+from zerofast.writers.universal import to_universal
 
 from tests import planting
 from tests.conftest import needs_deepspeed
