@@ -97,9 +97,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="write into a non-empty folder zerofast did not write (replaces only weight files)")
     ex.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     ex.add_argument("--optimizer-states", action="store_true",
-                    help="also write the optimizer's per-element states (every key of every param group: Adam's "
-                         "moments, Muon's momentum, ...) to optimizer.safetensors as <param>.<key>, and their step "
-                         "and hyperparameters to optimizer_state.json")
+                    help="also write every per-element optimizer state of every param group to optimizer.safetensors "
+                         "as <param>.<key>, and their step and hyperparameters to optimizer_state.json")
     ex.add_argument("--device", default="cpu",
                     help="where to gather and cast: cpu, or cuda (each rank its LOCAL_RANK's GPU) / cuda:N")
     ex.add_argument("--workers", type=_positive("workers"), default=1, metavar="N",
@@ -438,11 +437,9 @@ def format_report(r: dict) -> str:
 
 def _optimizer_lines(groups: list[dict]) -> list[str]:
     """One line per optimizer param group with the per-element states it keeps."""
-    lines = []
-    for i, g in enumerate(groups):
-        label = f"group {i}" + (f" ({g['name']})" if g.get("name") else "")
-        count = f"{g['params']} params: " if g.get("params") is not None else ""
-        lines.append(f"{'optimizer' if i == 0 else '':<14}{label}: {count}{', '.join(g['keys']) or 'no per-element state'}")
+    lines = [f"{'optimizer' if i == 0 else '':<14}group {i}" + (f" ({g['name']})" if g.get("name") else "") + ": "
+             + (f"{g['params']} params: " if g.get("params") is not None else "") + (", ".join(g["keys"]) or "-")
+             for i, g in enumerate(groups)]
     return lines + ([""] if lines else [])
 
 

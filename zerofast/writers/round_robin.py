@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from ... import keys
-from ...load import LoadedCheckpoint
+from .. import keys
+from ..load import LoadedCheckpoint
 
 
 def enabled(ckpt: LoadedCheckpoint) -> bool:
