@@ -1,0 +1,90 @@
+"""What a new user waits for: ``zerofast --help`` / ``--version``, and the pure-torch fallback.
+
+- ``--help`` and ``--version``: wall time of fresh processes (``python -m zerofast ...``), median
+  of --rounds, next to a bare ``python -c pass`` (the floor: the interpreter starting).
+- The fallback's slowdown: ``zerofast.reconstruct`` of a synthesized ZeRO-3 checkpoint
+  (benchmarks/generate.py's ``zero3`` shape, --params parameters) timed inside fresh processes,
+  on the native core and with ``ZEROFAST_NATIVE=0``, alternating, median of --rounds each. The
+  ratio is what the fallback warning quotes (zerofast/native/loader.py's SLOWDOWN).
+
+    python benchmarks/startup.py [--rounds 5] [--params 50e6]
+
+Results go to benchmarks/results/startup-<timestamp>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+RECONSTRUCT = """
+import sys, time, zerofast
+t0 = time.perf_counter()
+sd = zerofast.reconstruct(sys.argv[1])
+print(time.perf_counter() - t0)
+"""
+
+
+def _env(**extra: str) -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+                **extra)
+
+
+def wall(cmd: list[str], rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=_env(), cwd=REPO)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def reconstruct_times(ckpt: Path, rounds: int) -> dict[str, float]:
+    runs: dict[str, list[float]] = {"native": [], "reference": []}
+    for _ in range(rounds):
+        for label, mode in (("native", "1"), ("reference", "0")):
+            out = subprocess.run([sys.executable, "-c", RECONSTRUCT, str(ckpt)], check=True, capture_output=True,
+                                 text=True, env=_env(ZEROFAST_NATIVE=mode), cwd=REPO)
+            runs[label].append(float(out.stdout.split()[-1]))
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--params", type=float, default=50e6)
+    ap.add_argument("--root", type=Path, default=HERE / "data")
+    args = ap.parse_args()
+    from benchmarks.generate import ensure
+
+    py = sys.executable
+    result = {"rounds": args.rounds, "load": os.getloadavg(),
+              "python_pass_s": wall([py, "-c", "pass"], args.rounds),
+              "help_s": wall([py, "-m", "zerofast", "--help"], args.rounds),
+              "version_s": wall([py, "-m", "zerofast", "--version"], args.rounds)}
+    ckpt = ensure(args.root, "zero3", int(args.params), 4)
+    result["reconstruct_s"] = reconstruct_times(ckpt, args.rounds)
+    result["params"] = int(args.params)
+    result["fallback_slowdown"] = result["reconstruct_s"]["reference"] / result["reconstruct_s"]["native"]
+    out = HERE / "results" / f"startup-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    r = result["reconstruct_s"]
+    print(f"python -c pass        {result['python_pass_s']:.3f} s (median of {args.rounds} fresh processes)\n"
+          f"zerofast --help       {result['help_s']:.3f} s\n"
+          f"zerofast --version    {result['version_s']:.3f} s\n"
+          f"reconstruct {args.params / 1e6:.0f}M params: native {r['native']:.3f} s, reference {r['reference']:.3f} s"
+          f" ({result['fallback_slowdown']:.1f}x slower)\n"
+          f"load average {result['load'][0]:.1f}; written to {out.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
