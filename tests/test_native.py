@@ -197,3 +197,27 @@ def test_build_command_reports_the_core():
     assert done.stdout.strip() == f"native core for torch {torch.__version__} " \
                                   f"({', '.join(loaded.module.built_devices())}): {loaded.path}"
     assert json.loads((loaded.path.parent / cache.MANIFEST).read_text())["torch"] == torch.__version__
+
+
+def test_a_process_waits_for_the_one_building_and_loads_its_core(tmp_path):
+    """The lock: while one process builds (here, this test holding the lock), another waits, then
+    loads the finished core rather than compiling it again."""
+    import fcntl
+
+    built = loader.load(required=True).path.parent
+    tag = cache.core_tag(cache.sources_dir(), cache.torch_identity())
+    core = tmp_path / "native" / tag / built.name
+    core.parent.mkdir(parents=True)
+    code = "from zerofast import ops; print(ops.load_native().__file__)"
+    with open(core.with_name(core.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO),
+                                                               ZEROFAST_CACHE_DIR=str(tmp_path)))
+        waiting = child.stderr.readline()
+        assert waiting.startswith("zerofast: waiting for another process that is building the native core"), waiting
+        shutil.copytree(built, core.with_name(".staged"))  # what a finished build leaves: renamed into place
+        core.with_name(".staged").rename(core)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    assert out.strip() == str(cache.library(core)) and "building" not in err

@@ -173,7 +173,11 @@ def verify(module) -> None:
 def _locked(core: Path) -> Iterator[None]:
     core.parent.mkdir(parents=True, exist_ok=True)
     with open(core.with_name(core.name + ".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _note(f"zerofast: waiting for another process that is building the native core in {core}")
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
