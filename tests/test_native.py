@@ -42,11 +42,11 @@ def test_help_and_version_do_not_import_torch(flag):
 
 
 def test_version_names_torch_python_core_and_threads():
+    core = ops.load_native()  # built (or found) for this torch: --version must name where it is
     lines = _run_cli("--version").stdout.splitlines()
     assert lines[0] == f"zerofast {zerofast.__version__}"
     assert lines[1].startswith(f"torch {torch.__version__} (")
     assert lines[2].startswith(f"python {sys.version.split()[0]} (")
-    core = ops.load_native()  # built (or found) for this torch: --version must name where it is
     assert lines[3] == (f"native core: built for {', '.join(core.built_devices())} (torch {torch.__version__}), "
                         f"loaded on first use from {loader.load(required=True).path}")
     assert lines[4].startswith("threads: ")
