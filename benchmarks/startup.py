@@ -2,10 +2,11 @@
 
 - ``--help`` and ``--version``: wall time of fresh processes (``python -m zerofast ...``), median
   of --rounds, next to a bare ``python -c pass`` (the floor: the interpreter starting).
-- The fallback's slowdown: ``zerofast.reconstruct`` of a synthesized ZeRO-3 checkpoint
-  (benchmarks/generate.py's ``zero3`` shape, --params parameters) timed inside fresh processes,
-  on the native core and with ``ZEROFAST_NATIVE=0``, alternating, median of --rounds each. The
-  ratio is what the fallback warning quotes (zerofast/native/loader.py's SLOWDOWN).
+- The fallback's slowdown: ``zerofast.reconstruct`` and ``zerofast.export`` of a synthesized
+  ZeRO-3 checkpoint (benchmarks/generate.py's ``zero3`` shape, --params parameters) timed inside
+  fresh processes, on the native core and with ``ZEROFAST_NATIVE=0``, alternating, median of
+  --rounds each. The ratios are what the fallback warning quotes (zerofast/native/loader.py's
+  SLOWDOWN).
 
     python benchmarks/startup.py [--rounds 5] [--params 50e6]
 
@@ -19,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,10 +28,17 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-RECONSTRUCT = """
-import sys, time, zerofast
+# Timed inside the process, so that the interpreter and torch starting are left out.
+CASES = {
+    "reconstruct": "sd = zerofast.reconstruct(sys.argv[1])",
+    "export": "zerofast.export(sys.argv[1], tempfile.mkdtemp(dir=sys.argv[2]) + '/out')",
+}
+TIMED = """
+import sys, tempfile, time, zerofast
+from zerofast import ops
+ops.load_native() if sys.argv[3] == "1" else None  # loading the core is not what is timed
 t0 = time.perf_counter()
-sd = zerofast.reconstruct(sys.argv[1])
+{case}
 print(time.perf_counter() - t0)
 """
 
@@ -48,14 +57,17 @@ def wall(cmd: list[str], rounds: int) -> float:
     return statistics.median(times)
 
 
-def reconstruct_times(ckpt: Path, rounds: int) -> dict[str, float]:
-    runs: dict[str, list[float]] = {"native": [], "reference": []}
+def fallback_times(ckpt: Path, scratch: Path, rounds: int) -> dict[str, dict[str, float]]:
+    """Each case on the native core and on the reference, alternating, in fresh processes."""
+    runs = {case: {"native": [], "reference": []} for case in CASES}
     for _ in range(rounds):
-        for label, mode in (("native", "1"), ("reference", "0")):
-            out = subprocess.run([sys.executable, "-c", RECONSTRUCT, str(ckpt)], check=True, capture_output=True,
-                                 text=True, env=_env(ZEROFAST_NATIVE=mode), cwd=REPO)
-            runs[label].append(float(out.stdout.split()[-1]))
-    return {k: statistics.median(v) for k, v in runs.items()}
+        for case, code in CASES.items():
+            for label, mode in (("native", "1"), ("reference", "0")):
+                out = subprocess.run([sys.executable, "-c", TIMED.format(case=code), str(ckpt), str(scratch), mode],
+                                     check=True, capture_output=True, text=True, env=_env(ZEROFAST_NATIVE=mode),
+                                     cwd=REPO)
+                runs[case][label].append(float(out.stdout.split()[-1]))
+    return {case: {k: statistics.median(v) for k, v in r.items()} for case, r in runs.items()}
 
 
 def main() -> None:
@@ -72,19 +84,19 @@ def main() -> None:
               "help_s": wall([py, "-m", "zerofast", "--help"], args.rounds),
               "version_s": wall([py, "-m", "zerofast", "--version"], args.rounds)}
     ckpt = ensure(args.root, "zero3", int(args.params), 4)
-    result["reconstruct_s"] = reconstruct_times(ckpt, args.rounds)
+    with tempfile.TemporaryDirectory(prefix="zerofast-bench-") as scratch:
+        result["fallback_s"] = fallback_times(ckpt, Path(scratch), args.rounds)
     result["params"] = int(args.params)
-    result["fallback_slowdown"] = result["reconstruct_s"]["reference"] / result["reconstruct_s"]["native"]
+    result["fallback_slowdown"] = {case: r["reference"] / r["native"] for case, r in result["fallback_s"].items()}
     out = HERE / "results" / f"startup-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
-    r = result["reconstruct_s"]
     print(f"python -c pass        {result['python_pass_s']:.3f} s (median of {args.rounds} fresh processes)\n"
           f"zerofast --help       {result['help_s']:.3f} s\n"
-          f"zerofast --version    {result['version_s']:.3f} s\n"
-          f"reconstruct {args.params / 1e6:.0f}M params: native {r['native']:.3f} s, reference {r['reference']:.3f} s"
-          f" ({result['fallback_slowdown']:.1f}x slower)\n"
-          f"load average {result['load'][0]:.1f}; written to {out.relative_to(REPO)}")
-
+          f"zerofast --version    {result['version_s']:.3f} s")
+    for case, r in result["fallback_s"].items():
+        print(f"{case} ({args.params / 1e6:.0f}M params): native {r['native']:.3f} s, reference "
+              f"{r['reference']:.3f} s ({result['fallback_slowdown'][case]:.1f}x)")
+    print(f"load average {result['load'][0]:.1f}; written to {out.relative_to(REPO)}")
 
 if __name__ == "__main__":
     main()

@@ -150,8 +150,8 @@ def test_zerofast_native_must_be_0_1_or_auto(monkeypatch):
 
 def test_progress_lines_name_the_source(tmp_path):
     line = "[2/4] c++ -MMD -MF read_cast.o.d -O3 -c /x/zerofast/csrc/cpu/read_cast.cpp -o read_cast.o\n"
-    assert loader.progress_line(line) == "zerofast: [2/4] compiling cpu/read_cast.cpp"
-    assert loader.progress_line("[4/4] c++ a.o b.o -shared -o zerofast_C.so") == "zerofast: [4/4] linking"
+    assert loader.progress_line(line) == "zerofast: [2/4] compiled cpu/read_cast.cpp"
+    assert loader.progress_line("[4/4] c++ a.o b.o -shared -o zerofast_C.so") == "zerofast: [4/4] linked"
     assert loader.progress_line("Emitting ninja build file") is None
 
 

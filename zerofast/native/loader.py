@@ -217,12 +217,13 @@ _STEP = re.compile(r"^\[(\d+)/(\d+)\] (.*)")
 
 
 def progress_line(line: str) -> str | None:
-    """``[2/4] c++ ... -c .../csrc/cpu/read_cast.cpp -o ...`` -> ``zerofast: [2/4] compiling cpu/read_cast.cpp``."""
+    """``[2/4] c++ ... -c .../csrc/cpu/read_cast.cpp -o ...`` -> ``zerofast: [2/4] compiled cpu/read_cast.cpp``
+    (ninja prints a step when it is done, its output not being a terminal)."""
     m = _STEP.match(line)
     if not m:
         return None
     src = re.search(r" -c (\S+)", m.group(3)) or re.search(r" (\S+\.cu) ", m.group(3))
-    what = f"compiling {_short_source(src.group(1))}" if src else "linking"
+    what = f"compiled {_short_source(src.group(1))}" if src else "linked"
     return f"zerofast: [{m.group(1)}/{m.group(2)}] {what}"
 
 
