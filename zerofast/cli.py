@@ -296,9 +296,10 @@ class _ProgressBar:
 
 def describe(ckpt_dir, tag: str | None = None) -> dict:
     """What ``inspect`` reports, as plain JSON-ready data. Reads metadata only, no tensor data."""
-    from . import dtypes
+    from . import dtypes, keys
+    from .dtypes import out_dtype_for
     from .pipeline import prepare
-    from .plan import BUFFER, FROZEN, TRAINABLE, keys, out_dtype_for
+    from .plan import BUFFER, FROZEN, TRAINABLE
 
     prepared = prepare(ckpt_dir, None, tag=tag, warn_absent=False)  # the report says it instead
     plan, ckpt = prepared.plan, prepared.checkpoint
@@ -315,7 +316,7 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
               for label, d in dtypes.CLI_NAMES.items()}
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
-        "universal": ckpt.universal is not None,
+        "layout": ckpt.layout.name, "universal": ckpt.layout.name == "universal",
         "world_size": plan.world_size, "deepspeed_version": _text_or_none(ckpt.ds_version),
         "global_steps": _int_or_none(ckpt.meta.raw.get(keys.GLOBAL_STEPS)),
         "training_dtype": _training_dtype(ckpt.meta.raw.get(keys.DS_CONFIG)),
