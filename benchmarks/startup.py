@@ -8,7 +8,7 @@
   --rounds each. The ratios are what the fallback warning quotes (zerofast/native/loader.py's
   SLOWDOWN).
 
-    python benchmarks/startup.py [--rounds 5] [--params 50e6]
+    python benchmarks/startup.py [--rounds 5] [--params 50e6] [--startup-only]
 
 Results go to benchmarks/results/startup-<timestamp>.json.
 """
@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--params", type=float, default=50e6)
     ap.add_argument("--root", type=Path, default=HERE / "data")
+    ap.add_argument("--startup-only", action="store_true", help="only --help and --version, not the fallback")
     args = ap.parse_args()
     from benchmarks.generate import ensure
 
@@ -83,9 +84,11 @@ def main() -> None:
               "python_pass_s": wall([py, "-c", "pass"], args.rounds),
               "help_s": wall([py, "-m", "zerofast", "--help"], args.rounds),
               "version_s": wall([py, "-m", "zerofast", "--version"], args.rounds)}
-    ckpt = ensure(args.root, "zero3", int(args.params), 4)
-    with tempfile.TemporaryDirectory(prefix="zerofast-bench-") as scratch:
-        result["fallback_s"] = fallback_times(ckpt, Path(scratch), args.rounds)
+    result["fallback_s"] = {}
+    if not args.startup_only:
+        ckpt = ensure(args.root, "zero3", int(args.params), 4)
+        with tempfile.TemporaryDirectory(prefix="zerofast-bench-") as scratch:
+            result["fallback_s"] = fallback_times(ckpt, Path(scratch), args.rounds)
     result["params"] = int(args.params)
     result["fallback_slowdown"] = {case: r["reference"] / r["native"] for case, r in result["fallback_s"].items()}
     out = HERE / "results" / f"startup-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -15,8 +15,6 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -122,11 +120,16 @@ def tool_path() -> str:
 
 
 def compiler(s: NativeSettings) -> str | None:
+    import shutil  # shutil and subprocess are off the path of `zerofast --version` when a core is built
+
     return shutil.which(s.cxx.split()[0], path=tool_path()) if s.cxx.split() else None
 
 
 def preflight(s: NativeSettings) -> None:
     """Raise :class:`Unavailable` for what can be known without compiling anything."""
+    import shutil
+    import subprocess
+
     if not sys.platform.startswith("linux"):
         raise Unavailable(f"the native core is built on Linux only ({sys.platform} has no copy_file_range, and "
                           "its default compiler no OpenMP)")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
-import subprocess
 import sys
 
 from ..errors import NativeExtensionError
@@ -70,6 +68,8 @@ def _threads() -> str:
 
 def doctor_lines(zerofast_version: str) -> list[str]:
     """The version lines, then the core as loaded (built if needed), the toolchain and the devices."""
+    import shutil
+
     import torch
 
     from .loader import load, unavailable_reason, wanted_devices
@@ -98,6 +98,8 @@ def doctor_lines(zerofast_version: str) -> list[str]:
 
 
 def _tool_version(path: str | None) -> str:
+    import subprocess
+
     if path is None:
         return "not found"
     try:
