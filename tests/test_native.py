@@ -221,3 +221,12 @@ def test_a_process_waits_for_the_one_building_and_loads_its_core(tmp_path):
     out, err = child.communicate(timeout=120)
     assert child.returncode == 0, err
     assert out.strip() == str(cache.library(core)) and "building" not in err
+
+
+def test_build_command_failure_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "zerofast", "build"], capture_output=True, text=True, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), CXX="/bin/false",
+                                   ZEROFAST_CACHE_DIR=str(tmp_path)), timeout=600)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == ["zerofast: error: zerofast's native core could not be built (the C++ compiler "
+                                        "/bin/false does not run (`/bin/false --version` fails))"]
