@@ -61,9 +61,20 @@ def positive(what: str):
     return parse
 
 
+def dtype_arg(text: str):
+    """An argparse type: the one dtype vocabulary (:func:`zerofast.dtypes.output_dtype`)."""
+    from . import dtypes
+
+    try:
+        return dtypes.output_dtype(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected fp32, bf16, fp16 or keep (or bfloat16, float16, float32, "
+                                         f"torch.bfloat16, ..., in any case), got {text!r}") from None
+
+
 def size_arg(text: str) -> int:
-    """An argparse type: bytes, or e.g. 500MB, 5GB, 4GiB."""
-    from .export.shards import parse_size
+    """An argparse type: bytes, or e.g. 500MB, 5G, 5GB, 4GiB."""
+    from .hf.shards import parse_size
 
     try:
         return parse_size(text)
