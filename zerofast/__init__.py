@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .names import sequential_names
     from .export.formats.reshard import reshard
     from .export.formats.universal import to_universal, universal_module_state
+    from .export.formats.dcp import to_dcp
     from .optimizer_states import optimizer_state
     from .reconstruct import reconstruct
 
@@ -64,6 +65,7 @@ _LAZY = {
     "reshard": ".export.formats.reshard",
     "to_universal": ".export.formats.universal",
     "universal_module_state": ".export.formats.universal",
+    "to_dcp": ".export.formats.dcp",
 }
 
 
@@ -110,6 +112,7 @@ __all__ = [
     "reshard",
     "to_universal",
     "universal_module_state",
+    "to_dcp",
     "ReshardError",
     "ExportResult",
     "ExportError",

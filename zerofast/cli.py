@@ -18,6 +18,7 @@ from typing import Sequence, TextIO
 import torch
 
 from . import __version__, dtypes
+from .cli_dcp import add_to_dcp
 from .compat import export_like_deepspeed
 from .errors import ZeroFastError, short_repr
 from .export import distributed, export
@@ -109,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.set_defaults(run=_export)
     _add_zero_to_fp32(sub)
     _add_resume(sub, common)
+    add_to_dcp(sub, common)
 
     ins = sub.add_parser("inspect", parents=[common], help="describe a checkpoint without converting it")
     ins.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")

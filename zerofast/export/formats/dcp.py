@@ -1,0 +1,165 @@
+"""``zerofast.to_dcp``: a PyTorch Distributed Checkpoint (DCP) folder, straight from a ZeRO save.
+
+The folder is written by torch's own ``FileSystemWriter``, so the format is torch's: a
+``.metadata`` file and ``__0_0.distcp``. What it holds is what
+``torch.distributed.checkpoint.state_dict.get_state_dict(model, optim)`` returns, under the
+keys the DCP tutorial (and ``dcp.load`` plus ``set_state_dict``) uses::
+
+    {"model": {fqn: tensor, ...},                       # weights and buffers, tied names too
+     "optim": {"state": {fqn: {"exp_avg": t, "exp_avg_sq": t, "step": t}},
+               "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}]}}
+
+Nothing is built ahead: the planner hands torch meta tensors (shape and dtype only), and when
+the writer asks for a tensor's data (``resolve_data``, called once per tensor as it is written)
+zerofast's executor builds that one tensor from the checkpoint files. Peak memory is one
+tensor plus torch's write buffer.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import ExportError
+from ...execute import Executor
+from ...pipeline import Prepared, plan_checkpoint, prepare
+from ...plan.model import TensorPlan
+from ...plan import keys as K
+from ...plan.optimizer import available_keys, param_groups, scalar_states
+from ..outdir import commit, os_error, output_dir
+
+MODEL, OPTIM = "model", "optim"  # the top-level keys of the DCP tutorial's app state
+METADATA = ".metadata"
+
+
+@dataclass(frozen=True)
+class DcpResult:
+    """What :func:`to_dcp` wrote."""
+
+    out_dir: Path
+    files: tuple[str, ...]
+    tensors: int
+    nbytes: int
+
+
+class _Lazy:
+    """The flat DCP keys whose data the executor builds when the writer asks for it."""
+
+    def __init__(self) -> None:
+        self.plans: dict[str, tuple[TensorPlan, Executor]] = {}
+
+    def placeholder(self, key: str, tp: TensorPlan, executor: Executor) -> torch.Tensor:
+        self.plans[key] = (tp, executor)
+        return torch.empty(tp.shape, dtype=tp.out_dtype, device="meta")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tp.nbytes for tp, _ in self.plans.values())
+
+
+def _planner(lazy: _Lazy):
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class LazySavePlanner(DefaultSavePlanner):
+        """torch's planner, except that a tensor's data is made only when it is written."""
+
+        def resolve_data(self, write_item):
+            found = lazy.plans.get(write_item.index.fqn)
+            if found is None:
+                return super().resolve_data(write_item)
+            tp, executor = found
+            return executor.run(tp)
+
+    return LazySavePlanner()
+
+
+def to_dcp(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32,
+           optimizer: bool = True, tag: str | None = None, overwrite: bool = False) -> DcpResult:
+    """Write the checkpoint at ``ckpt_dir`` as a DCP folder in ``out_dir``.
+
+    Args:
+        ckpt_dir: the checkpoint root (holding ``latest``) or a tag folder.
+        out_dir: the DCP folder; written into a temporary folder inside it and moved into place
+            once complete, ``.metadata`` last.
+        dtype: the weights' dtype policy, as for :func:`zerofast.reconstruct` (fp32 by default,
+            ``None`` keeps what the checkpoint holds). Optimizer states stay as stored (fp32).
+        optimizer: also write the optimizer state (ZeRO stage 1-3) in ``get_state_dict``'s layout.
+        tag: which save to read when the root holds several.
+        overwrite: write into a folder that holds files zerofast did not write.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    weights = prepare(ckpt_dir, dtype, tag=tag)
+    lazy = _Lazy()
+    state: dict[str, Any] = {MODEL: _model_state(weights, lazy)}
+    if optimizer:
+        state[OPTIM] = _optim_state(weights, lazy)
+    out = Path(out_dir)
+    with output_dir(out, overwrite) as (tmp, previous):
+        try:
+            with warnings.catch_warnings():
+                # torch warns that no process group is set up; one process writing is the point.
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                save(state, storage_writer=FileSystemWriter(tmp, thread_count=1), planner=_planner(lazy),
+                     no_dist=True)
+        except OSError as e:
+            raise ExportError(f"could not write the DCP folder: {os_error(e)}; nothing was put in place", out) from e
+        data = sorted(n for n in os.listdir(tmp) if n.endswith(".distcp"))
+        commit(out, tmp, data, METADATA, previous)
+    return DcpResult(out, (*data, METADATA), len(lazy.plans), lazy.nbytes)
+
+
+def _model_state(prepared: Prepared, lazy: _Lazy) -> dict[str, torch.Tensor]:
+    """Every key of the model's ``state_dict()``, tied names each with their own copy (DCP keeps
+    one entry per name, as ``get_state_dict`` returns them)."""
+    executor = prepared.streaming_executor()
+    plan = prepared.plan
+    return {name: lazy.placeholder(f"{MODEL}.{name}", plan.tensors[plan.aliases.get(name, name)], executor)
+            for name in plan.order}
+
+
+def _optim_state(weights: Prepared, lazy: _Lazy) -> dict[str, Any]:
+    """``get_state_dict``'s optimizer layout: per-parameter states by name, and the param groups
+    with their parameters' names."""
+    ckpt = weights.checkpoint
+    keys = available_keys(ckpt)
+    states = plan_checkpoint(ckpt, None, optimizer_keys=keys, qualified=True)
+    executor = states.streaming_executor()
+    scalars = scalar_states(ckpt)
+    per_param: dict[str, dict[str, Any]] = {}
+    for name, values in scalars["state"].items():
+        entry = {k: lazy.placeholder(f"{OPTIM}.state.{name}.{k}", states.plan.tensors[f"{name}.{k}"], executor)
+                 for k in keys}
+        entry.update({k: _scalar(v) for k, v in values.items()})
+        per_param[name] = entry
+    return {"state": per_param, "param_groups": _param_groups(ckpt, scalars["param_groups"])}
+
+
+def _param_groups(ckpt, named: list[dict]) -> list[dict]:
+    """The wrapped optimizer's param groups with their values as torch keeps them (``betas`` a
+    tuple), ``params`` as names. ``named`` (JSON data, from ``scalar_states``) gives the names."""
+    inner = ckpt.optim_states[0].raw[K.OPTIMIZER_STATE_DICT].get(K.inner_key(ckpt.stage))
+    raw = [g for g, _ in param_groups(ckpt.optim_states[0], inner, K.inner_key(ckpt.stage))] \
+        if isinstance(inner, dict) else []
+    out = []
+    for i, group in enumerate(named):
+        settings = {k: v for k, v in (raw[i] if i < len(raw) else {}).items() if k != K.PARAMS and _plain(v)}
+        out.append({**group, **settings, K.PARAMS: list(group[K.PARAMS])})
+    return out
+
+
+def _plain(value: Any) -> bool:
+    if value is None or type(value) in (bool, int, float, str):
+        return True
+    return type(value) is tuple and len(value) <= 8 and all(type(v) in (int, float) for v in value)
+
+
+def _scalar(value: Any) -> Any:
+    """torch's optimizers keep ``step`` as a 0-d float32 tensor (not capturable, not fused)."""
+    if type(value) in (int, float):
+        return torch.tensor(float(value), dtype=torch.float32)
+    return value
