@@ -18,12 +18,13 @@ from typing import Sequence, TextIO
 import torch
 
 from . import __version__, dtypes
-from .cli_dcp import add_to_dcp
+from .cli_dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines, describe_dcp
 from .compat import export_like_deepspeed
 from .errors import ZeroFastError, short_repr
 from .export import distributed, export
 from .export.formats import FORMATS
 from .export.shards import parse_size
+from .load.dcp import DcpCheckpoint
 from .ops import resolve_device
 from .pipeline import prepare
 from .plan import BUFFER, FROZEN, TRAINABLE, keys, out_dtype_for
@@ -322,6 +323,8 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
         row["dtypes"] = sorted(row["dtypes"])
     output = {label: sum(tp.numel * out_dtype_for(tp.stored_dtype, d).itemsize for tp in plan.tensors.values())
               for label, d in dtypes.CLI_NAMES.items()}
+    if isinstance(ckpt, DcpCheckpoint):
+        return {**describe_dcp(ckpt, plan), "tensors": tensors, "output_bytes": output}
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
         "universal": ckpt.universal is not None,
@@ -396,7 +399,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def format_report(r: dict) -> str:
-    lines = [
+    lines = dcp_header_lines(r) if r.get("format") == DCP_FORMAT else [
         f"checkpoint    {r['checkpoint']}",
         f"tag           {r['tag']}" + (f"  (global step {r['global_steps']})" if r["global_steps"] is not None else ""),
         f"stage         ZeRO-{r['stage']}" + ("  (universal checkpoint, from ds_to_universal)" if r.get("universal") else ""),

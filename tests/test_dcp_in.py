@@ -1,0 +1,143 @@
+"""PyTorch Distributed Checkpoint folders as input: real ones saved by an FSDP2 gloo job at world 2
+and 4 (tests/dsgen/dcp.py), judged against torch's own ``dcp_to_torch_save`` and the job's
+gathered state; a planted ``.metadata`` runs under torch and is refused by zerofast."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import zerofast
+from zerofast.cli import main
+
+from tests.dsgen.dcp import WORLDS, ensure_dcp
+from tests.helpers import assert_bitwise_equal, expected_value
+
+
+def _torch_model_state(folder: Path, tmp: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / "torch_save.pt"
+    dcp_to_torch_save(folder, out)
+    return torch.load(out, weights_only=False)["model"]
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"w{w}")
+def folder(request) -> Path:
+    return ensure_dcp(request.param)
+
+
+def test_reconstruct_equals_dcp_to_torch_save_and_the_job(folder, tmp_path):
+    want = _torch_model_state(folder, tmp_path)
+    truth = torch.load(folder.parent / "truth.pt", weights_only=False)["model"]
+    got = zerofast.reconstruct(folder, dtype=None)
+    assert list(got) == list(want) and sorted(got) == sorted(truth)
+    for name, value in want.items():
+        assert_bitwise_equal(got[name], value, name)
+        assert_bitwise_equal(got[name], truth[name], name)
+    assert got["low.weight"].dtype == torch.bfloat16  # the bf16 unit stays bf16 under dtype=None
+    fp32 = zerofast.reconstruct(folder)
+    for name, value in want.items():
+        assert_bitwise_equal(fp32[name], expected_value(value, torch.float32), name)
+
+
+def test_lazy_builds_one_tensor_on_lookup(folder, tmp_path):
+    want = _torch_model_state(folder, tmp_path)
+    lazy = zerofast.reconstruct(folder, lazy=True, dtype=None)
+    assert lazy.meta("embed.weight").shape == (37, 10) and lazy.meta("mask").dtype == torch.bool
+    for name, value in want.items():
+        assert_bitwise_equal(lazy[name], value, name)
+
+
+@pytest.mark.parametrize("dtype,flag", [(None, "keep"), (torch.float32, "fp32"), (torch.bfloat16, "bf16")], ids=str)
+def test_export_equals_dcp_to_torch_save(folder, tmp_path, dtype, flag):
+    want = _torch_model_state(folder, tmp_path)
+    out = tmp_path / "hf"
+    assert main(["export", str(folder), str(out), "--dtype", flag, "--max-shard-size", "1KB", "--quiet"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    got = {}
+    for name in sorted(set(index["weight_map"].values())):
+        got.update(load_file(out / name))
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert_bitwise_equal(got[name], expected_value(value, dtype), name)  # ties: each name its own tensor
+
+
+def test_inspect_names_the_format(folder, capsys):
+    assert main(["inspect", str(folder)]) == 0
+    text = capsys.readouterr().out
+    world = int(folder.parent.name.split("_w")[1].split("-")[0])
+    assert f"format        PyTorch DCP, {world} ranks, FSDP2 shards (dim 0)" in text
+    assert main(["inspect", str(folder), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tensors"]["trainable"]["count"] == 7 and report["tensors"]["buffer"]["count"] == 2
+
+
+class _Planted:
+    """Pickles as a call of os.system: what a stranger's .metadata can hold."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_planted_metadata_runs_under_torch_and_is_refused_by_zerofast(tmp_path):
+    planted = tmp_path / "planted"
+    shutil.copytree(ensure_dcp(2), planted)
+    with open(planted / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # our own file, written by the fixture job
+    marker = tmp_path / "payload-ran"
+    meta.planner_data["zz"] = _Planted(f"touch {marker}")
+    with open(planted / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+    with pytest.raises(zerofast.UnsafeCheckpointError, match="'posix.system'.*nothing was executed"):
+        zerofast.reconstruct(planted)
+    assert main(["inspect", str(planted)]) == 1
+    assert not marker.exists()
+    # torch's own converter unpickles .metadata with plain pickle: the payload runs there.
+    code = ("from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+            f"dcp_to_torch_save({str(planted)!r}, {str(tmp_path / 'out.pt')!r})")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    assert marker.exists()
+
+
+def _copy(tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    shutil.copytree(ensure_dcp(2), target)
+    return target
+
+
+def test_missing_truncated_and_outside_data_files(tmp_path):
+    broken = _copy(tmp_path)
+    (broken / "__1_0.distcp").unlink()
+    with pytest.raises(zerofast.CheckpointNotFoundError, match="__1_0.distcp"):
+        zerofast.reconstruct(broken)
+    shutil.rmtree(broken)
+    broken = _copy(tmp_path)
+    with open(broken / "__0_0.distcp", "r+b") as f:
+        f.truncate(3000)  # inside the first model items
+    with pytest.raises(zerofast.CorruptCheckpointError, match="__0_0.distcp"):
+        zerofast.reconstruct(broken)
+    shutil.rmtree(broken)
+    broken = _copy(tmp_path)
+    data = (broken / ".metadata").read_bytes().replace(b"__0_0.distcp", b"../x0.distcp")
+    (broken / ".metadata").write_bytes(data)
+    with pytest.raises(zerofast.UnsafeCheckpointError, match="__<rank>_<n>.distcp"):
+        zerofast.reconstruct(broken)
+
+
+def test_options_a_dcp_folder_cannot_honour(tmp_path):
+    with pytest.raises(zerofast.UnsupportedCheckpointError, match="requires_grad"):
+        zerofast.reconstruct(ensure_dcp(2), exclude_frozen=True)
+    with pytest.raises(zerofast.UnsupportedCheckpointError, match="optimizer"):
+        zerofast.optimizer_state(ensure_dcp(2), "exp_avg")
