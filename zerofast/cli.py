@@ -18,16 +18,17 @@ from typing import Sequence, TextIO
 import torch
 
 from . import __version__, dtypes
-from .cli_dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines, describe_dcp
+from .cli_dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines
 from .compat import export_like_deepspeed
 from .errors import ZeroFastError, short_repr
 from .export import distributed, export
 from .export.formats import FORMATS
 from .export.shards import parse_size
-from .load.dcp import DcpCheckpoint
 from .ops import resolve_device
 from .pipeline import prepare
-from .plan import BUFFER, FROZEN, TRAINABLE, keys, out_dtype_for
+from . import keys
+from .dtypes import out_dtype_for
+from .plan import BUFFER, FROZEN, TRAINABLE
 
 KINDS = (TRAINABLE, FROZEN, BUFFER)
 
@@ -323,11 +324,12 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
         row["dtypes"] = sorted(row["dtypes"])
     output = {label: sum(tp.numel * out_dtype_for(tp.stored_dtype, d).itemsize for tp in plan.tensors.values())
               for label, d in dtypes.CLI_NAMES.items()}
-    if isinstance(ckpt, DcpCheckpoint):
-        return {**describe_dcp(ckpt, plan), "tensors": tensors, "output_bytes": output}
+    own = ckpt.layout.report(ckpt, plan)  # a save that is not DeepSpeed's says what it is itself
+    if own is not None:
+        return {**own, "tensors": tensors, "output_bytes": output}
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
-        "universal": ckpt.universal is not None,
+        "layout": ckpt.layout.name, "universal": ckpt.layout.name == "universal",
         "world_size": plan.world_size, "deepspeed_version": _text_or_none(ckpt.ds_version),
         "global_steps": _int_or_none(ckpt.meta.raw.get(keys.GLOBAL_STEPS)),
         "training_dtype": _training_dtype(ckpt.meta.raw.get(keys.DS_CONFIG)),

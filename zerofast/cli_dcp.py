@@ -7,7 +7,7 @@ import argparse
 import time
 
 from . import dtypes
-from .plan.dcp import model_tensors
+from .layouts.dcp import FORMAT
 
 
 def add_to_dcp(sub, common) -> None:
@@ -41,27 +41,7 @@ def _to_dcp(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 # inspect of a DCP folder: the header of the report (the tensor table is the same as for ZeRO)
 
-DCP_FORMAT = "PyTorch DCP"
-
-
-def describe_dcp(ckpt, plan) -> dict:
-    """What ``inspect`` says about a DCP folder besides its tensor table (metadata only)."""
-    model = list(model_tensors(ckpt).values())
-    return {"format": DCP_FORMAT, "checkpoint": str(ckpt.folder), "ranks": ckpt.ranks,
-            "sharding": sharding(list(model)), "dcp_version": ckpt.version,
-            "other_tensors": len(ckpt.tensors) - len(model), "other_items": len(ckpt.others),
-            "tied": {}, "frozen_excluded": False, "absent_frozen": []}
-
-
-def sharding(tensors) -> str:
-    """How the model's tensors are cut: FSDP2 (and FSDP1's sharded state dict) cut along dim 0."""
-    split = [t for t in tensors if sum(1 for c in t.chunks if c.numel) > 1]
-    if not split:
-        return "unsharded (one chunk per tensor)"
-    if all(all(o == 0 for c in t.chunks for o in c.offsets[1:]) and all(c.sizes[1:] == t.size[1:] for c in t.chunks)
-           for t in split):
-        return "FSDP2 shards (dim 0)"
-    return "DTensor shards (chunked on several dims)"
+DCP_FORMAT = FORMAT
 
 
 def dcp_header_lines(r: dict) -> list[str]:

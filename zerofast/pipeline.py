@@ -13,21 +13,19 @@ from typing import Sequence
 import torch
 
 from . import dtypes
-from .discover import discover
-from .errors import FrozenWeightsAbsentWarning, UnsupportedCheckpointError
+from .errors import FrozenWeightsAbsentWarning
 from .execute import Executor
 from .execute.read_batch import BatchReader, locate
-from .load import LoadedCheckpoint, load_checkpoint
-from .load.dcp import DcpCheckpoint, is_dcp_folder, read_dcp
+from .layouts import discover, load_checkpoint
+from .load import LoadedCheckpoint
 from .plan import Plan, SourceTable, build_optimizer_plan, build_plan
-from .plan.dcp import build_dcp_plan
 
 
 @dataclass
 class Prepared:
     """A checkpoint read and planned: everything but the data movement."""
 
-    checkpoint: LoadedCheckpoint | DcpCheckpoint
+    checkpoint: LoadedCheckpoint
     plan: Plan
     sources: list[torch.Tensor]
     mapped: list[bool]  # per source: a view of a file mapping, not a copy
@@ -50,33 +48,19 @@ class Prepared:
 
 def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
             exclude_frozen: bool = False, optimizer_keys: Sequence[str] | None = None,
-            warn_absent: bool = True) -> Prepared:
+            warn_absent: bool = True, follow_symlinks: bool | None = None) -> Prepared:
     """Read and plan the state dict, or with ``optimizer_keys`` (exactly one) that per-element
     state of the wrapped optimizer, named like the parameters. A full state dict of a save that
-    left its frozen weights out warns (``FrozenWeightsAbsentWarning``) unless ``warn_absent`` is off."""
+    left its frozen weights out warns (``FrozenWeightsAbsentWarning``) unless ``warn_absent`` is off.
+    ``follow_symlinks``: follow links that leave the checkpoint folder (None: the setting)."""
     dtypes.check(dtype)
-    if is_dcp_folder(ckpt_dir):  # the one dispatch until the layout registry (issue 21) takes it
-        return prepare_dcp(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen, optimizer_keys=optimizer_keys)
-    prepared = plan_checkpoint(load_checkpoint(discover(ckpt_dir, tag)), dtype, exclude_frozen=exclude_frozen,
+    files = discover(ckpt_dir, tag, follow_symlinks=follow_symlinks)
+    prepared = plan_checkpoint(load_checkpoint(files), dtype, exclude_frozen=exclude_frozen,
                                optimizer_keys=optimizer_keys)
     plan = prepared.plan
     if plan.frozen_excluded and optimizer_keys is None and not exclude_frozen and warn_absent:
         _warn_frozen_absent(plan, prepared.checkpoint.files.tag_dir)
     return prepared
-
-
-def prepare_dcp(folder: str | os.PathLike, dtype: torch.dtype | None, *, tag: str | None = None,
-                exclude_frozen: bool = False, optimizer_keys: Sequence[str] | None = None) -> Prepared:
-    """:func:`prepare` for a PyTorch DCP folder: its model tensors, put together from their chunks."""
-    if tag is not None or exclude_frozen or optimizer_keys is not None:
-        what = "tags" if tag is not None else "requires_grad" if exclude_frozen else "ZeRO optimizer partitions"
-        raise UnsupportedCheckpointError(f"a PyTorch DCP folder records no {what}; read it without "
-                                         f"{'tag' if tag is not None else 'exclude_frozen' if exclude_frozen else 'optimizer states'}",
-                                         folder)
-    ckpt = read_dcp(folder)
-    table = SourceTable()
-    plan = build_dcp_plan(ckpt, table, dtype)
-    return Prepared(ckpt, plan, table.tensors, table.mapped, table.files)
 
 
 def _warn_frozen_absent(plan: Plan, where: os.PathLike) -> None:

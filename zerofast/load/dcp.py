@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..discover import DCP_METADATA
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, InconsistentCheckpointError,
                       UnsafeCheckpointError, UnsupportedCheckpointError, ZeroFastError, first_line, short_repr)
 from .dcp_stand_ins import DCP_ALLOWED, DcpRecord
@@ -30,7 +31,7 @@ from .pickle_bounds import BoundsExceeded
 from .stand_ins import RefusedState
 from .unpickle import Refused, load_embedded_archive, load_pickle, map_file
 
-METADATA = ".metadata"
+METADATA = DCP_METADATA
 METADATA_LIMIT = 1 << 30  # a .metadata of a 100k-tensor, 1k-rank save is tens of MB
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _TENSOR = "torch.distributed.checkpoint.metadata.TensorStorageMetadata"
@@ -60,38 +61,15 @@ class DcpTensor:
 
 
 @dataclass(frozen=True)
-class DcpFiles:
-    """Where a DCP checkpoint is, named as a DeepSpeed one's files are (a DCP folder has no tags:
-    the folder is root, tag folder and tag)."""
-
-    root: Path
-    tag_dir: Path
-    tag: str
-
-
-@dataclass(frozen=True)
-class DcpCheckpoint:
+class DcpRecords:
     folder: Path
     tensors: dict[str, DcpTensor]  # in the order of the metadata (the saved state dict's order)
     others: tuple[str, ...]  # flat keys of non-tensor items (hyperparameters, ...), never read
     ranks: int  # how many ranks wrote data files
     version: str | None
 
-    @property
-    def files(self) -> DcpFiles:
-        return DcpFiles(self.folder, self.folder, self.folder.name)
 
-    @property
-    def world_size(self) -> int:
-        return self.ranks
-
-
-def is_dcp_folder(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a folder written by ``dcp.save`` (it holds ``.metadata``)."""
-    return (Path(path) / METADATA).is_file()
-
-
-def read_dcp(folder: str | os.PathLike) -> DcpCheckpoint:
+def read_dcp(folder: str | os.PathLike) -> DcpRecords:
     """The folder's metadata as plain records, checked against the files it names."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -118,7 +96,7 @@ def read_dcp(folder: str | os.PathLike) -> DcpCheckpoint:
                                          f"{entry.dcp_name}", folder / METADATA)
     ranks = {int(_DATA_FILE.match(c.file).group(1)) for t in tensors.values() for c in t.chunks}
     version = meta.get("version")
-    return DcpCheckpoint(folder, tensors, tuple(others), len(ranks), version if isinstance(version, str) else None)
+    return DcpRecords(folder, tensors, tuple(others), len(ranks), version if isinstance(version, str) else None)
 
 
 def _unpickle_metadata(path: Path) -> DcpRecord:
@@ -220,7 +198,7 @@ def _check_cover(key: str, size: tuple[int, ...], chunks: list[DcpChunk], where:
 class ChunkReader:
     """Reads chunks by offset out of their ``.distcp`` files, one private mapping per file."""
 
-    def __init__(self, ckpt: DcpCheckpoint):
+    def __init__(self, ckpt: DcpRecords):
         self.ckpt = ckpt
         self._mappings: dict[str, torch.UntypedStorage] = {}
 

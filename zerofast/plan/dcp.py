@@ -19,14 +19,14 @@ import math
 
 import torch
 
-from ..load.dcp import ChunkReader, DcpCheckpoint, DcpTensor
-from .build import out_dtype_for
+from ..dtypes import out_dtype_for
+from ..load.dcp import ChunkReader, DcpRecords, DcpTensor
 from .model import BUFFER, TRAINABLE, Plan, Segments, SourceTable, TensorPlan
 
 MODEL = "model"
 
 
-def model_tensors(ckpt: DcpCheckpoint) -> dict[str, DcpTensor]:
+def model_tensors(ckpt: DcpRecords) -> dict[str, DcpTensor]:
     """The model's tensors by their names in the model, in the order they were saved."""
     nested = [t for t in ckpt.tensors.values() if len(t.path) == 2 and t.path[0] == MODEL]
     if nested:
@@ -34,7 +34,7 @@ def model_tensors(ckpt: DcpCheckpoint) -> dict[str, DcpTensor]:
     return {t.path[0]: t for t in ckpt.tensors.values() if len(t.path) == 1}
 
 
-def build_dcp_plan(ckpt: DcpCheckpoint, table: SourceTable, dtype: torch.dtype | None) -> Plan:
+def build_dcp_plan(ckpt: DcpRecords, table: SourceTable, dtype: torch.dtype | None) -> Plan:
     reader = ChunkReader(ckpt)
     tensors = {}
     for name, t in model_tensors(ckpt).items():

@@ -30,8 +30,8 @@ from ...errors import ExportError
 from ...execute import Executor
 from ...pipeline import Prepared, plan_checkpoint, prepare
 from ...plan.model import TensorPlan
-from ...plan import keys as K
-from ...plan.optimizer import available_keys, param_groups, scalar_states
+from ...keys import PARAMS
+from ...plan.optimizer import available_keys, scalar_states
 from ..outdir import commit, os_error, output_dir
 
 MODEL, OPTIM = "model", "optim"  # the top-level keys of the DCP tutorial's app state
@@ -168,26 +168,13 @@ def _optim_state(weights: Prepared, lazy: _Lazy) -> dict[str, Any]:
                  for k in keys}
         entry.update({k: _scalar(v) for k, v in values.items()})
         per_param[name] = entry
-    return {"state": per_param, "param_groups": _param_groups(ckpt, scalars["param_groups"])}
+    return {"state": per_param, "param_groups": _param_groups(scalars["param_groups"])}
 
 
-def _param_groups(ckpt, named: list[dict]) -> list[dict]:
-    """The wrapped optimizer's param groups with their values as torch keeps them (``betas`` a
-    tuple), ``params`` as names. ``named`` (JSON data, from ``scalar_states``) gives the names."""
-    inner = ckpt.optim_states[0].raw[K.OPTIMIZER_STATE_DICT].get(K.inner_key(ckpt.stage))
-    raw = [g for g, _ in param_groups(ckpt.optim_states[0], inner, K.inner_key(ckpt.stage))] \
-        if isinstance(inner, dict) else []
-    out = []
-    for i, group in enumerate(named):
-        settings = {k: v for k, v in (raw[i] if i < len(raw) else {}).items() if k != K.PARAMS and _plain(v)}
-        out.append({**group, **settings, K.PARAMS: list(group[K.PARAMS])})
-    return out
-
-
-def _plain(value: Any) -> bool:
-    if value is None or type(value) in (bool, int, float, str):
-        return True
-    return type(value) is tuple and len(value) <= 8 and all(type(v) in (int, float) for v in value)
+def _param_groups(named: list[dict]) -> list[dict]:
+    """The param groups of ``scalar_states`` (JSON data) as torch keeps them: ``betas`` and other
+    lists of numbers as tuples; ``params`` stays a list of names."""
+    return [{k: tuple(v) if k != PARAMS and isinstance(v, list) else v for k, v in group.items()} for group in named]
 
 
 def _scalar(value: Any) -> Any:
