@@ -141,3 +141,21 @@ def test_options_a_dcp_folder_cannot_honour(tmp_path):
         zerofast.reconstruct(ensure_dcp(2), exclude_frozen=True)
     with pytest.raises(zerofast.UnsupportedCheckpointError, match="optimizer"):
         zerofast.optimizer_state(ensure_dcp(2), "exp_avg")
+
+
+@pytest.mark.parametrize("size,offsets,sizes", [
+    ((4, 6, 5), (1, 2, 0), (2, 3, 5)),   # a box inside: one run per (row, column) index before dim 2
+    ((7, 10), (0, 4), (7, 3)),           # a column split (tensor parallel): one run per row
+    ((37, 10), (30, 0), (7, 10)),        # FSDP2's dim-0 shard: one run
+    ((5,), (2,), (3,)),
+    ((), (), ()),                         # a 0-d tensor (step, a scalar buffer)
+])
+def test_box_runs_place_every_element_of_a_chunk(size, offsets, sizes):
+    from zerofast.plan.dcp import box_runs
+
+    full = torch.arange(max(1, int(torch.Size(size).numel()))).view(size)
+    chunk = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].contiguous().reshape(-1)
+    runs = box_runs(0, size, offsets, sizes)
+    assert sum(n for *_, n in runs) == chunk.numel()
+    for src, src_off, dst, n in runs:
+        assert src == 0 and torch.equal(chunk[src_off:src_off + n], full.reshape(-1)[dst:dst + n])
