@@ -159,3 +159,18 @@ def test_box_runs_place_every_element_of_a_chunk(size, offsets, sizes):
     assert sum(n for *_, n in runs) == chunk.numel()
     for src, src_off, dst, n in runs:
         assert src == 0 and torch.equal(chunk[src_off:src_off + n], full.reshape(-1)[dst:dst + n])
+
+
+def test_stand_ins_keep_plain_data_only():
+    from zerofast.load.dcp_stand_ins import DCP_ALLOWED
+    from zerofast.load.stand_ins import RefusedState
+
+    record = DCP_ALLOWED["torch.distributed.checkpoint.metadata.MetadataIndex"]
+    index = record.__new__(record)
+    index.__setstate__({"fqn": "model.w", "offset": torch.Size([0, 0]), "index": 0})
+    assert index.get("fqn") == "model.w"
+    for bad in ({"get": 1}, {"__class__": dict}, {"fqn": object()}, ["not", "a", "dict"]):
+        with pytest.raises(RefusedState):
+            record.__new__(record).__setstate__(bad)
+    with pytest.raises(AttributeError):
+        record.get = lambda *a: None  # the class is read-only

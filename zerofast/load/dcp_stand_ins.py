@@ -58,7 +58,8 @@ class DcpRecord(metaclass=_ReadOnlyClass):
         if not isinstance(state, dict):
             raise RefusedState(self.dcp_name, f"expected a dict of fields, got {type(state).__name__}")
         for key, value in state.items():
-            if type(key) is not str or key.startswith("__"):
+            # A dunder or a method's name (``get``) would shadow the record's own attributes.
+            if type(key) is not str or key.startswith("__") or hasattr(type(self), key):
                 raise RefusedState(self.dcp_name, f"refused field name {short_repr(key)}")
             if not _plain(value):
                 raise RefusedState(self.dcp_name, f"field {short_repr(key)} holds a {type(value).__name__}, "
