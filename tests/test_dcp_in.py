@@ -174,3 +174,14 @@ def test_stand_ins_keep_plain_data_only():
             record.__new__(record).__setstate__(bad)
     with pytest.raises(AttributeError):
         record.get = lambda *a: None  # the class is read-only
+
+
+def test_load_into_a_fresh_model(folder):
+    from tests.dsgen.dcp import DcpModel
+
+    truth = torch.load(folder.parent / "truth.pt", weights_only=False)["model"]
+    model = DcpModel()
+    result = zerofast.load_into(model, folder)
+    assert not result.missing_keys and not result.unexpected_keys
+    for name, value in model.state_dict().items():
+        assert_bitwise_equal(value, truth[name], name)
