@@ -185,3 +185,12 @@ def test_load_into_a_fresh_model(folder):
     assert not result.missing_keys and not result.unexpected_keys
     for name, value in model.state_dict().items():
         assert_bitwise_equal(value, truth[name], name)
+
+
+def test_a_root_of_step_folders_picks_one_like_a_tag(tmp_path):
+    shutil.copytree(ensure_dcp(2), tmp_path / "step-10")
+    assert "embed.weight" in zerofast.reconstruct(tmp_path, lazy=True)
+    shutil.copytree(ensure_dcp(4), tmp_path / "step-20")
+    with pytest.raises(zerofast.AmbiguousTagError, match="step-10"):
+        zerofast.reconstruct(tmp_path)
+    assert main(["inspect", str(tmp_path), "--tag", "step-20", "--json"]) == 0
