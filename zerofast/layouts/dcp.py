@@ -1,6 +1,6 @@
 """PyTorch Distributed Checkpoint folders (``torch.distributed.checkpoint.save``: FSDP2, torchtitan).
 
-Claimed by the ``.metadata`` file in the folder. The folder is its own tag (a root holding one
+Claimed by the ``.metadata`` file and the ``__<rank>_<n>.distcp`` files in the folder. The folder is its own tag (a root holding one
 such folder per step, as torchtitan keeps them, picks one like a DeepSpeed root picks a tag).
 The records are read by :mod:`zerofast.load.dcp` (``.metadata`` through the restricted
 unpickler, chunks by offset) and the model's tensors planned by :mod:`zerofast.plan.dcp`.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..discover import CheckpointFiles, Found
-from ..errors import CheckpointNotFoundError, UnsupportedCheckpointError
+from ..errors import UnsupportedCheckpointError
 from ..load import LoadedCheckpoint
 from ..load.dcp import METADATA, DcpRecords, read_dcp
 from ..plan.dcp import build_dcp_plan, model_tensors
@@ -60,13 +60,13 @@ class DcpLayout(Layout):
     subsumes = ("universal", "moe", "pipeline", "autotp")  # its own names say nothing of those
 
     def claims(self, found: Found) -> str | None:
-        return METADATA if METADATA in found.names else None
+        # Both: a stray .metadata next to DeepSpeed's files (another tool's) claims nothing.
+        if METADATA in found.names and any(_DATA_FILE.match(n) for n in found.names):
+            return METADATA
+        return None
 
     def list_files(self, found: Found) -> DcpFiles:
         data = tuple(found.tag_dir / n for n in found.names if _DATA_FILE.match(n))
-        if not data:
-            raise CheckpointNotFoundError("expected __<rank>_<n>.distcp data files next to .metadata, found none",
-                                          found.tag_dir)
         return DcpFiles(found.root, found.tag, found.tag_dir, (), (), layout=self, data_files=data)
 
     def load(self, files: CheckpointFiles) -> DcpCheckpoint:
