@@ -115,3 +115,23 @@ def test_stage0_has_no_partitioned_optimizer_state(tmp_path):
     assert not (tmp_path / "out" / ".metadata").exists()
     result = zerofast.to_dcp(real_root("s0_bf16_w2"), tmp_path / "out", optimizer=False)
     assert (result.out_dir / ".metadata").is_file()
+
+
+def test_every_catalog_layout(real_ckpt, tmp_path):
+    """The weights equal reconstruct's and the moments DeepSpeed's own, at every stage and layout
+    of the catalog; saves without what get_state_dict's layout needs are refused, nothing written."""
+    name, root, truth = real_ckpt
+    elastic = truth["spec"].get("ds_config", {}).get("zero_optimization", {}).get("elastic_checkpoint")
+    if truth["stage"] == 0 or elastic:
+        with pytest.raises(zerofast.UnsupportedCheckpointError, match="stage 0|no param groups"):
+            zerofast.to_dcp(root, tmp_path / "out")
+        assert not (tmp_path / "out" / ".metadata").exists()
+        return
+    got = _torch_save_of(zerofast.to_dcp(root, tmp_path / "out").out_dir, tmp_path)
+    want = zerofast.reconstruct(root)
+    assert list(got["model"]) == list(want)
+    for key, value in want.items():
+        assert_bitwise_equal(got["model"][key], value, key)
+    for key, values in truth["optimizer_states"].items():
+        for param, value in values.items():
+            assert_bitwise_equal(got["optim"]["state"][param][key], value, f"{param}.{key}")

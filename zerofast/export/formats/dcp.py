@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ...errors import ExportError
+from ...errors import ExportError, UnsupportedCheckpointError
 from ...execute import Executor
 from ...keys import PARAMS
 from ...pipeline import Prepared, plan_checkpoint, prepare
@@ -164,9 +164,16 @@ def _optim_state(weights: Prepared, lazy: _Lazy) -> dict[str, Any]:
     with their parameters' names."""
     ckpt = weights.checkpoint
     keys = available_keys(ckpt)
+    scalars = scalar_states(ckpt)
+    if not keys or not scalars["param_groups"]:
+        # set_state_dict needs both: the per-parameter states and the groups that own them.
+        missing = "no per-element state kept for every param group" if not keys else \
+            "no param groups (an elastic_checkpoint save)"
+        raise UnsupportedCheckpointError(f"the optimizer state has {missing}, which get_state_dict's layout "
+                                         "needs; pass optimizer=False (--no-optimizer) for the weights alone",
+                                         ckpt.files.tag_dir)
     states = plan_checkpoint(ckpt, None, optimizer_keys=keys, qualified=True)
     executor = states.streaming_executor()
-    scalars = scalar_states(ckpt)
     per_param: dict[str, dict[str, Any]] = {}
     for name, values in scalars["state"].items():
         entry = {k: lazy.placeholder(f"{OPTIM}.state.{name}.{k}", states.plan.tensors[f"{name}.{k}"], executor)
