@@ -1,7 +1,8 @@
 """``zerofast.to_dcp``: a PyTorch Distributed Checkpoint (DCP) folder, straight from a ZeRO save.
 
-The folder is written by torch's own ``FileSystemWriter``, so the format is torch's: a
-``.metadata`` file and ``__0_0.distcp``, ``__0_1.distcp`` (one per writer thread). What it holds is what
+torch plans the save and writes ``.metadata`` (its ``dcp.save`` and ``FileSystemWriter``), so
+the format is torch's: ``__0_0.distcp`` holds the small items, and each tensor has a
+``__0_<n>.distcp`` of its own, as torch's ``single_file_per_rank=False`` lays them out. What it holds is what
 ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optim)`` returns, under the
 keys the DCP tutorial (and ``dcp.load`` plus ``set_state_dict``) uses::
 
@@ -9,21 +10,14 @@ keys the DCP tutorial (and ``dcp.load`` plus ``set_state_dict``) uses::
      "optim": {"state": {fqn: {"exp_avg": t, "exp_avg_sq": t, "step": t}},
                "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}]}}
 
-Nothing is built ahead: the planner hands torch meta tensors (shape and dtype only), and when
-the writer asks for a tensor's data (``resolve_data``, called once per tensor as it is written)
-zerofast's executor builds that one tensor from the checkpoint files. Peak memory is one
-tensor per writer thread plus torch's write buffer.
-
-Measured against copying the save's files (benchmarks/, ``run.py --dcp``): the time goes to
-torch's ``write`` of each item's bytes through ``torch.save`` and to the gather before it, two
-copies where ``copy_file_range`` makes one; the two writer threads overlap them.
+Nothing is built in memory: torch is handed meta tensors (shape and dtype only), and the
+storage writer (:mod:`.dcp_storage`) has the executor write each tensor's bytes into its file
+straight from the checkpoint files.
 """
 from __future__ import annotations
 
 import os
-import threading
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,12 +31,10 @@ from ...pipeline import Prepared, plan_checkpoint, prepare
 from ...plan.model import TensorPlan
 from ...plan.optimizer import available_keys, scalar_states
 from ..outdir import commit, os_error, output_dir
+from .dcp_storage import storage_writer
 
 MODEL, OPTIM = "model", "optim"  # the top-level keys of the DCP tutorial's app state
 METADATA = ".metadata"
-# Two files written by two threads: one gathers a tensor while the other writes one (both calls
-# release the GIL), which hides most of the gather behind the disk writes.
-WRITER_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -56,26 +48,11 @@ class DcpResult:
 
 
 class _Lazy:
-    """The flat DCP keys whose data the executor builds when the writer asks for it.
-
-    Each writer thread asks for one tensor at a time and is done with it before it asks for the
-    next, so each thread keeps one buffer per size of tensor, filled again for the next tensor of
-    that size: fresh memory for every tensor would cost a page fault per 4 KiB."""
+    """The flat DCP keys whose data the executor writes (:mod:`.dcp_storage`) when torch's save
+    reaches them; torch itself only ever sees their shape and dtype."""
 
     def __init__(self) -> None:
         self.plans: dict[str, tuple[TensorPlan, Executor]] = {}
-        self._local = threading.local()
-
-    def build(self, key: str) -> torch.Tensor | None:
-        found = self.plans.get(key)
-        if found is None:
-            return None
-        tp, executor = found
-        buffers = self._local.__dict__.setdefault("buffers", {})
-        buffer = buffers.get((tp.numel, tp.out_dtype))
-        if buffer is None:
-            buffer = buffers[(tp.numel, tp.out_dtype)] = torch.empty(tp.numel, dtype=tp.out_dtype)
-        return executor.run(tp, buffer)
 
     def placeholder(self, key: str, tp: TensorPlan, executor: Executor) -> torch.Tensor:
         self.plans[key] = (tp, executor)
@@ -84,19 +61,6 @@ class _Lazy:
     @property
     def nbytes(self) -> int:
         return sum(tp.nbytes for tp, _ in self.plans.values())
-
-
-def _planner(lazy: _Lazy):
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    class LazySavePlanner(DefaultSavePlanner):
-        """torch's planner, except that a tensor's data is made only when it is written."""
-
-        def resolve_data(self, write_item):
-            built = lazy.build(write_item.index.fqn)
-            return super().resolve_data(write_item) if built is None else built
-
-    return LazySavePlanner()
 
 
 def to_dcp(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32,
@@ -113,7 +77,7 @@ def to_dcp(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         tag: which save to read when the root holds several.
         overwrite: write into a folder that holds files zerofast did not write.
     """
-    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint import save
 
     weights = prepare(ckpt_dir, dtype, tag=tag)
     lazy = _Lazy()
@@ -123,31 +87,15 @@ def to_dcp(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     out = Path(out_dir)
     with output_dir(out, overwrite) as (tmp, previous):
         try:
-            with warnings.catch_warnings(), _without_crc32():
+            with warnings.catch_warnings():
                 # torch warns that no process group is set up; one process writing is the point.
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-                # No fsync, like every other zerofast writer: the files reach their final names by
-                # rename only once complete.
-                writer = FileSystemWriter(tmp, thread_count=WRITER_THREADS, sync_files=False)
-                save(state, storage_writer=writer, planner=_planner(lazy), no_dist=True)
+                save(state, storage_writer=storage_writer(tmp, lazy.plans.get), no_dist=True)
         except OSError as e:
             raise ExportError(f"could not write the DCP folder: {os_error(e)}; nothing was put in place", out) from e
         data = sorted(n for n in os.listdir(tmp) if n.endswith(".distcp"))
         commit(out, tmp, data, METADATA, previous)
     return DcpResult(out, (*data, METADATA), len(lazy.plans), lazy.nbytes)
-
-
-@contextmanager
-def _without_crc32():
-    """torch.save without the zip CRC of each entry (torch's own ``set_crc32_options`` switch;
-    ``torch.load`` does not check it): computing it costs as much as writing the bytes. The
-    switch is torch's process-wide setting; it is put back as it was when the writing ends."""
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
 
 
 def _model_state(prepared: Prepared, lazy: _Lazy) -> dict[str, torch.Tensor]:
