@@ -28,7 +28,7 @@ def add_to_dcp(sub, common) -> None:
 
 
 def _to_dcp(args: argparse.Namespace) -> int:
-    from .export.formats.dcp import to_dcp
+    from .writers.dcp import to_dcp
 
     start = time.perf_counter()
     result = to_dcp(args.ckpt, args.out, dtype=dtypes.CLI_NAMES[args.dtype], optimizer=args.optimizer, tag=args.tag,

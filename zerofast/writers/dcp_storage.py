@@ -20,12 +20,12 @@ from typing import Callable
 import torch
 from torch.serialization import skip_data
 
-from ...execute import Executor
-from ...load.archive import index_archive
-from ...plan.model import TensorPlan
-from ..outdir import writing
-from ..torch_stream import Skeleton
-from ..windows import write_windows
+from ..execute import Executor
+from ..load.archive import index_archive
+from ..output.transaction import writing
+from ..output.windows import write_windows
+from ..plan.model import TensorPlan
+from .torch_stream import Skeleton
 
 Lookup = Callable[[str], "tuple[TensorPlan, Executor] | None"]
 

@@ -24,17 +24,18 @@ from typing import Any
 
 import torch
 
-from ...errors import ExportError, UnsupportedCheckpointError
-from ...execute import Executor
-from ...keys import PARAMS
-from ...pipeline import Prepared, plan_checkpoint, prepare
-from ...plan.model import TensorPlan
-from ...plan.optimizer import available_keys, scalar_states
-from ..outdir import commit, os_error, output_dir
+from ..errors import ExportError, UnsupportedCheckpointError
+from ..execute import Executor
+from ..keys import PARAMS
+from ..output.transaction import checkpoint_inputs, os_error, output_dir
+from ..pipeline import Prepared, plan_checkpoint, prepare
+from ..plan.model import TensorPlan
+from ..plan.optimizer import available_keys, scalar_states
 from .dcp_storage import storage_writer
 
 MODEL, OPTIM = "model", "optim"  # the top-level keys of the DCP tutorial's app state
 METADATA = ".metadata"
+COMMAND = "to-dcp"  # what the output folder's marker records
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ def to_dcp(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     if optimizer:
         state[OPTIM] = _optim_state(weights, lazy)
     out = Path(out_dir)
-    with output_dir(out, overwrite) as (tmp, previous):
+    with output_dir(out, overwrite, command=COMMAND, inputs=checkpoint_inputs(weights.checkpoint.files)) as folder:
+        tmp = folder.tmp
         try:
             with warnings.catch_warnings():
                 # torch warns that no process group is set up; one process writing is the point.
@@ -94,7 +96,7 @@ def to_dcp(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         except OSError as e:
             raise ExportError(f"could not write the DCP folder: {os_error(e)}; nothing was put in place", out) from e
         data = sorted(n for n in os.listdir(tmp) if n.endswith(".distcp"))
-        commit(out, tmp, data, METADATA, previous)
+        folder.commit([*data, METADATA], pointer=lambda name: name == METADATA)
     return DcpResult(out, (*data, METADATA), len(lazy.plans), lazy.nbytes)
 
 
