@@ -137,3 +137,18 @@ def test_every_catalog_layout(real_ckpt, tmp_path):
     for key, values in truth["optimizer_states"].items():
         for param, value in values.items():
             assert_bitwise_equal(got["optim"]["state"][param][key], value, f"{param}.{key}")
+
+
+def test_a_write_error_is_one_export_error_and_nothing_is_put_in_place(tmp_path, monkeypatch):
+    import errno
+
+    from zerofast.writers import dcp_storage
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_storage, "index_archive", full_disk)
+    out = tmp_path / "out"
+    with pytest.raises(zerofast.ExportError, match="No space left on device"):
+        zerofast.to_dcp(real_root("s2_bf16_w2_frozen_tied"), out)
+    assert [p.name for p in out.iterdir()] == []  # no file under a final name, no temporary folder

@@ -78,8 +78,6 @@ def to_dcp(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         tag: which save to read when the root holds several.
         overwrite: write into a folder that holds files zerofast did not write.
     """
-    from torch.distributed.checkpoint import save
-
     weights = prepare(ckpt_dir, dtype, tag=tag)
     lazy = _Lazy()
     state: dict[str, Any] = {MODEL: _model_state(weights, lazy)}
@@ -89,15 +87,33 @@ def to_dcp(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     with output_dir(out, overwrite, command=COMMAND, inputs=checkpoint_inputs(weights.checkpoint.files)) as folder:
         tmp = folder.tmp
         try:
-            with warnings.catch_warnings():
-                # torch warns that no process group is set up; one process writing is the point.
-                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-                save(state, storage_writer=storage_writer(tmp, lazy.plans.get), no_dist=True)
+            _save(state, tmp, lazy)
         except OSError as e:
             raise ExportError(f"could not write the DCP folder: {os_error(e)}; nothing was put in place", out) from e
         data = sorted(n for n in os.listdir(tmp) if n.endswith(".distcp"))
         folder.commit([*data, METADATA], pointer=lambda name: name == METADATA)
     return DcpResult(out, (*data, METADATA), len(lazy.plans), lazy.nbytes)
+
+
+def _save(state: dict, tmp: Path, lazy: _Lazy) -> None:
+    """``dcp.save`` into ``tmp``, in this process alone, with the errors it wraps unwrapped.
+
+    torch wraps whatever a step raises (an ExportError for a full disk, Ctrl-C) in a
+    ``CheckpointException``, a BaseException whose message is a traceback; the error itself is
+    what the caller (and the CLI's one-line report) needs."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            # torch warns that no process group is set up; one process writing is the point.
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            save(state, storage_writer=storage_writer(tmp, lazy.plans.get), no_dist=True)
+    except CheckpointException as e:
+        failures = [pair[0] if isinstance(pair, tuple) else pair for pair in e.failures.values()]
+        if failures and isinstance(failures[0], BaseException):
+            raise failures[0] from None
+        raise
 
 
 def _model_state(prepared: Prepared, lazy: _Lazy) -> dict[str, torch.Tensor]:
