@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from . import dtypes
-from .layouts.dcp import FORMAT
+from .cli_args import dtype_arg
+
+# What inspect's report calls the format; zerofast.layouts.dcp.FORMAT, spelled here too so that
+# building the parser imports no torch (tests/test_dcp_in.py checks that they agree).
+DCP_FORMAT = "PyTorch DCP"
 
 
 def add_to_dcp(sub, common) -> None:
@@ -18,7 +21,7 @@ def add_to_dcp(sub, common) -> None:
                                    "an FSDP2 job at any world size.")
     d.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     d.add_argument("out", metavar="OUT", help="the DCP folder")
-    d.add_argument("--dtype", choices=list(dtypes.CLI_NAMES), default="fp32",
+    d.add_argument("--dtype", type=dtype_arg, default="fp32", metavar="{fp32,bf16,fp16,keep}",
                    help="dtype of floating weights; 'keep' keeps what the checkpoint holds (default: fp32); "
                         "optimizer states stay as stored")
     d.add_argument("--optimizer", action=argparse.BooleanOptionalAction, default=True,
@@ -31,7 +34,7 @@ def _to_dcp(args: argparse.Namespace) -> int:
     from .writers.dcp import to_dcp
 
     start = time.perf_counter()
-    result = to_dcp(args.ckpt, args.out, dtype=dtypes.CLI_NAMES[args.dtype], optimizer=args.optimizer, tag=args.tag,
+    result = to_dcp(args.ckpt, args.out, dtype=args.dtype, optimizer=args.optimizer, tag=args.tag,
                     overwrite=args.overwrite)
     print(f"wrote {len(result.files)} files ({result.nbytes:,} bytes of tensors, {result.tensors} tensors) to "
           f"{result.out_dir} in {time.perf_counter() - start:.2f} s")
@@ -40,9 +43,6 @@ def _to_dcp(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # inspect of a DCP folder: the header of the report (the tensor table is the same as for ZeRO)
-
-DCP_FORMAT = FORMAT
-
 
 def dcp_header_lines(r: dict) -> list[str]:
     others = f"{r['other_tensors']} more tensors (optimizer state, ...) and {r['other_items']} other items, not read"
