@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from .export.formats.universal import to_universal, universal_module_state
     from .optimizer_states import optimizer_state
     from .reconstruct import reconstruct
+    from .verify import Diff, Report, diff, verify
 
 # public name -> the module that defines it
 _LAZY = {
@@ -64,6 +65,10 @@ _LAZY = {
     "reshard": ".export.formats.reshard",
     "to_universal": ".export.formats.universal",
     "universal_module_state": ".export.formats.universal",
+    "verify": ".verify",
+    "diff": ".verify",
+    "Report": ".verify",
+    "Diff": ".verify",
 }
 
 
@@ -110,6 +115,10 @@ __all__ = [
     "reshard",
     "to_universal",
     "universal_module_state",
+    "verify",
+    "diff",
+    "Report",
+    "Diff",
     "ReshardError",
     "ExportResult",
     "ExportError",

@@ -1,0 +1,167 @@
+"""Tensors read in bounded chunks, from a checkpoint's plan or from an export's files.
+
+Every check streams: a tensor is read ``CHUNK`` elements at a time (a checkpoint's through the
+native batch reader, ``pread`` of the rank files with the cast fused; an export's by ``pread`` of
+its safetensors data), so memory holds a few chunks whatever the model size. Both kinds cut a
+tensor at the same element offsets, so two sources can be walked in lockstep and compared chunk
+by chunk without holding either tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Protocol, Sequence
+
+import torch
+
+from ..execute import Executor
+from ..plan.model import TensorPlan
+
+CHUNK = 1 << 22  # elements per chunk: 16 MiB of fp32
+BATCH_BYTES = 64 << 20  # at most this much output per native call
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What a tensor is, known without reading it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str  # "trainable", "frozen", "buffer", "optimizer_state", or "stored" for an export's tensor
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+Chunk = tuple[str, int, torch.Tensor]  # (tensor name, first element, the 1-D chunk)
+
+
+class TensorSource(Protocol):
+    """Anything whose tensors the checks read: ``order`` lists the stored names (no aliases)."""
+
+    order: tuple[str, ...]
+    aliases: dict[str, str]
+
+    def meta(self, name: str) -> Meta: ...
+
+    def chunks(self, names: Sequence[str]) -> Iterator[Chunk]: ...
+
+
+def cuts(numel: int) -> list[tuple[int, int]]:
+    """The element ranges a tensor is read in; a zero-element tensor is one empty chunk."""
+    return [(lo, min(lo + CHUNK, numel)) for lo in range(0, numel, CHUNK)] or [(0, 0)]
+
+
+class PlanSource:
+    """Tensors of a plan (a checkpoint's weights, optimizer states or stored model-dtype
+    weights), read through ``executor``'s batch reader."""
+
+    def __init__(self, plans: dict[str, TensorPlan], executor: Executor, aliases: dict[str, str] | None = None,
+                 order: Iterable[str] | None = None):
+        self.plans = plans
+        self.executor = executor
+        self.aliases = dict(aliases or {})
+        self.order = tuple(order if order is not None else plans)
+
+    def meta(self, name: str) -> Meta:
+        tp = self.plans[name]
+        return Meta(name, tuple(tp.shape), tp.out_dtype, tp.kind)
+
+    def chunks(self, names: Sequence[str]) -> Iterator[Chunk]:
+        batch: list[tuple[str, int, TensorPlan]] = []
+        size = 0
+        for name in names:
+            tp = self.plans[name]
+            for lo, hi in cuts(tp.numel):
+                piece = tp if (lo, hi) == (0, tp.numel) else tp.slice(lo, hi)
+                batch.append((name, lo, piece))
+                size += (hi - lo) * tp.out_dtype.itemsize
+                if size >= BATCH_BYTES:
+                    yield from self._run(batch)
+                    batch, size = [], 0
+        yield from self._run(batch)
+
+    def _run(self, batch: list[tuple[str, int, TensorPlan]]) -> Iterator[Chunk]:
+        todo = [tp for _, _, tp in batch if tp.numel and tp.segments]
+        made = iter(self.executor.run_all(todo)) if todo else iter(())
+        for name, lo, tp in batch:
+            if tp.numel and tp.segments:
+                yield name, lo, next(made).reshape(-1)
+            else:  # nothing stored for it (zero elements): zeros, as the executor would leave them
+                yield name, lo, torch.zeros(tp.numel, dtype=tp.out_dtype)
+
+
+def paired(a: TensorSource, b: TensorSource, pairs: Sequence[tuple[str, str]]) -> Iterator[
+        tuple[str, str, int, torch.Tensor, torch.Tensor]]:
+    """Tensors of two sources (``(name in a, name in b)``, equal shapes), chunk by chunk in lockstep."""
+    chunks_b = b.chunks([nb for _, nb in pairs])
+    for na, lo, ca in a.chunks([na for na, _ in pairs]):
+        nb, lob, cb = next(chunks_b)
+        assert lo == lob and ca.numel() == cb.numel(), (na, nb, lo, lob)  # both cut at the same offsets
+        yield na, nb, lo, ca, cb
+
+
+def compare(a: TensorSource, b: TensorSource, pairs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], "Difference"]:
+    """How each pair's values differ (a :class:`Difference` per pair, zero counts when equal)."""
+    out = {pair: Difference() for pair in pairs}
+    for na, nb, _, ca, cb in paired(a, b, pairs):
+        out[(na, nb)].add(ca, cb)
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its width, so that equality is bit equality (NaN == NaN)."""
+    if t.dtype == torch.bool or not (t.is_floating_point() or t.is_complex()):
+        return t
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+@dataclass
+class Difference:
+    """Running comparison of two tensors' values, chunk by chunk."""
+
+    changed: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    differs: bool = False  # any bit differs (a signed zero or a NaN payload counts, though not in ``changed``)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        if a.dtype == b.dtype and torch.equal(bits(a), bits(b)):
+            return
+        self.differs = True
+        if a.dtype == torch.bool or b.dtype == torch.bool:
+            a, b = a.to(torch.int64), b.to(torch.int64)
+        x, y = a.to(torch.float64), b.to(torch.float64)
+        same = (x == y) | (x.isnan() & y.isnan())
+        self.changed += int(same.numel() - same.sum())
+        gap = (x - y).abs().masked_fill(same, 0)
+        if gap.numel():
+            self.max_abs = max(self.max_abs, float(gap.max()))
+            rel = gap / x.abs().clamp_min(torch.finfo(torch.float64).tiny)
+            self.max_rel = max(self.max_rel, float(rel.max()))
+
+
+def l1(t: torch.Tensor) -> float:
+    """The chunk's sum of magnitudes in float64: NaN if any element is NaN, inf if any is
+    infinite (a float64 sum of float32 values cannot overflow), 0 exactly when all are zero. One
+    pass answers both "is it finite" and "is it all zero"."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return 0.0
+    return float(torch.linalg.vector_norm(t, 1, dtype=torch.float64))
+
+
+def nonfinite(t: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, infinity count) of a chunk."""
+    return int(t.isnan().sum()), int(t.isinf().sum())
