@@ -122,9 +122,9 @@ class ExportFolder:
                 self.report.add("index", name, f"{path.name} holds it, but the index does not list it")
         elif metadata:
             self._read_tied(metadata.get(TIED_KEY), path.name)
-        for name in names:
-            if listed is None or name in listed:
-                self.where[name], self.metas[name] = names[name]
+        for name, found in names.items():
+            if found is not None and (listed is None or name in listed):
+                self.where[name], self.metas[name] = found
 
     def _safetensors(self, path: Path):
         size = path.stat().st_size
@@ -173,6 +173,7 @@ class ExportFolder:
             ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
             if ident in seen:  # the torch format keeps a tie as one storage under two names
                 self.aliases[name] = seen[ident]
+                out[name] = None  # held by this file, as an alias
                 continue
             seen[ident] = name
             out[name] = (_Where(path, 0, name), Meta(name, tuple(t.shape), t.dtype, "stored"))
