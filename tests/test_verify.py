@@ -49,6 +49,15 @@ def test_verify_is_clean_on_every_real_checkpoint(name):
         assert any(c.startswith("steps:") for c in report.checks), report.checks
 
 
+@pytest.mark.parametrize("run", ["full_z2_bf16_tied", "peft_z2_bf16_tied"])
+def test_verify_is_clean_on_hf_trainer_checkpoints(run):
+    from tests.dsgen.hf_catalog import ensure_run
+
+    report = zerofast.verify(ensure_run(run))  # the Trainer's output_dir, holding one checkpoint-N
+    _assert_clean(report)
+    assert any(c.startswith("masters:") and "cast to bfloat16" in c for c in report.checks), report.checks
+
+
 def test_verify_is_clean_on_deepspeed_universal_checkpoints():
     from tests.dsgen.universal import DEFAULT, ensure_universal
 

@@ -12,6 +12,7 @@ finding. Then, streaming:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -20,13 +21,14 @@ import torch
 
 from ..discover import discover
 from ..errors import ZeroFastError
+from ..export import hf
 from ..load import LoadedCheckpoint, load_checkpoint
 from ..pipeline import Prepared
 from ..plan import TRAINABLE, Plan, SourceTable, TensorPlan, build_optimizer_plan, build_plan, keys as K
 from ..plan.layouts import universal
 from ..plan.optimizer import available_keys, checked_states
 from .report import Report
-from .tensors import Difference, PlanSource, bits, l1, nonfinite, paired
+from .tensors import Difference, PlanSource, bits, extremes, nonfinite, paired
 
 STORED = "stored"  # kind of a model-dtype weight planned for the cross-check
 
@@ -51,7 +53,7 @@ class Opened:
 def open_checkpoint(path: str | os.PathLike, tag: str | None, report: Report, optimizer: bool = True) -> Opened | None:
     """Load and plan ``path``; a refusal is recorded as a ``files`` finding and gives None."""
     try:
-        ckpt = load_checkpoint(discover(path, tag))
+        ckpt = load_checkpoint(discover(hf.resolve_checkpoint_dir(path), tag))
         table = SourceTable()
         plan = build_plan(ckpt, table, None)
         keys = available_keys(ckpt) if optimizer and ckpt.stage else []
@@ -124,36 +126,47 @@ def stored_weights(opened: Opened) -> tuple[dict[str, TensorPlan], int]:
 
 
 def _masters(opened: Opened, report: Report, strict: bool) -> None:
+    """Masters with a saved weight are read cast to its dtype (the reader threads cast them, as
+    ``export`` does) and compared bit for bit; the cast chunk also answers "any NaN/Inf" (a cast
+    keeps both, and may turn a huge fp32 value into an fp16 infinity), so only a tensor it flags is
+    read again in fp32 to count them exactly."""
     plan = opened.plan
     weights, without = stored_weights(opened)
     masters = [n for n in plan.tensors if plan.tensors[n].kind == TRAINABLE]
     if not masters:
         return
-    source = opened.source(plan)
-    stored = PlanSource(weights, source.executor)
     crossed = [n for n in masters if n in weights]
-    lone = [n for n in masters if n not in weights]
+    fp32 = opened.source(plan)
+    cast = PlanSource({n: dataclasses.replace(plan.tensors[n], out_dtype=weights[n].out_dtype) for n in crossed},
+                      fp32.executor)
     diffs: dict[str, Difference] = {}
-    health: dict[str, list] = {}
-    for name, _, _, master, weight in paired(source, stored, [(n, n) for n in crossed]):
-        _health(health, name, master)
-        if not torch.equal(bits(master.to(weight.dtype)), bits(weight)):
-            diffs.setdefault(name, Difference()).add(master.to(weight.dtype), weight)
-    for name, _, master in source.chunks(lone):
-        _health(health, name, master)
+    health: dict[str, Health] = {}
+    for name, _, _, master, weight in paired(cast, PlanSource(weights, fp32.executor), [(n, n) for n in crossed]):
+        health.setdefault(name, Health()).add(master)
+        if not torch.equal(bits(master), bits(weight)):
+            diffs.setdefault(name, Difference()).add(master, weight)
+    flagged = [n for n in crossed if not health[n].finite]
+    health.update({n: Health() for n in flagged})
+    for name, _, master in fp32.chunks([n for n in masters if n not in weights] + flagged):
+        health.setdefault(name, Health()).add(master, count=True)
     _count(report, plan, masters, weights)
-    dtypes = sorted({str(weights[n].out_dtype).removeprefix("torch.") for n in crossed})
-    if crossed:
-        report.checks.append(f"masters: {len(crossed)} fp32 masters cast to {'/'.join(dtypes)} against the "
+    _report_masters(report, plan, weights, diffs, len(masters), without)
+    _report_nonfinite(report, health, strict, "master")
+
+
+def _report_masters(report: Report, plan: Plan, weights: dict[str, TensorPlan], diffs: dict[str, Difference],
+                    count: int, without: int) -> None:
+    dtypes = sorted({str(w.out_dtype).removeprefix("torch.") for w in weights.values()})
+    if weights:
+        report.checks.append(f"masters: {len(weights)} fp32 masters cast to {'/'.join(dtypes)} against the "
                              f"weights saved with them" + (f" ({without} have none: partitioned or sharded)"
                                                            if without else ""))
     else:
-        report.checks.append(f"masters: {len(masters)} read (the save holds no model-dtype copy to compare with)")
+        report.checks.append(f"masters: {count} read (the save holds no model-dtype copy to compare with)")
     for name, d in diffs.items():
         report.add("master-weight", name, f"the fp32 master cast to {weights[name].out_dtype} differs from the saved "
                    f"weight in {d.changed:,} of {plan.tensors[name].numel:,} elements (max abs {d.max_abs:.3g}): a "
                    "stale or mixed-up file", changed=d.changed, max_abs=d.max_abs, max_rel=d.max_rel)
-    _report_nonfinite(report, health, strict, "master")
 
 
 def _count(report: Report, plan: Plan, names, weights) -> None:
@@ -162,22 +175,30 @@ def _count(report: Report, plan: Plan, names, weights) -> None:
     report.bytes_read += sum(w.nbytes for w in weights.values())
 
 
-def _health(health: dict[str, list], name: str, chunk: torch.Tensor) -> None:
-    """Per tensor: [sum of magnitudes, NaN count, Inf count], the counts only when the sum says so."""
-    h = health.setdefault(name, [0.0, 0, 0])
-    s = l1(chunk)
-    h[0] += s
-    if s != s or s == float("inf"):
-        nan, inf = nonfinite(chunk)
-        h[1] += nan
-        h[2] += inf
+@dataclass
+class Health:
+    """One tensor's values so far: all finite, all zero, and (when counted) NaN and Inf counts."""
+
+    finite: bool = True
+    zero: bool = True
+    nan: int = 0
+    inf: int = 0
+
+    def add(self, chunk: torch.Tensor, count: bool = False) -> None:
+        finite, zero = extremes(chunk)
+        self.finite &= finite
+        self.zero &= zero
+        if count and not finite:
+            nan, inf = nonfinite(chunk)
+            self.nan += nan
+            self.inf += inf
 
 
-def _report_nonfinite(report: Report, health: dict[str, list], strict: bool, what: str) -> None:
-    for name, (_, nan, inf) in health.items():
-        if nan or inf:
-            report.add("nonfinite", name, f"the {what} holds {nan:,} NaN and {inf:,} infinite elements", fatal=strict,
-                       nan=nan, inf=inf)
+def _report_nonfinite(report: Report, health: dict[str, Health], strict: bool, what: str) -> None:
+    for name, h in health.items():
+        if h.nan or h.inf:
+            report.add("nonfinite", name, f"the {what} holds {h.nan:,} NaN and {h.inf:,} infinite elements",
+                       fatal=strict, nan=h.nan, inf=h.inf)
 
 
 def _steps(ckpt: LoadedCheckpoint, report: Report) -> float | None:
@@ -221,11 +242,11 @@ def _number(value) -> float | None:
 def _moments(opened: Opened, report: Report, strict: bool, step: float | None) -> None:
     plan = opened.optimizer
     source = opened.source(plan)
-    health: dict[str, list] = {}
+    health: dict[str, Health] = {}
     for name, _, chunk in source.chunks(source.order):
-        _health(health, name, chunk)
+        health.setdefault(name, Health()).add(chunk, count=True)
     _count(report, plan, source.order, {})
-    zero = [n for n, (s, _, _) in health.items() if s == 0 and plan.tensors[n].numel and step]
+    zero = [n for n, h in health.items() if h.zero and plan.tensors[n].numel and step]
     for name in zero:
         report.add("moments-zero", name, f"every element is zero after {step:g} optimizer steps: the optimizer state "
                    "was lost or reset")

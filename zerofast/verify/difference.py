@@ -7,6 +7,7 @@ Tensors present on both sides are streamed in lockstep and compared in float64 c
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Iterator, Sequence
@@ -92,9 +93,8 @@ def diff_sources(sa: TensorSource, sb: TensorSource) -> Diff:
             continue
         change = TensorChange(name, str(ma.dtype).removeprefix("torch."), str(mb.dtype).removeprefix("torch."),
                               ma.shape, mb.shape, ma.numel)
-        if d is not None:
-            change = TensorChange(**{**change.__dict__, "changed": d.changed, "max_abs": d.max_abs,
-                                     "max_rel": d.max_rel})
+        if d is not None:  # same shape: the values were compared
+            change = dataclasses.replace(change, changed=d.changed, max_abs=d.max_abs, max_rel=d.max_rel)
         result.changed.append(change)
     result.changed.sort(key=lambda c: (not c.retyped or c.shape_a == c.shape_b, -_num(c.max_rel), -_num(c.max_abs)))
     return result

@@ -23,7 +23,7 @@ from ..export import hf
 from ..export.formats import FORMATS, TIED_KEY
 from ..export.run import OPTIMIZER_NAMES
 from .report import Report
-from .tensors import Chunk, Meta, cuts
+from .tensors import BATCH_BYTES, Chunk, Meta, ahead, cuts
 
 _CODES = {code: dtype for dtype, code in dtypes.SAFETENSORS_CODES.items()}
 _HEADER_LIMIT = 100 << 20  # safetensors' own bound on the header
@@ -226,14 +226,29 @@ class ExportFolder:
     def chunks(self, names: Sequence[str]) -> Iterator[Chunk]:
         fds: dict[Path, int] = {}
         loaded: dict[Path, dict] = {}
+
+        def read(batch: list[tuple[str, int, int]]) -> list[Chunk]:
+            return [(name, lo, self._read(self.where[name], self.metas[name], lo, hi, fds, loaded))
+                    for name, lo, hi in batch]
+
         try:
-            for name in names:
-                where, meta = self.where[name], self.metas[name]
-                for lo, hi in cuts(meta.numel):
-                    yield name, lo, self._read(where, meta, lo, hi, fds, loaded)
+            yield from ahead(read, self._batches(names))
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+    def _batches(self, names: Sequence[str]) -> Iterator[list[tuple[str, int, int]]]:
+        batch, size = [], 0
+        for name in names:
+            meta = self.metas[name]
+            for lo, hi in cuts(meta.numel):
+                batch.append((name, lo, hi))
+                size += (hi - lo) * meta.dtype.itemsize
+                if size >= BATCH_BYTES:
+                    yield batch
+                    batch, size = [], 0
+        if batch:
+            yield batch
 
     def _read(self, where: _Where, meta: Meta, lo: int, hi: int, fds: dict, loaded: dict) -> torch.Tensor:
         if hi == lo:

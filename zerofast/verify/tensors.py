@@ -8,8 +8,10 @@ by chunk without holding either tensor.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -17,7 +19,7 @@ from ..execute import Executor
 from ..plan.model import TensorPlan
 
 CHUNK = 1 << 22  # elements per chunk: 16 MiB of fp32
-BATCH_BYTES = 64 << 20  # at most this much output per native call
+BATCH_BYTES = 32 << 20  # at most this much output per native call; two calls are in flight per source
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class Meta:
 
 
 Chunk = tuple[str, int, torch.Tensor]  # (tensor name, first element, the 1-D chunk)
+T = TypeVar("T")
 
 
 class TensorSource(Protocol):
@@ -76,6 +79,9 @@ class PlanSource:
         return Meta(name, tuple(tp.shape), tp.out_dtype, tp.kind)
 
     def chunks(self, names: Sequence[str]) -> Iterator[Chunk]:
+        return ahead(self._run, self._batches(names))
+
+    def _batches(self, names: Sequence[str]) -> Iterator[list[tuple[str, int, TensorPlan]]]:
         batch: list[tuple[str, int, TensorPlan]] = []
         size = 0
         for name in names:
@@ -85,18 +91,36 @@ class PlanSource:
                 batch.append((name, lo, piece))
                 size += (hi - lo) * tp.out_dtype.itemsize
                 if size >= BATCH_BYTES:
-                    yield from self._run(batch)
+                    yield batch
                     batch, size = [], 0
-        yield from self._run(batch)
+        if batch:
+            yield batch
 
-    def _run(self, batch: list[tuple[str, int, TensorPlan]]) -> Iterator[Chunk]:
+    def _run(self, batch: list[tuple[str, int, TensorPlan]]) -> list[Chunk]:
         todo = [tp for _, _, tp in batch if tp.numel and tp.segments]
         made = iter(self.executor.run_all(todo)) if todo else iter(())
+        out = []
         for name, lo, tp in batch:
             if tp.numel and tp.segments:
-                yield name, lo, next(made).reshape(-1)
+                out.append((name, lo, next(made).reshape(-1)))
             else:  # nothing stored for it (zero elements): zeros, as the executor would leave them
-                yield name, lo, torch.zeros(tp.numel, dtype=tp.out_dtype)
+                out.append((name, lo, torch.zeros(tp.numel, dtype=tp.out_dtype)))
+        return out
+
+
+def ahead(read: Callable[[T], list[Chunk]], batches: Iterable[T]) -> Iterator[Chunk]:
+    """``read`` of each batch, the next one read on a thread while the caller checks this one: the
+    native reader and torch's reductions release the GIL, so reading and checking overlap. At most
+    two batches are in memory."""
+    with ThreadPoolExecutor(1, thread_name_prefix="zerofast-verify") as pool:
+        pending = None
+        for batch in batches:
+            nxt = pool.submit(read, batch)
+            if pending is not None:
+                yield from pending.result()
+            pending = nxt
+        if pending is not None:
+            yield from pending.result()
 
 
 def paired(a: TensorSource, b: TensorSource, pairs: Sequence[tuple[str, str]]) -> Iterator[
@@ -153,13 +177,14 @@ class Difference:
             self.max_rel = max(self.max_rel, float(rel.max()))
 
 
-def l1(t: torch.Tensor) -> float:
-    """The chunk's sum of magnitudes in float64: NaN if any element is NaN, inf if any is
-    infinite (a float64 sum of float32 values cannot overflow), 0 exactly when all are zero. One
-    pass answers both "is it finite" and "is it all zero"."""
+def extremes(t: torch.Tensor) -> tuple[bool, bool]:
+    """(all elements finite, all elements zero) of a chunk, in one pass: the min and max propagate
+    NaN, show an infinity, and are both zero exactly when every element is."""
     if not t.is_floating_point() or t.numel() == 0:
-        return 0.0
-    return float(torch.linalg.vector_norm(t, 1, dtype=torch.float64))
+        return True, t.numel() == 0 or not bool(t.any())
+    low, high = (float(v) for v in torch.aminmax(t))
+    finite = math.isfinite(low) and math.isfinite(high)
+    return finite, low == 0 and high == 0
 
 
 def nonfinite(t: torch.Tensor) -> tuple[int, int]:
