@@ -203,11 +203,13 @@ def test_verify_against_is_clean_for_reshards_and_universal_outputs(layout, tmp_
         _assert_clean(zerofast.verify(out))
 
 
-def test_verify_against_is_clean_for_deepspeeds_universal_conversion():
-    from tests.dsgen.universal import ensure_universal
+def test_verify_against_is_clean_for_deepspeeds_universal_conversions():
+    from tests.dsgen.universal import DEFAULT, ensure_universal
 
-    _assert_clean(zerofast.verify(ensure_universal("s2_bf16_w2_frozen_tied"),
-                                  against=ensure_checkpoint("s2_bf16_w2_frozen_tied")))
+    for name in DEFAULT:  # ZeRO-2, ZeRO-3, and the BF16_Optimizer
+        report = zerofast.verify(ensure_universal(name), against=ensure_checkpoint(name))
+        _assert_clean(report)
+        assert report.kind == "universal checkpoint" and "optimizer (exp_avg, exp_avg_sq)" in " ".join(report.checks)
 
 
 def test_a_reshard_with_a_changed_moment_or_scheduler_is_found(tmp_path):

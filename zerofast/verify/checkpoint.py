@@ -28,7 +28,7 @@ from ..plan import TRAINABLE, Plan, SourceTable, TensorPlan, build_optimizer_pla
 from ..plan.layouts import universal
 from ..plan.optimizer import available_keys, checked_states
 from .report import Report
-from .tensors import Difference, PlanSource, bits, extremes, nonfinite, paired
+from .tensors import Difference, PlanSource, extremes, nonfinite, paired, same_bits
 
 STORED = "stored"  # kind of a model-dtype weight planned for the cross-check
 
@@ -143,7 +143,7 @@ def _masters(opened: Opened, report: Report, strict: bool) -> None:
     health: dict[str, Health] = {}
     for name, _, _, master, weight in paired(cast, PlanSource(weights, fp32.executor), [(n, n) for n in crossed]):
         health.setdefault(name, Health()).add(master)
-        if not torch.equal(bits(master), bits(weight)):
+        if not same_bits(master, weight):
             diffs.setdefault(name, Difference()).add(master, weight)
     flagged = [n for n in crossed if not health[n].finite]
     health.update({n: Health() for n in flagged})
