@@ -26,7 +26,10 @@ from .export.formats import FORMATS
 from .export.shards import parse_size
 from .ops import resolve_device
 from .pipeline import prepare
-from .plan import BUFFER, FROZEN, TRAINABLE, keys, out_dtype_for
+from .verify.commands import add_verify_commands
+from . import keys
+from .dtypes import out_dtype_for
+from .plan import BUFFER, FROZEN, TRAINABLE
 
 KINDS = (TRAINABLE, FROZEN, BUFFER)
 
@@ -115,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.set_defaults(run=_inspect)
-    _add_verify(sub, common)
+    add_verify_commands(sub, common)
     return parser
 
 
@@ -324,7 +327,7 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
               for label, d in dtypes.CLI_NAMES.items()}
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
-        "universal": ckpt.universal is not None,
+        "layout": ckpt.layout.name, "universal": ckpt.layout.name == "universal",
         "world_size": plan.world_size, "deepspeed_version": _text_or_none(ckpt.ds_version),
         "global_steps": _int_or_none(ckpt.meta.raw.get(keys.GLOBAL_STEPS)),
         "training_dtype": _training_dtype(ckpt.meta.raw.get(keys.DS_CONFIG)),
@@ -384,47 +387,6 @@ def _model_dtype(meta) -> str | None:
     counts = Counter(dtypes.name(v.dtype) for k, v in meta.module.items()
                      if k not in buffers and isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
     return counts.most_common(1)[0][0] if counts else None
-
-
-# ---------------------------------------------------------------------------------------------
-# verify / diff: check a checkpoint, an export or a reshard; compare two of them
-
-def _add_verify(sub, common) -> None:
-    v = sub.add_parser("verify", parents=[common], help="check a checkpoint, or an output against its source",
-                       description="Check a checkpoint without converting it, or with --against an export, reshard "
-                                   "or universal folder against the checkpoint it came from. One line per finding, "
-                                   "then a summary; exit 0 when clean, 1 otherwise.")
-    v.add_argument("path", metavar="PATH", help="a checkpoint (root or tag folder), or an output folder")
-    v.add_argument("--against", metavar="CKPT", help="the checkpoint PATH was written from")
-    v.add_argument("--strict", action="store_true", help="NaN/Inf in masters or moments are failures, not notes")
-    v.add_argument("--base-model", metavar="DIR", help="the base model folder of a --merge-adapters export")
-    v.add_argument("--json", action="store_true", help="print the report as JSON")
-    v.set_defaults(run=_verify)
-    d = sub.add_parser("diff", parents=[common], help="compare two checkpoints or exports, tensor by tensor",
-                       description="List tensors only in A or only in B, dtype and shape changes, and for changed "
-                                   "tensors the max abs and relative difference and the fraction of elements "
-                                   "changed, largest change first. --tag applies to both sides.")
-    d.add_argument("a", metavar="A", help="a checkpoint (root or tag folder) or an export folder")
-    d.add_argument("b", metavar="B", help="another one")
-    d.add_argument("--optimizer", action="store_true", help="compare the per-element optimizer states too")
-    d.add_argument("--json", action="store_true", help="print the result as JSON")
-    d.set_defaults(run=_diff)
-
-
-def _verify(args: argparse.Namespace) -> int:
-    from .verify import verify
-
-    report = verify(args.path, args.against, tag=args.tag, strict=args.strict, base_model=args.base_model)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else "\n".join(report.lines()))
-    return 0 if report.ok else 1
-
-
-def _diff(args: argparse.Namespace) -> int:
-    from .verify import diff
-
-    result = diff(args.a, args.b, optimizer=args.optimizer, tag_a=args.tag, tag_b=args.tag)
-    print(json.dumps(result.to_dict(), indent=2) if args.json else "\n".join(result.lines()))
-    return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:

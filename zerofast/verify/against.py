@@ -17,7 +17,9 @@ import torch
 from ..errors import ZeroFastError
 from ..export import hf
 from ..pipeline import Prepared, plan_checkpoint, prepare
-from ..plan import FROZEN, Plan, keys as K, out_dtype_for
+from .. import keys as K
+from ..dtypes import out_dtype_for
+from ..plan import FROZEN, Plan
 from ..plan.optimizer import available_keys, scalar_states
 from .checkpoint import open_checkpoint
 from .export_folder import ExportFolder, is_export, weight_files
@@ -184,7 +186,7 @@ def _checkpoint_against(out, ckpt, tag) -> Report:
     mine, source = open_checkpoint(out, None, report), open_checkpoint(ckpt, tag, report)
     if mine is None or source is None:
         return report
-    report.kind = "universal checkpoint" if mine.ckpt.universal is not None else f"ZeRO-{mine.ckpt.stage} checkpoint"
+    report.kind = f"{mine.ckpt.layout.name} checkpoint"
     compare_sets(report, source.source(source.plan), mine.source(mine.plan), "weights (masters, frozen, buffers)")
     if source.optimizer is not None:
         if mine.optimizer is None:

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..discover import discover
+from .. import keys as K
 from ..errors import ZeroFastError
 from ..export import hf
-from ..load import LoadedCheckpoint, load_checkpoint
+from ..layouts import discover, load_checkpoint
+from ..load import LoadedCheckpoint
 from ..pipeline import Prepared
-from ..plan import TRAINABLE, Plan, SourceTable, TensorPlan, build_optimizer_plan, build_plan, keys as K
-from ..plan.layouts import universal
-from ..plan.optimizer import available_keys, checked_states
+from ..plan import TRAINABLE, Plan, SourceTable, TensorPlan, build_optimizer_plan, build_plan
+from ..plan.optimizer import available_keys, checked_states, scalar_states
 from .report import Report
 from .tensors import Difference, PlanSource, extremes, nonfinite, paired, same_bits
 
@@ -70,21 +70,16 @@ def verify_checkpoint(path: str | os.PathLike, *, tag: str | None = None, strict
     if opened is None:
         return report
     ckpt = opened.ckpt
-    where = "universal checkpoint" if ckpt.universal is not None else f"ZeRO-{ckpt.stage}"
-    report.checks.append(f"files: {where}, world size {ckpt.world_size}, {_file_count(ckpt)} files read and consistent")
+    report.kind = f"{ckpt.layout.name} checkpoint"
+    report.checks.append(f"files: ZeRO-{ckpt.stage}, world size {ckpt.world_size}, {len(ckpt.files.paths())} files "
+                         "or folders read and consistent")
     _rank_metadata(ckpt, report)
     _masters(opened, report, strict)
     steps = _steps(ckpt, report)
     if opened.optimizer is not None:
         _moments(opened, report, strict, steps)
-    if ckpt.universal is not None:
-        _universal_shapes(opened, report)
+        _state_shapes(opened, report)
     return report
-
-
-def _file_count(ckpt: LoadedCheckpoint) -> int:
-    files = ckpt.files
-    return len(files.model_files) + len(files.optim_files) + len(files.expert_files) + len(files.layer_files)
 
 
 def _rank_metadata(ckpt: LoadedCheckpoint, report: Report) -> None:
@@ -92,7 +87,7 @@ def _rank_metadata(ckpt: LoadedCheckpoint, report: Report) -> None:
     shows here first."""
     first = ckpt.model_states[0]
     # Only ZeRO-3's per-rank files repeat one param_shapes; pipeline stages and tp ranks hold their own.
-    per_rank = ckpt.files.mp_size == 1 and all(m.path.name.startswith("zero_pp_rank_") for m in ckpt.model_states)
+    per_rank = all(m.path.name.startswith("zero_pp_rank_") and "_mp_rank_00_" in m.path.name for m in ckpt.model_states)
     for m in ckpt.model_states[1:]:
         for key in (K.GLOBAL_STEPS, K.DP_WORLD_SIZE, K.DS_VERSION):
             if m.raw.get(key) != first.raw.get(key):
@@ -202,21 +197,21 @@ def _report_nonfinite(report: Report, health: dict[str, Health], strict: bool, w
 
 
 def _steps(ckpt: LoadedCheckpoint, report: Report) -> float | None:
-    """The optimizer's ``step`` of every rank and flat group (every parameter of a universal
-    folder) must agree; returns it (None where the save keeps none)."""
-    if ckpt.universal is not None:
-        states, _ = universal.scalar_states(ckpt)
-        found = {name: _number(s.get("step")) for name, s in states.items()}
-    elif ckpt.stage == 0:
+    """The optimizer's ``step`` must agree across every rank and flat group of the optimizer files
+    (expert groups included) and every parameter's scalars (a universal folder's ``step.pt``);
+    returns it (None where the save keeps none, as at stage 0)."""
+    if ckpt.stage == 0:
         return None
-    else:
-        try:
-            per_rank = checked_states(ckpt)
-        except ZeroFastError as e:
-            report.add("steps", "optimizer", " ".join(str(e).split()))
-            return None
-        found = {f"{o.path.name} group {g}": _number(state.get("step"))
-                 for o, groups in zip(ckpt.optim_states, per_rank) for g, (_, state) in enumerate(groups)}
+    try:
+        per_rank = checked_states(ckpt)
+        per_param = scalar_states(ckpt)["state"]
+    except ZeroFastError as e:
+        report.add("steps", "optimizer", " ".join(str(e).split()))
+        return None
+    found = {f"{o.path.name} group {g}": _number(state.get("step"))
+             for o, groups in zip(ckpt.optim_states, per_rank) for g, (_, state) in enumerate(groups)}
+    if not found:  # no optimizer files (a universal folder): the parameters' own scalars
+        found = {name: _number(s.get("step")) for name, s in per_param.items()}
     values = Counter(v for v in found.values() if v is not None)
     if not values:
         return None
@@ -255,18 +250,19 @@ def _moments(opened: Opened, report: Report, strict: bool, step: float | None) -
                          "parameters counted for NaN/Inf and all-zero")
 
 
-def _universal_shapes(opened: Opened, report: Report) -> None:
-    """Each parameter's fp32 master and optimizer states agree in shape."""
+def _state_shapes(opened: Opened, report: Report) -> None:
+    """Each parameter's optimizer states have its master's shape (a universal folder keeps each
+    in a file of its own, which nothing else ties to the master)."""
     plan, optim = opened.plan, opened.optimizer
     bad = 0
     for name, tp in plan.tensors.items():
-        if tp.kind != TRAINABLE or optim is None:
+        if tp.kind != TRAINABLE:
             continue
         for key in opened.keys:
             other = optim.tensors.get(f"{name}.{key}")
             if other is None or other.shape != tp.shape:
                 bad += 1
-                report.add("universal", name, f"{key} has shape {None if other is None else list(other.shape)}, the "
-                           f"fp32 master {list(tp.shape)}")
+                report.add("shapes", f"{name}.{key}", f"has shape {None if other is None else list(other.shape)}, "
+                           f"the fp32 master {list(tp.shape)}")
     if not bad:
-        report.checks.append(f"universal: fp32 and {', '.join(opened.keys)} agree in shape for every parameter")
+        report.checks.append(f"shapes: the masters' {', '.join(opened.keys)} have their shapes")

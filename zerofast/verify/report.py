@@ -32,7 +32,7 @@ class Report:
 
     path: str
     against: str | None
-    kind: str  # "checkpoint", "export", or "checkpoint (reshard/universal)" when compared
+    kind: str  # what ``path`` is: "zero checkpoint", "universal checkpoint", "safetensors export", ...
     findings: list[Finding] = field(default_factory=list)
     checks: list[str] = field(default_factory=list)
     tensors: int = 0  # tensors whose data was read
