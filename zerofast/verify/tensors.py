@@ -9,6 +9,7 @@ by chunk without holding either tensor.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
@@ -20,7 +21,10 @@ from ..execute import Executor
 from ..plan.model import TensorPlan
 
 CHUNK = 1 << 22  # elements per chunk: 16 MiB of fp32
-BATCH_BYTES = 32 << 20  # at most this much output per native call; two calls are in flight per source
+# At most this much output per native call. Two calls are in flight per source and two sources
+# are compared at a time, and the allocator keeps some freed chunks: at 16 MiB a 500M-parameter
+# verify stays near 200 MiB above the interpreter (``benchmarks/verify_bench.py``).
+BATCH_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,17 @@ class Difference:
 _SPECIAL_16 = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
+_LOCAL = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A reused uint16 buffer of ``n`` elements (per thread): one chunk's worth, not one per chunk."""
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _LOCAL.buf = np.empty(max(n, CHUNK), dtype=np.uint16)
+    return buf[:n]
+
+
 def extremes(t: torch.Tensor) -> tuple[bool, bool]:
     """(all elements finite, all elements zero) of a 1-D chunk, in one pass over it: float32's
     min and max propagate NaN and show an infinity; a 16-bit float's largest magnitude bits
@@ -194,7 +209,8 @@ def extremes(t: torch.Tensor) -> tuple[bool, bool]:
     if t.numel() == 0:
         return True, True
     if t.dtype in _SPECIAL_16:
-        high = int(np.bitwise_and(_raw(t).view(np.uint16), 0x7FFF).max())
+        raw = _raw(t).view(np.uint16)
+        high = int(np.bitwise_and(raw, 0x7FFF, out=_scratch(raw.size)).max())
         return high < _SPECIAL_16[t.dtype], high == 0
     if t.dtype in (torch.float32, torch.float64):
         values = t.numpy()
