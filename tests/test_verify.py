@@ -128,6 +128,20 @@ def test_a_rank_file_from_an_earlier_step_of_the_same_run_is_found(tmp_path):
     assert report.by_check("master-weight"), report.lines()  # rank 1's partition is a step behind
 
 
+def test_zero3_rank_files_from_an_earlier_step_are_found(tmp_path):
+    from tests.dsgen.two_saves import ensure_two_saves
+
+    root = _copy(ensure_two_saves(3), tmp_path)
+    _assert_clean(zerofast.verify(root))
+    optim, model = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    shutil.copyfile(root / "global_step2" / optim, root / "global_step3" / optim)
+    steps = zerofast.verify(root).by_check("steps")
+    assert steps and all(f.name.startswith(optim) and f.detail["step"] == 2.0 for f in steps)
+    shutil.copyfile(root / "global_step2" / model, root / "global_step3" / model)
+    report = zerofast.verify(root)
+    assert any(f.name == model and "global_steps" in f.message for f in report.by_check("files")), report.lines()
+
+
 def test_one_experts_zeroed_moments_are_found(tmp_path):
     ckpt = _copy(ensure_checkpoint("moe_s2_bf16_w2_ep2"), tmp_path)
     plan = prepare(ckpt, None, optimizer_keys=["exp_avg"], warn_absent=False).plan
