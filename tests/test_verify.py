@@ -226,7 +226,22 @@ def test_verify_against_is_clean_for_deepspeeds_universal_conversions():
         assert report.kind == "universal checkpoint" and "optimizer (exp_avg, exp_avg_sq)" in " ".join(report.checks)
 
 
-def test_a_reshard_with_a_changed_moment_or_scheduler_is_found(tmp_path):
+def test_an_exported_optimizer_step_that_differs_is_found(tmp_path):
+    ckpt = ensure_checkpoint("s2_bf16_w2_frozen_tied")
+    zerofast.export(ckpt, tmp_path / "o", optimizer_states=True)
+    report = zerofast.verify(tmp_path / "o", against=ckpt)
+    _assert_clean(report)
+    assert any(c.startswith("steps: optimizer_state.json") for c in report.checks)
+    doc = json.loads((tmp_path / "o" / "optimizer_state.json").read_text())
+    name = next(iter(doc["state"]))
+    doc["state"][name]["step"] = 0
+    (tmp_path / "o" / "optimizer_state.json").write_text(json.dumps(doc))
+    assert [(f.check, f.name) for f in zerofast.verify(tmp_path / "o", against=ckpt).failures] == [("steps", name)]
+
+
+def test_a_reshard_with_a_changed_moment_or_global_steps_is_found(tmp_path):
+    from tests import planting
+
     ckpt = ensure_checkpoint("s2_bf16_w4_resume")
     out = zerofast.reshard(ckpt, tmp_path / "r", 2)
     name = _first_trainable(out)
@@ -234,6 +249,12 @@ def test_a_reshard_with_a_changed_moment_or_scheduler_is_found(tmp_path):
     _overwrite(file, offset, struct.pack("<f", 123.0))
     report = zerofast.verify(tmp_path / "r", against=ckpt)
     assert [f.name for f in report.failures] == [f"{name}.exp_avg"] and report.failures[0].check == "values"
+    states = out / "mp_rank_00_model_states.pt"
+    obj = planting.load(states)
+    obj["global_steps"] += 1
+    planting.save(obj, states)
+    report = zerofast.verify(tmp_path / "r", against=ckpt)
+    assert ("saved-state", "global_steps") in [(f.check, f.name) for f in report.failures], report.lines()
 
 
 def _sharded_export(tmp_path: Path, **options) -> tuple[Path, Path]:

@@ -9,6 +9,7 @@ the very bytes ``export`` would write. Nothing is held whole on either side.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 from ..errors import ZeroFastError
 from ..export import hf
+from ..export.run import OPTIMIZER_JSON
 from ..pipeline import Prepared, plan_checkpoint, prepare
 from .. import keys as K
 from ..dtypes import out_dtype_for
@@ -115,6 +117,23 @@ def _optimizer_against(report: Report, out, prepared: Prepared) -> None:
     states = plan_checkpoint(ckpt, None, optimizer_keys=keys, qualified=True)
     plan = states.plan
     compare_sets(report, PlanSource(plan.tensors, states.streaming_executor()), folder, f"optimizer ({', '.join(keys)})")
+    _scalars_json(report, Path(out) / OPTIMIZER_JSON, ckpt)
+
+
+def _scalars_json(report: Report, path: Path, ckpt) -> None:
+    """The per-parameter scalars (``step``) the export wrote next to the states."""
+    try:
+        written = json.loads(path.read_text()).get("state")
+    except (OSError, ValueError, AttributeError) as e:
+        report.add("steps", path.name, f"expected the optimizer's scalars as JSON, could not read them ({e})")
+        return
+    want = scalar_states(ckpt)["state"]
+    odd = [n for n in want if not isinstance(written, dict) or written.get(n) != want[n]]
+    for name in odd:
+        found = written.get(name) if isinstance(written, dict) else None
+        report.add("steps", name, f"{path.name} says {found}, the checkpoint {want[name]}")
+    if not odd:
+        report.checks.append(f"steps: {path.name} holds the scalars of the {len(want)} parameters")
 
 
 # ---------------------------------------------------------------------------------------------
