@@ -25,8 +25,7 @@ import itertools
 import math
 import re
 from dataclasses import dataclass
-
-import torch
+from pathlib import Path
 
 from .. import keys as K
 from ..discover import CheckpointFiles, Found, other_model_parallel_rank, ranked
@@ -34,10 +33,9 @@ from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, Incomplet
                       InconsistentCheckpointError, UnsupportedCheckpointError, short_repr, some)
 from ..load import LoadedCheckpoint, PartitionedCheckpoint, Stored, load_file
 from ..load.records import check_flat_groups, read_model_states, read_optim_states, settle_stage
-from ..plan.builders import flat_entries, master_flat_groups
-from ..plan.model import Entry, FlatGroups, Plan, SourceTable, VirtualBuffer, rank_share
-from ..plan.partitioned import partitioned_plan
-from .base import Layout
+from ..plan.builders import flat_entries
+from ..plan.model import Entry, FlatGroups, SourceTable, VirtualBuffer, rank_share
+from .base import PartitionedLayout
 
 _TP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _TP_MODEL_Z3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -52,7 +50,7 @@ class TensorParallelFiles(CheckpointFiles):
     incomplete: str | None = None
 
 
-class AutoTPLayout(Layout):
+class AutoTPLayout(PartitionedLayout):
     name = "autotp"
     title = "tensor parallelism"
 
@@ -64,11 +62,6 @@ class AutoTPLayout(Layout):
 
     def load(self, files: TensorParallelFiles) -> PartitionedCheckpoint:
         return load(files)
-
-    def plan(self, ckpt: PartitionedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
-             exclude_frozen: bool) -> Plan:
-        masters = trainable(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups")
-        return partitioned_plan(ckpt, table, dtype, exclude_frozen, masters)
 
     def trainable_from(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
                        what: str) -> dict[str, Entry]:

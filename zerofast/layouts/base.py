@@ -36,9 +36,11 @@ import torch
 
 from ..discover import CheckpointFiles, Found
 from ..errors import UnsupportedCheckpointError
-from ..load import LoadedCheckpoint
+from ..load import LoadedCheckpoint, PartitionedCheckpoint
 from ..plan import optimizer
+from ..plan.builders import master_flat_groups
 from ..plan.model import Entry, FlatGroups, Plan, SourceTable
+from ..plan.partitioned import partition_entries, partitioned_plan
 
 
 class Layout:
@@ -79,3 +81,24 @@ class Layout:
 
     def __repr__(self) -> str:
         return f"<zerofast layout {self.name!r}>"
+
+
+class PartitionedLayout(Layout):
+    """A layout whose trainable masters are the partitions its loader lists
+    (:class:`~zerofast.load.PartitionedCheckpoint`), each planned by the stage 1-2 builder; a save
+    without ZeRO has no partitions, and the layout finds its masters in :meth:`stage0_masters`."""
+
+    def stage0_masters(self, ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
+        raise UnsupportedCheckpointError(f"{self.title} checkpoints without ZeRO are not supported", ckpt.meta.path)
+
+    def plan(self, ckpt: PartitionedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
+             exclude_frozen: bool) -> Plan:
+        if ckpt.stage == 0:
+            trainable = self.stage0_masters(ckpt, table)
+        else:
+            trainable = self.trainable_from(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups")
+        return partitioned_plan(ckpt, table, dtype, exclude_frozen, trainable)
+
+    def trainable_from(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
+                       what: str) -> dict[str, Entry]:
+        return partition_entries(ckpt, table, flats, what)

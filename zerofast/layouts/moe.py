@@ -30,10 +30,9 @@ from ..load import LoadedCheckpoint, PartitionedCheckpoint, Partition, Stored, l
 from ..load.checkpoint import check_partitions, merged_meta
 from ..load.records import (expect_dict, expect_int, expect_list, expect_mapping, read_model_states, read_optim_states,
                             settle_stage, settle_world_size)
-from ..plan.builders import master_flat_groups, stage0
-from ..plan.model import Entry, FlatGroups, Plan, SourceTable, tensor_identity
-from ..plan.partitioned import partition_entries, partitioned_plan
-from .base import Layout
+from ..plan.builders import stage0
+from ..plan.model import Entry, SourceTable, tensor_identity
+from .base import PartitionedLayout
 
 # DeepSpeed's names: "layer_<L>_expert_<E>_mp_rank_00_model_states.pt" and (ZeRO off)
 # "expp_rank_<R>_mp_rank_00_optim_states.pt". Experts saved before DeepSpeed 0.6 had no layer id.
@@ -50,7 +49,7 @@ class MoEFiles(CheckpointFiles):
         return super().paths() + self.expert_files
 
 
-class MoELayout(Layout):
+class MoELayout(PartitionedLayout):
     name = "moe"
     title = "mixture-of-experts"
 
@@ -69,17 +68,8 @@ class MoELayout(Layout):
     def load(self, files: MoEFiles) -> PartitionedCheckpoint:
         return load(files)
 
-    def plan(self, ckpt: PartitionedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
-             exclude_frozen: bool) -> Plan:
-        if ckpt.stage == 0:
-            trainable = stage0_masters(ckpt, table)
-        else:
-            trainable = partition_entries(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups")
-        return partitioned_plan(ckpt, table, dtype, exclude_frozen, trainable)
-
-    def trainable_from(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
-                       what: str) -> dict[str, Entry]:
-        return partition_entries(ckpt, table, flats, what)
+    def stage0_masters(self, ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
+        return stage0_masters(ckpt, table)
 
 
 def _files(layout: "MoELayout", found: Found) -> "MoEFiles":
@@ -91,7 +81,7 @@ def _files(layout: "MoELayout", found: Found) -> "MoEFiles":
     optim = ranked(tag_dir, names, OPTIM, group=2)
     if expp and optim:
         raise IncompleteCheckpointError(
-            f"expected either expp_rank_* (MoE without ZeRO) or zero_pp_rank_* optimizer files, found both: the "
+            "expected either expp_rank_* (MoE without ZeRO) or zero_pp_rank_* optimizer files, found both: the "
             "folder mixes two saves", tag_dir)
     if MODEL_FILE_STAGE012 not in names:
         raise IncompleteCheckpointError(f"expected {MODEL_FILE_STAGE012} next to the expert files, found none",

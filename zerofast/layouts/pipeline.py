@@ -29,10 +29,8 @@ from ..errors import IncompleteCheckpointError, InconsistentCheckpointError, Uns
 from ..load import PartitionedCheckpoint, Partition, Stored, load_file
 from ..load.checkpoint import check_partitions, merged_meta
 from ..load.records import expect_dict, expect_mapping, read_model_states, read_optim_states, settle_stage
-from ..plan.builders import master_flat_groups
-from ..plan.model import Entry, FlatGroups, Plan, SourceTable
-from ..plan.partitioned import partition_entries, partitioned_plan
-from .base import Layout
+from ..plan.model import Entry, SourceTable
+from .base import PartitionedLayout
 
 # "layer_<NN>-model_states.pt" next to one "mp_rank_<SS>_model_states.pt" per stage.
 PIPE_LAYER = re.compile(r"^layer_(\d+)-model_states\.pt$")
@@ -48,7 +46,7 @@ class PipelineFiles(CheckpointFiles):
         return super().paths() + self.layer_files
 
 
-class PipelineLayout(Layout):
+class PipelineLayout(PartitionedLayout):
     name = "pipeline"
     title = "pipeline"
     subsumes = ("autotp",)  # a pipeline's later stages write mp_rank_01... files too
@@ -62,17 +60,8 @@ class PipelineLayout(Layout):
     def load(self, files: PipelineFiles) -> PartitionedCheckpoint:
         return load(files)
 
-    def plan(self, ckpt: PartitionedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
-             exclude_frozen: bool) -> Plan:
-        if ckpt.stage == 0:
-            trainable = stage0_masters(ckpt, table)
-        else:
-            trainable = partition_entries(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups")
-        return partitioned_plan(ckpt, table, dtype, exclude_frozen, trainable)
-
-    def trainable_from(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
-                       what: str) -> dict[str, Entry]:
-        return partition_entries(ckpt, table, flats, what)
+    def stage0_masters(self, ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
+        return stage0_masters(ckpt, table)
 
 
 def _files(layout: "PipelineLayout", found: Found) -> "PipelineFiles":
