@@ -19,9 +19,9 @@ from typing import Iterator, Sequence
 import torch
 
 from .. import dtypes
-from ..export import hf
-from ..export.formats import FORMATS, TIED_KEY
-from ..export.run import OPTIMIZER_NAMES
+from ..hf import trainer as hf
+from ..hf.formats import FORMATS, TIED_KEY
+from ..hf.run import OPTIMIZER_NAMES
 from .report import Report
 from .tensors import BATCH_BYTES, Chunk, Meta, ahead, cuts
 
@@ -59,7 +59,7 @@ def is_export(path: str | os.PathLike) -> bool:
 
 
 class ExportFolder:
-    """The tensors of an export folder (a :class:`~zerofast.verify.tensors.TensorSource`).
+    """The tensors of an export folder (a :class:`~zerofast.checks.tensors.TensorSource`).
     Problems with the files are added to ``report``; unreadable tensors are left out."""
 
     def __init__(self, folder: str | os.PathLike, report: Report, optimizer: bool = False):

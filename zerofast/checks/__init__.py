@@ -1,4 +1,5 @@
-"""``zerofast.verify`` and ``zerofast.diff``: prove a checkpoint, an export or a reshard right.
+"""``zerofast.verify`` and ``zerofast.diff`` (this package, ``zerofast.checks``): prove a checkpoint,
+an export or a reshard right.
 
 - :mod:`.report`: the typed results (``Report``, ``Finding``, ``Diff``, ``TensorChange``);
 - :mod:`.tensors`: tensors read in bounded chunks and compared in lockstep;
@@ -7,8 +8,8 @@
 - :mod:`.against`: an export, reshard or universal output against its source;
 - :mod:`.difference`: any two of them compared (``diff``).
 
-Everything here reads through the public names of the lower layers (discover, load, plan,
-execute, export) and writes nothing.
+Everything here reads through the public names of the layers below (layouts, plan, execute, and
+hf for what an export wrote) and writes nothing.
 """
 from __future__ import annotations
 

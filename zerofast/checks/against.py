@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ZeroFastError
-from ..export import hf
-from ..export.run import OPTIMIZER_JSON
+from ..hf import trainer as hf
+from ..hf.run import OPTIMIZER_JSON
 from ..pipeline import Prepared, plan_checkpoint, prepare
 from .. import keys as K
 from ..dtypes import out_dtype_for
