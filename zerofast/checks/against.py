@@ -81,9 +81,11 @@ def _expected(prepared: Prepared, folder: ExportFolder, base_model) -> Prepared:
 
 def _policy(plan: Plan, folder: TensorSource) -> torch.dtype | None:
     """The dtype policy under which most of the export's elements have the dtype they have."""
+    stored = set(folder.order)
+
     def score(dtype):
         return sum(tp.numel for n, tp in plan.tensors.items()
-                   if n in folder.order and folder.meta(n).dtype == out_dtype_for(tp.stored_dtype, dtype))
+                   if n in stored and folder.meta(n).dtype == out_dtype_for(tp.stored_dtype, dtype))
     return max(POLICIES, key=score)  # max keeps the first of equals: fp32 before "keep"
 
 
@@ -96,7 +98,8 @@ def _with_dtype(plan: Plan, dtype: torch.dtype | None) -> Plan:
 def _frozen_left_out(plan: Plan, folder: ExportFolder, report: Report) -> Plan:
     """An export with ``exclude_frozen`` holds none of the frozen parameters: expect none."""
     frozen = [n for n, tp in plan.tensors.items() if tp.kind == FROZEN]
-    if not frozen or any(n in folder.order or n in folder.aliases for n in frozen):
+    present = set(folder.order) | set(folder.aliases)
+    if not frozen or any(n in present for n in frozen):
         return plan
     report.checks.append(f"weights: the {len(frozen)} frozen parameters are left out (exclude_frozen)")
     keep = {n: tp for n, tp in plan.tensors.items() if tp.kind != FROZEN}
@@ -150,8 +153,9 @@ def compare_sets(report: Report, expected: TensorSource, got: TensorSource, what
         if name not in want:
             report.add("extra", name, f"the output holds it; the checkpoint has no such tensor ({what})")
     pairs = _alias_pairs(report, expected, got)
+    stored = set(got.order)
     for name in expected.order:
-        if name in got.order:
+        if name in stored:
             pair = _checked_pair(report, expected, got, name, name)
             pairs += [pair] if pair else []
     found = compare(expected, got, pairs)
@@ -172,15 +176,16 @@ def _alias_pairs(report: Report, expected: TensorSource, got: TensorSource) -> l
     """A tie is either recorded as the same alias, or (``duplicate_tied``) stored as a copy, which
     must then equal its source."""
     pairs = []
+    stored, tensors = set(got.order), set(expected.order)
     for alias, source in expected.aliases.items():
         if alias in got.aliases:
             if got.aliases[alias] != source:
                 report.add("aliases", alias, f"tied to {got.aliases[alias]!r}, the checkpoint ties it to {source!r}")
-        elif alias in got.order:
+        elif alias in stored:
             pair = _checked_pair(report, expected, got, source, alias)
             pairs += [pair] if pair else []
     for alias, source in got.aliases.items():
-        if alias in expected.order:
+        if alias in tensors:
             report.add("aliases", alias, f"recorded as a tie to {source!r}; in the checkpoint it is a tensor of its own")
     return pairs
 

@@ -74,8 +74,9 @@ def diff_paths(a: str | os.PathLike, b: str | os.PathLike, *, optimizer: bool = 
 
 def diff_sources(sa: TensorSource, sb: TensorSource) -> Diff:
     result = Diff("A", "B")
-    names_a = [*sa.order, *(n for n in sa.aliases if n not in sa.order)]
-    names_b = [*sb.order, *(n for n in sb.aliases if n not in sb.order)]
+    stored_a, stored_b = set(sa.order), set(sb.order)
+    names_a = [*sa.order, *(n for n in sa.aliases if n not in stored_a)]
+    names_b = [*sb.order, *(n for n in sb.aliases if n not in stored_b)]
     in_b, in_a = set(names_b), set(names_a)
     result.only_a = [n for n in names_a if n not in in_b]
     result.only_b = [n for n in names_b if n not in in_a]
