@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .optimizer_states import optimizer_state
     from .reconstruct import reconstruct
     from .results import LazyStateDict, TensorMeta
+    from .checks import Diff, Report, diff, verify
     from .writers.reshard import reshard
     from .writers.universal import to_universal, universal_module_state
     from .writers.dcp import to_dcp
@@ -63,6 +64,10 @@ _LAZY = {
     "to_universal": ".writers.universal",
     "universal_module_state": ".writers.universal",
     "to_dcp": ".writers.dcp",
+    "verify": ".checks",
+    "diff": ".checks",
+    "Report": ".checks",
+    "Diff": ".checks",
 }
 
 
@@ -123,6 +128,10 @@ __all__ = [
     "to_universal",
     "universal_module_state",
     "to_dcp",
+    "verify",
+    "diff",
+    "Report",
+    "Diff",
     "ReshardError",
     "ExportResult",
     "ExportError",
