@@ -198,3 +198,14 @@ def test_a_root_of_step_folders_picks_one_like_a_tag(tmp_path):
     with pytest.raises(zerofast.AmbiguousTagError, match="step-10"):
         zerofast.reconstruct(tmp_path)
     assert main(["inspect", str(tmp_path), "--tag", "step-20", "--json"]) == 0
+
+
+def test_verify_and_diff_take_dcp_folders(tmp_path):
+    two, four = ensure_dcp(2), ensure_dcp(4)
+    assert zerofast.verify(two).ok
+    assert main(["export", str(two), str(tmp_path / "hf"), "--dtype", "keep", "--quiet"]) == 0
+    assert zerofast.verify(tmp_path / "hf", against=two).ok
+    same = zerofast.diff(two, shutil.copytree(two, tmp_path / "copy"))
+    assert same.identical and len(same.equal) == 9
+    other = zerofast.diff(two, four)  # two different runs (each job seeds its own batches)
+    assert not other.only_a and not other.only_b and other.changed

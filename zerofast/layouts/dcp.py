@@ -12,7 +12,7 @@ writers that write a ZeRO save back (``writable`` is False).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +40,8 @@ class DcpFiles(CheckpointFiles):
 @dataclass
 class DcpCheckpoint(LoadedCheckpoint):
     records: DcpRecords | None = None
+    # No model-dtype weights stored beside the tensors (verify compares none; it reads each whole).
+    stored: dict = field(default_factory=dict)
 
     @property
     def meta(self):
