@@ -44,8 +44,10 @@ if TYPE_CHECKING:
     from .optimizer_states import optimizer_state
     from .reconstruct import reconstruct
     from .results import LazyStateDict, TensorMeta
+    from .checks import Diff, Report, diff, verify
     from .writers.reshard import reshard
     from .writers.universal import to_universal, universal_module_state
+    from .writers.dcp import to_dcp
 
 # public name -> the module that defines it
 _LAZY = {
@@ -62,6 +64,11 @@ _LAZY = {
     "reshard": ".writers.reshard",
     "to_universal": ".writers.universal",
     "universal_module_state": ".writers.universal",
+    "to_dcp": ".writers.dcp",
+    "verify": ".checks",
+    "diff": ".checks",
+    "Report": ".checks",
+    "Diff": ".checks",
 }
 
 
@@ -122,6 +129,11 @@ __all__ = [
     "reshard",
     "to_universal",
     "universal_module_state",
+    "to_dcp",
+    "verify",
+    "diff",
+    "Report",
+    "Diff",
     "ReshardError",
     "ExportResult",
     "ExportError",

@@ -89,6 +89,10 @@ class Layout:
         """Raise ``UnplacedOptimizerStateError`` for a partitioned optimizer value outside ``placed``."""
         optimizer.refuse_unplaced(ckpt, placed, writer)
 
+    def report(self, ckpt: LoadedCheckpoint, plan: Plan) -> dict | None:
+        """``inspect``'s header of a save that is not DeepSpeed's (its own fields); None: the ZeRO one."""
+        return None
+
     def __repr__(self) -> str:
         return f"<zerofast layout {self.name!r}>"
 

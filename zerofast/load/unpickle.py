@@ -183,10 +183,11 @@ ALLOWED: dict[str, Any] = {
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, load_storage: Callable[[object], _StorageRef]):
+    def __init__(self, data: bytes, load_storage: Callable[[object], _StorageRef], allowed: dict[str, Any] = ALLOWED):
         self._stream = io.BytesIO(data)
         super().__init__(self._stream)
         self._load_storage = load_storage
+        self._allowed = allowed
 
     def consumed(self) -> int:
         return self._stream.tell()
@@ -199,9 +200,9 @@ class _Unpickler(pickle.Unpickler):
         elif module in _compat_pickle.IMPORT_MAPPING:
             module = _compat_pickle.IMPORT_MAPPING[module]
         full = f"{module}.{name}"
-        if full not in ALLOWED:
+        if full not in self._allowed:
             raise Refused(full)
-        return ALLOWED[full]
+        return self._allowed[full]
 
     def persistent_load(self, pid: object) -> _StorageRef:
         return self._load_storage(pid)
@@ -210,16 +211,19 @@ class _Unpickler(pickle.Unpickler):
 class _Storages:
     """Resolves the pickle's storage references against one private mapping of the file."""
 
-    def __init__(self, path: Path, index: ArchiveIndex):
+    def __init__(self, path: Path, index: ArchiveIndex, mapping: torch.UntypedStorage | None = None,
+                 span: int | None = None):
         self.path = path
         self.index = index
-        self.mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=index.file_size) \
-            if index.file_size else torch.UntypedStorage(0)
-        _remember_mapping(path, self.mapping)
+        if mapping is None:
+            mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=index.file_size) \
+                if index.file_size else torch.UntypedStorage(0)
+            _remember_mapping(path, mapping)
+        self.mapping = mapping
         self.made: dict[str, _StorageRef] = {}
         self.declared: dict[str, int] = {}
         # Tied weights make two names for one tensor; the limit leaves room for that and more.
-        self.built = _Built(4 * index.file_size + (1 << 20))
+        self.built = _Built(4 * (index.file_size if span is None else span) + (1 << 20))
 
     def __call__(self, pid: object) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
@@ -284,8 +288,44 @@ def file_location(path: str, tensor: torch.Tensor) -> tuple[int, tuple[int, int,
 def load_archive(path: Path) -> Any:
     """Unpickle one ``torch.save`` archive with only allowlisted globals and mapped storages."""
     index = index_archive(path)
+    return _load(path, index, _Storages(path, index))
+
+
+def map_file(path: Path) -> torch.UntypedStorage:
+    """One private mapping of ``path``, for :func:`load_embedded_archive` (remembered, so that the
+    executor may read the file by offset instead)."""
+    size = os.stat(path).st_size
+    mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size) if size else torch.UntypedStorage(0)
+    _remember_mapping(path, mapping)
+    return mapping
+
+
+def load_embedded_archive(path: Path, start: int, length: int, mapping: torch.UntypedStorage) -> Any:
+    """Unpickle the ``torch.save`` archive stored in bytes ``[start, start + length)`` of ``path``
+    (``mapping``: :func:`map_file` of it), like :func:`load_archive`: its tensors are views of
+    the mapping; nothing else of the file is read."""
+    index = index_archive(path, start, length)
+    return _load(path, index, _Storages(path, index, mapping, length))
+
+
+def load_pickle(data: bytes, allowed: dict[str, Any]) -> Any:
+    """Unpickle ``data`` (a pickle without tensors) resolving globals only through ``allowed``,
+    after the same bounds pre-pass: for metadata files that are plain pickles."""
+    check_pickle(data)
+
+    def no_storages(pid: object):
+        raise pickle.UnpicklingError(f"expected no tensor storages in this pickle, found {short_repr(pid)}")
+
+    unpickler = _Unpickler(data, no_storages, allowed)
+    result = unpickler.load()
+    if unpickler.consumed() != len(data):
+        raise pickle.UnpicklingError(f"expected the file to end with its pickle, found "
+                                     f"{len(data) - unpickler.consumed()} more bytes")
+    return result
+
+
+def _load(path: Path, index: ArchiveIndex, storages: _Storages) -> Any:
     check_pickle(index.pickle_bytes)
-    storages = _Storages(path, index)
     unpickler = _Unpickler(index.pickle_bytes, storages)
     result = unpickler.load()
     _check_tensors(path, result, storages.built.tensors)
