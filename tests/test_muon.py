@@ -136,3 +136,12 @@ def test_to_universal_refuses_what_deepspeed_cannot_load(tmp_path, stage):
     assert e.value.path.endswith("optim_states.pt")
     assert not (tmp_path / "u" / "global_step3").exists() or not [
         p for p in (tmp_path / "u" / "global_step3").iterdir() if not p.name.startswith(".zerofast")]
+
+
+@pytest.mark.parametrize("stage", sorted(SOURCES))
+def test_to_dcp_refuses_the_optimizer_and_writes_the_weights(tmp_path, stage):
+    """Per-group state is not written to DCP yet: refused with a typed error, never half written;
+    the weights alone (optimizer=False) still go."""
+    with pytest.raises(zerofast.UnsupportedCheckpointError, match="every param group"):
+        zerofast.to_dcp(real_root(SOURCES[stage]), tmp_path / "dcp")
+    zerofast.to_dcp(real_root(SOURCES[stage]), tmp_path / "weights", optimizer=False)

@@ -3,7 +3,7 @@
 Copying such a value through would give every new rank the old rank's partition: a reshard that
 exits 0 with wrong optimizer state. Each case plants an extra per-element state into real suite
 saves (ZeRO-1, 2 and 3, world 2, frozen params and a tied weight) and checks that reshard,
-to-universal and export of the optimizer states all raise UnplacedOptimizerStateError naming the
+to-universal, to-dcp and export of the optimizer states all raise UnplacedOptimizerStateError naming the
 key and the file, and leave no output behind. A key every rank keeps for one group, laid out like
 the masters, is placed: it is carried per group, like Muon's momentum.
 """
@@ -56,6 +56,7 @@ def _writers(root, tmp_path):
     yield "to-universal", lambda: to_universal(root, tmp_path / "universal" / "t"), tmp_path / "universal"
     yield "export --optimizer-states", (lambda: zerofast.export(root, tmp_path / "export", optimizer_states=True)), \
         tmp_path / "export"
+    yield "to-dcp", (lambda: zerofast.to_dcp(root, tmp_path / "dcp")), tmp_path / "dcp"
 
 
 def _nothing_written(out) -> bool:

@@ -131,6 +131,10 @@ def _optim_state(weights: Prepared, lazy: _Lazy) -> dict[str, Any]:
     ckpt = weights.checkpoint
     keys = available_keys(ckpt)
     scalars = scalar_states(ckpt)
+    if keys:
+        ckpt.layout.refuse_unplaced(ckpt, keys, "to-dcp")  # never a partition copied through
+    if keys and len({tuple(g["keys"]) for g in ckpt.layout.optimizer_groups(ckpt)}) > 1:
+        keys = []  # kept per param group (Muon beside Adam): not yet written to DCP, refused below
     if not keys or not scalars["param_groups"]:
         # set_state_dict needs both: the per-parameter states and the groups that own them.
         missing = "no per-element state kept for every param group" if not keys else \
