@@ -21,6 +21,7 @@ from collections import Counter
 from typing import Sequence
 
 from .cli_args import Later, Version, dtype_arg, positive, size_arg
+from .cli_report import optimizer_lines
 from .cli_dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines
 from .errors import ZeroFastError, short_repr, some
 from .native.commands import add_native_commands
@@ -429,19 +430,11 @@ def format_report(r: dict) -> str:
         lines += ["", "frozen        absent: saved with exclude_frozen_parameters=True (as the HF Trainer saves PEFT "
                   f"models), so the frozen weights are not in this checkpoint{named}"]
     lines += ["", "tied          " + (", ".join(f"{a} -> {s}" for a, s in r["tied"].items()) or "none"), ""]
-    lines += _optimizer_lines(r.get("optimizer_groups") or [])
+    lines += optimizer_lines(r.get("optimizer_groups") or [])
     lines.append(f"{'export as':<10}{'size':>12}")
     for label, nbytes in r["output_bytes"].items():
         lines.append(f"{label:<10}{human_bytes(nbytes):>12}   {nbytes:,} bytes")
     return "\n".join(lines)
-
-
-def _optimizer_lines(groups: list[dict]) -> list[str]:
-    """One line per optimizer param group with the per-element states it keeps."""
-    lines = [f"{'optimizer' if i == 0 else '':<14}group {i}" + (f" ({g['name']})" if g.get("name") else "") + ": "
-             + (f"{g['params']} params: " if g.get("params") is not None else "") + (", ".join(g["keys"]) or "-")
-             for i, g in enumerate(groups)]
-    return lines + ([""] if lines else [])
 
 
 def human_bytes(n: int) -> str:
