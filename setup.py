@@ -37,7 +37,7 @@ def _sources(pattern: str) -> list:
 
 
 def extension():
-    sources = _sources("csrc/*.cpp")
+    sources = _sources("csrc/*.cpp") + _sources("csrc/load/*.cpp")  # host code: the native pickle reader
     for device, wanted in DEVICES.items():
         if wanted():
             sources += _sources(f"csrc/{device}/*.cpp") + _sources(f"csrc/{device}/*.cu")

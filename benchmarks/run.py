@@ -21,9 +21,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks.generate import ensure  # noqa: E402
+from benchmarks.generate import REAL, ensure  # noqa: E402
 
-EAGER = ["floor", "zf_eager", "ds_eager", "zf_lazy"]
+EAGER = ["floor", "zf_prepare", "zf_eager", "ds_eager", "zf_lazy"]
 EXPORT = ["zf_export", "ds_export", "zf_export_bf16", "zf_export_2workers", "disk_write"]
 RESUME = ["copy_files", "zf_reshard", "zf_to_universal", "ds_to_universal"]
 # With --baseline: the same zerofast cases run on another checkout, in the same rounds.
@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true",
                     help="also measure reshard (against copying the files) and to-universal (against DeepSpeed's "
                          "ds_to_universal)")
-    ap.add_argument("--workloads", default="zero3,zero2_frozen,many_small",
+    ap.add_argument("--workloads", default="zero3,zero2_frozen,many_small,ds_zero2_20k",
                     help="comma-separated workloads to run (default: all)")
     ap.add_argument("--baseline", type=Path, help="another zerofast checkout (built) to time in the same rounds")
     ap.add_argument("--skip", default="", help="cases to leave out, comma-separated")
@@ -154,9 +154,10 @@ def main() -> None:
         for workload in args.workloads.split(","):
             size = 50_000_000 if workload == "many_small" else int(args.params)
             ckpt = ensure(args.data, workload, size, args.world_size)
-            for cold in modes if workload != "many_small" else [False]:
+            small = workload == "many_small" or workload in REAL  # metadata-bound: eager cases, warm only
+            for cold in modes if not small else [False]:
                 print(f"{workload} ({'cold' if cold else 'warm'} cache)", flush=True)
-                wanted = cases if workload != "many_small" else [c for c in cases if c in EAGER or c == "base_eager"]
+                wanted = cases if not small else [c for c in cases if c in EAGER or c == "base_eager"]
                 samples = run_rounds(wanted, ckpt, Path(scratch), args.rounds, cold, args.baseline)
                 results[(workload, "cold" if cold else "warm")] = summarize(samples)
     notes.append(startup(args.rounds + 2))

@@ -35,7 +35,8 @@ from ..errors import (
 )
 from .pickle_bounds import BoundsExceeded
 from .stand_ins import RefusedState
-from .unpickle import Refused, load_archive
+from .reader import load_archive
+from .unpickle import Refused
 
 def load_file(path: Path) -> Any:
     """Unpickle one ``torch.save`` file with memory-mapped tensors and only allowlisted globals."""

@@ -182,6 +182,35 @@ ALLOWED: dict[str, Any] = {
 }
 
 
+def resolve_global(module: str, name: str) -> Any:
+    """The allowlisted object a pickle's global ``module.name`` stands for, or :class:`Refused`.
+    Shared by this reader and the native one (``reader.py``)."""
+    # Protocol-2 pickles spell Python 3 names the Python 2 way (``__builtin__.eval``);
+    # translate as the stock unpickler does, so refusals quote the name that would run.
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    full = f"{module}.{name}"
+    if full not in ALLOWED:
+        raise Refused(full)
+    return ALLOWED[full]
+
+
+def tensor_byte_limit(index: ArchiveIndex) -> int:
+    """The bytes all of one file's tensors may hold together. Tied weights make two names for
+    one tensor; the limit leaves room for that and more."""
+    return 4 * index.file_size + (1 << 20)
+
+
+def map_file(path: Path, index: ArchiveIndex) -> torch.UntypedStorage:
+    """One private mapping of the whole file, remembered for :func:`file_location`."""
+    mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=index.file_size) \
+        if index.file_size else torch.UntypedStorage(0)
+    _remember_mapping(path, mapping)
+    return mapping
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, load_storage: Callable[[object], _StorageRef]):
         self._stream = io.BytesIO(data)
@@ -192,16 +221,7 @@ class _Unpickler(pickle.Unpickler):
         return self._stream.tell()
 
     def find_class(self, module: str, name: str) -> Any:
-        # Protocol-2 pickles spell Python 3 names the Python 2 way (``__builtin__.eval``);
-        # translate as the stock unpickler does, so refusals quote the name that would run.
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        elif module in _compat_pickle.IMPORT_MAPPING:
-            module = _compat_pickle.IMPORT_MAPPING[module]
-        full = f"{module}.{name}"
-        if full not in ALLOWED:
-            raise Refused(full)
-        return ALLOWED[full]
+        return resolve_global(module, name)
 
     def persistent_load(self, pid: object) -> _StorageRef:
         return self._load_storage(pid)
@@ -213,13 +233,10 @@ class _Storages:
     def __init__(self, path: Path, index: ArchiveIndex):
         self.path = path
         self.index = index
-        self.mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=index.file_size) \
-            if index.file_size else torch.UntypedStorage(0)
-        _remember_mapping(path, self.mapping)
+        self.mapping = map_file(path, index)
         self.made: dict[str, _StorageRef] = {}
         self.declared: dict[str, int] = {}
-        # Tied weights make two names for one tensor; the limit leaves room for that and more.
-        self.built = _Built(4 * index.file_size + (1 << 20))
+        self.built = _Built(tensor_byte_limit(index))
 
     def __call__(self, pid: object) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
@@ -283,7 +300,11 @@ def file_location(path: str, tensor: torch.Tensor) -> tuple[int, tuple[int, int,
 
 def load_archive(path: Path) -> Any:
     """Unpickle one ``torch.save`` archive with only allowlisted globals and mapped storages."""
-    index = index_archive(path)
+    return load_indexed(path, index_archive(path))
+
+
+def load_indexed(path: Path, index: ArchiveIndex) -> Any:
+    """:func:`load_archive` of a file whose zip directory is already read and checked."""
     check_pickle(index.pickle_bytes)
     storages = _Storages(path, index)
     unpickler = _Unpickler(index.pickle_bytes, storages)
