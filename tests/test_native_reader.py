@@ -102,7 +102,8 @@ class _Same:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    # Through a fresh tensor: a size-1 dimension keeps any stride through contiguous().
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
 
 
 def same_tree(a, b) -> None:

@@ -10,7 +10,6 @@ type-checked here, with the file in hand.
 from __future__ import annotations
 
 import itertools
-import math
 import pickle
 import struct
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from ..errors import (
 )
 from .pickle_bounds import BoundsExceeded
 from .stand_ins import RefusedState
+from .parallel import read_all
 from .reader import load_archive
 from .unpickle import Refused
 
@@ -138,7 +138,7 @@ def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
         from .families import load_family  # MoE, pipeline, AutoTP: their own loaders and layout builders
 
         return load_family(files)
-    model_states = [read_model_states(p) for p in files.model_files]
+    model_states = read_all(read_model_states, files.model_files)
     _check_parallelism(model_states[0], files.universal is not None)
     if files.other_mp_rank is not None:  # rank 00 records degree 1, yet another rank's file is here
         raise UnsupportedCheckpointError(
@@ -146,7 +146,7 @@ def load_checkpoint(files: CheckpointFiles) -> LoadedCheckpoint:
             f"{int(files.other_mp_rank.split('mp_rank_')[1][:2])})", files.tag_dir)
     if files.universal is not None:
         return _load_universal(files, model_states)
-    optim_states = [read_optim_states(p) for p in files.optim_files]
+    optim_states = read_all(read_optim_states, files.optim_files)
     stage = settle_stage(files, model_states, optim_states)
     _agree_with_config(files, model_states[0], stage, "the optimizer files")
     world_size = settle_world_size(files, stage, model_states, optim_states)
@@ -208,13 +208,19 @@ INT64_MAX = 2 ** 63 - 1
 def _shape(path: Path, name: str, value: Any) -> tuple[int, ...]:
     # Dims and their product must fit int64, as in torch: a zero-element shape could otherwise
     # carry a dim of 2**64 into an output file's header.
-    if not isinstance(value, (tuple, list)) or len(value) > 64 \
-            or not all(type(d) is int and 0 <= d <= INT64_MAX for d in value) \
-            or math.prod(d or 1 for d in value) > INT64_MAX:
-        raise InconsistentCheckpointError(
-            f"expected a shape (at most 64 non-negative ints, product below 2**63) for {short_repr(name)}, found "
-            f"{short_repr(value)}", path)
-    return tuple(value)
+    # A plain loop, no generators: this runs once per parameter of files with tens of thousands.
+    if isinstance(value, (tuple, list)) and len(value) <= 64:
+        product = 1
+        for d in value:
+            if type(d) is not int or not 0 <= d <= INT64_MAX:
+                break
+            product *= d or 1
+        else:
+            if product <= INT64_MAX:
+                return tuple(value)
+    raise InconsistentCheckpointError(
+        f"expected a shape (at most 64 non-negative ints, product below 2**63) for {short_repr(name)}, found "
+        f"{short_repr(value)}", path)
 
 
 def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:

@@ -17,6 +17,7 @@ rank ``e`` becomes ``e * num_local + l``.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,7 @@ from ...plan import keys as K
 from ...plan.model import tensor_identity
 from ..checkpoint import (expect_dict, expect_int, expect_list, expect_mapping, read_model_states, read_optim_states, settle_stage,
                           settle_world_size, load_file)
+from ..parallel import read_all
 from . import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
 
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
@@ -56,14 +58,17 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
     return ckpt
 
 
+def _expert_file(path: Path) -> tuple[int, int, Path, dict]:
+    m = MOE_EXPERT.match(path.name)
+    tensors = expect_mapping(path, expect_dict(path, load_file(path), "an expert file"), "an expert file",
+                             torch.Tensor, "tensors")
+    return int(m.group(1)), int(m.group(2)), path, tensors
+
+
 def _expert_layers(files: CheckpointFiles, num_experts: list[int]) -> dict[str, tuple[list, int]]:
     """``{name prefix up to the expert id: ([(global id, file, {name: tensor})...], experts in layer)}``."""
     by_layer: dict[int, list] = {}
-    for path in files.expert_files:
-        m = MOE_EXPERT.match(path.name)
-        layer, expert = int(m.group(1)), int(m.group(2))
-        tensors = expect_mapping(path, expect_dict(path, load_file(path), "an expert file"), "an expert file",
-                                  torch.Tensor, "tensors")
+    for layer, expert, path, tensors in read_all(_expert_file, files.expert_files):
         by_layer.setdefault(layer, []).append((expert, path, tensors))
     if sorted(by_layer) != list(range(len(num_experts))):
         raise InconsistentCheckpointError(
