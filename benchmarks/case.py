@@ -144,7 +144,7 @@ def disk_write(ckpt, out):
 def zf_reshard(ckpt, out):
     """Rewrite the checkpoint for half its data-parallel world size."""
     import zerofast
-    from zerofast.discover import discover
+    from zerofast.layouts import discover
 
     world = len(discover(ckpt).optim_files)
     zerofast.reshard  # noqa: B018 -- a lazy import; seconds are counted after imports
@@ -155,7 +155,7 @@ def zf_reshard(ckpt, out):
 
 def copy_files(ckpt, out):
     """The floor of reshard: one plain copy of every file of the save (as many bytes as it writes)."""
-    from zerofast.discover import discover
+    from zerofast.layouts import discover
 
     files = discover(ckpt)
     t0 = time.perf_counter()
@@ -177,7 +177,7 @@ def ds_to_universal(ckpt, out):
     """DeepSpeed's own converter, as its docs run it (--inject_missing_state for ZeRO-1/2 saves)."""
     import subprocess
 
-    from zerofast.discover import discover
+    from zerofast.layouts import discover
 
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
            str(discover(ckpt).tag_dir), "--output_folder", str(out / "universal" / "step"), "--inject_missing_state"]

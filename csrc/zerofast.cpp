@@ -33,20 +33,23 @@ TORCH_LIBRARY(zerofast, m) {
   // offset, length), counted in elements. Source i is read with pread from file descriptor
   // `source_fds[i]` at byte `source_offsets[i]` onwards, where its bytes are the same as the
   // tensor's; with a negative fd it is copied from the tensor. Casts are those of Tensor.to.
-  // Outputs not covered by a row keep what they held.
+  // Outputs not covered by a row keep what they held. `readers` reader threads do the reads
+  // (<= 0: torch's intra-op thread count); `hugepages` asks for transparent huge pages on the
+  // outputs. Neither changes a byte of the result.
   m.def("read_cast(Tensor[] sources, int[] source_fds, Tensor source_offsets, Tensor segments, "
-        "Tensor(a!)[] outs) -> ()");
+        "Tensor(a!)[] outs, int readers=0, bool hugepages=True) -> ()");
 
   // The same into fresh outputs of one dtype, made here: output i has the shape
   // `dims[sum(ranks[:i]) : sum(ranks[:i + 1])]`. Elements no row writes are uninitialized.
-  m.def("read_cast_new(Tensor[] sources, int[] source_fds, Tensor source_offsets, Tensor segments, Tensor dims, "
-        "Tensor ranks, ScalarType dtype) -> Tensor[]");
+  m.def("read_cast_new(Tensor[] sources, int[] source_fds, Tensor source_offsets, Tensor segments, int[] dims, "
+        "int[] ranks, ScalarType dtype, int readers=0, bool hugepages=True) -> Tensor[]");
 
   // The same, into a file: output i is `out_numels[i]` elements of `out_dtype` at byte
-  // `out_offsets[i]` of `out_fd`, written with pwrite (or copy_file_range where no cast is
-  // needed and the file systems allow it).
+  // `out_offsets[i]` of `out_fd`, written with pwrite, or with copy_file_range where no cast is
+  // needed, the file systems allow it and `copy_file_range` is true.
   m.def("read_cast_to_file(Tensor[] sources, int[] source_fds, Tensor source_offsets, Tensor segments, "
-        "int out_fd, Tensor out_offsets, Tensor out_numels, ScalarType out_dtype) -> ()");
+        "int out_fd, Tensor out_offsets, Tensor out_numels, ScalarType out_dtype, int readers=0, "
+        "bool copy_file_range=True) -> ()");
 }
 
 namespace {

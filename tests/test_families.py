@@ -273,7 +273,7 @@ def test_experts_combined_with_another_family_are_refused(tmp_path):
 def test_autotp_patterns_are_read_as_literal_names(pattern, name):
     """The affine_map's patterns come with the checkpoint: zerofast reads the names they spell and
     never runs them as regular expressions."""
-    from zerofast.load.families.autotp import _literal
+    from zerofast.layouts.autotp import _literal
 
     if name is None:
         with pytest.raises(zerofast.UnsupportedCheckpointError, match="expected AutoTP parameter patterns"):

@@ -280,7 +280,7 @@ def test_stage0_matching_of_same_valued_params_is_bounded():
     k**2 and each costs a digest per size; past a budget linear in the buffer it is refused."""
     from types import SimpleNamespace
 
-    from zerofast.plan.layouts import stage0
+    from zerofast.plan.builders import stage0
 
     k = 100
     params = {f"p{i}": torch.zeros(i + 1, dtype=torch.bfloat16) for i in range(k)}
@@ -387,6 +387,22 @@ def test_a_tag_folder_linked_outside_is_refused_unless_allowed(ckpt, tmp_path, m
         zerofast.reconstruct(root)
     monkeypatch.setenv("ZEROFAST_FOLLOW_SYMLINKS", "1")
     assert list(zerofast.reconstruct(root)) == list(zerofast.reconstruct(ensure_checkpoint(S2)))
+
+
+def test_follow_symlinks_keyword_allows_and_refuses_over_the_variable(ckpt, tmp_path, monkeypatch):
+    """The keyword decides, whatever the environment says; None leaves it to the variable."""
+    root, tag_dir = ckpt
+    (tag_dir / OPTIM0).rename(tmp_path / "outside.pt")
+    (tag_dir / OPTIM0).symlink_to(tmp_path / "outside.pt")
+    truth = zerofast.reconstruct(ensure_checkpoint(S2))
+    got = zerofast.reconstruct(root, follow_symlinks=True)
+    assert list(got) == list(truth) and all(torch.equal(got[k], truth[k]) for k in truth)
+    assert list(zerofast.optimizer_state(root, "exp_avg", follow_symlinks=True)) == \
+        list(zerofast.optimizer_state(ensure_checkpoint(S2), "exp_avg"))
+    monkeypatch.setenv("ZEROFAST_FOLLOW_SYMLINKS", "1")
+    with pytest.raises(zerofast.UnsafeCheckpointError, match=f"{OPTIM0} is a symbolic link"):
+        zerofast.reconstruct(root, follow_symlinks=False)
+    assert list(zerofast.reconstruct(root)) == list(truth)
 
 
 def test_a_rank_file_linked_outside_is_refused(ckpt, tmp_path):

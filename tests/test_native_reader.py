@@ -33,7 +33,7 @@ from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
 from tests.planting import load, save
 from zerofast.errors import ZeroFastError
-from zerofast.load import checkpoint, reader
+from zerofast.load import reader, records
 from zerofast.load.archive import index_archive
 from zerofast.load.stand_ins import DeepSpeedRecord
 
@@ -119,7 +119,7 @@ def _verdict(path: Path, monkeypatch, native: bool, index=None):
         if index is not None:
             patch.setattr(reader, "index_archive", lambda p: index)
         try:
-            return "ok", checkpoint.load_file(path)
+            return "ok", records.load_file(path)
         except ZeroFastError as e:
             return type(e), str(e)
 

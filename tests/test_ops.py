@@ -1,10 +1,14 @@
 """The native gather_cast op against its pure-torch reference, and its argument checks."""
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import zerofast
 from zerofast import ops, reference
+from zerofast.errors import DeviceError
 from tests.helpers import assert_bitwise_equal
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -133,3 +137,66 @@ def test_built_devices_come_from_the_dispatcher():
     devices = ops.built_devices()
     assert "cpu" in devices
     assert ("cuda" in devices) == torch._C._dispatch_has_kernel_for_dispatch_key("zerofast::gather_cast", "CUDA")
+
+
+def _kernel_devices(op: str) -> list[str]:
+    """The built devices that have a kernel for ``op`` (the batched readers are CPU-only)."""
+    ops.load_native()
+    return [d for d in ops.built_devices()
+            if torch._C._dispatch_has_kernel_for_dispatch_key(f"zerofast::{op}", d.upper())]
+
+
+def _read_args(tmp_path, device: str):
+    """A file holding a bf16 source, and an fp32 one read from memory. No NaNs: opcheck compares
+    results with ==."""
+    g = torch.Generator().manual_seed(5)
+    sources = [torch.randn(64, generator=g).to(torch.bfloat16), torch.randn(48, generator=g)]
+    path = tmp_path / "sources.bin"
+    path.write_bytes(b"\0" * 3 + sources[0].view(torch.uint8).numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    offsets = torch.tensor([3, 0], dtype=torch.int64)
+    return fd, sources, [fd, -1], offsets
+
+
+OPS = ["gather_cast", "read_cast", "read_cast_new", "read_cast_to_file"]
+CASES = [(op, d) for op in OPS for d in ("cpu", "cuda")]
+
+
+@pytest.mark.parametrize("op, device", CASES, ids=[f"{op}-{d}" for op, d in CASES])
+def test_opcheck_each_op_on_each_built_device(tmp_path, op, device):
+    """torch's operator checks (schema and mutations, fake kernel, autograd registration, AOT
+    dispatch) for every op on every device it was built for."""
+    if device not in _kernel_devices(op):
+        pytest.skip(f"zerofast::{op} has no {device} kernel in this build")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("a CUDA kernel was built but this machine has no GPU to run it")
+    if op == "gather_cast":
+        g = torch.Generator().manual_seed(1)
+        sources = [torch.randn(100, generator=g).to(device), torch.randn(50, generator=g).to(torch.bfloat16).to(device)]
+        segments = torch.tensor([[1, 5, 0, 40], [0, 10, 44, 50]], dtype=torch.int64)
+        out = torch.zeros(100, dtype=torch.float16, device=device)
+        torch.library.opcheck(torch.ops.zerofast.gather_cast.default, (sources, segments, out, False))
+        return
+    fd, sources, fds, offsets = _read_args(tmp_path, device)
+    try:
+        if op == "read_cast":
+            rows = torch.tensor([[0, 0, 2, 0, 30], [1, 1, 0, 5, 40]], dtype=torch.int64)
+            outs = [torch.zeros(30), torch.zeros(50, dtype=torch.bfloat16)]
+            torch.library.opcheck(torch.ops.zerofast.read_cast.default, (sources, fds, offsets, rows, outs, 2, True))
+        elif op == "read_cast_new":
+            rows = torch.tensor([[0, 0, 0, 0, 24], [1, 1, 8, 0, 20]], dtype=torch.int64)
+            args = (sources, fds, offsets, rows, [4, 6, 20], [2, 1], torch.float32, 2, False)
+            torch.library.opcheck(torch.ops.zerofast.read_cast_new.default, args)
+        else:
+            out = tmp_path / "out.bin"
+            out.write_bytes(b"\0" * 400)
+            out_fd = os.open(out, os.O_RDWR)
+            try:
+                rows = torch.tensor([[0, 0, 0, 0, 64], [1, 1, 0, 0, 48]], dtype=torch.int64)
+                args = (sources, fds, offsets, rows, out_fd, torch.tensor([0, 200]), torch.tensor([64, 48]),
+                        torch.float32, 2, True)
+                torch.library.opcheck(torch.ops.zerofast.read_cast_to_file.default, args)
+            finally:
+                os.close(out_fd)
+    finally:
+        os.close(fd)

@@ -60,9 +60,9 @@ def _source_file(tmp_path, sources, gaps, in_file):
     return fd, fds, torch.tensor(offsets, dtype=torch.int64)
 
 
-@pytest.fixture(params=["1", "3"], ids=["1 reader", "3 readers"])
-def readers(request, monkeypatch):
-    monkeypatch.setenv("ZEROFAST_READERS", request.param)
+@pytest.fixture(params=[1, 3], ids=["1 reader", "3 readers"])
+def readers(request):
+    return request.param  # the ops' `readers` argument
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -74,7 +74,7 @@ def test_read_cast_matches_reference(tmp_path_factory, readers, problem):
         fill = [torch.full((n,), 7, dtype=d) for n, d in outs]  # what no row writes must stay as it was
         native, ref = [f.clone() for f in fill], [f.clone() for f in fill]
         ops.load_native()
-        torch.ops.zerofast.read_cast(sources, fds, offsets, segments, native)
+        torch.ops.zerofast.read_cast(sources, fds, offsets, segments, native, readers)
         reference.read_cast(sources, fds, offsets, segments, ref)
     finally:
         os.close(fd)
@@ -82,9 +82,9 @@ def test_read_cast_matches_reference(tmp_path_factory, readers, problem):
         assert_bitwise_equal(a, b)
 
 
-@pytest.fixture(params=["1", "0"], ids=["copy_file_range", "pread+pwrite"])
-def copy_mode(request, monkeypatch):
-    monkeypatch.setenv("ZEROFAST_COPY_FILE_RANGE", request.param)
+@pytest.fixture(params=[True, False], ids=["copy_file_range", "pread+pwrite"])
+def copy_mode(request):
+    return request.param  # read_cast_to_file's `copy_file_range` argument
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -110,7 +110,7 @@ def test_read_cast_to_file_matches_reference(tmp_path_factory, readers, copy_mod
         args = (torch.tensor(out_offsets, dtype=torch.int64), torch.tensor([n for n, _ in outs], dtype=torch.int64),
                 out_dtype)
         ops.load_native()
-        torch.ops.zerofast.read_cast_to_file(sources, fds, offsets, segments, out_fds[0], *args)
+        torch.ops.zerofast.read_cast_to_file(sources, fds, offsets, segments, out_fds[0], *args, readers, copy_mode)
         reference.read_cast_to_file(sources, fds, offsets, segments, out_fds[1], *args)
     finally:
         for f in (fd, *out_fds):
@@ -219,11 +219,11 @@ def covering_problems(draw):
 def test_read_cast_new_matches_reference(tmp_path_factory, readers, problem):
     sources, segments, shapes, dtype = problem
     fd, fds, offsets = _source_file(tmp_path_factory.mktemp("rcn"), sources, [1] * len(sources), [True] * len(sources))
-    dims = torch.tensor([d for s in shapes for d in s], dtype=torch.int64)
-    ranks = torch.tensor([len(s) for s in shapes], dtype=torch.int64)
+    dims = [d for s in shapes for d in s]
+    ranks = [len(s) for s in shapes]
     try:
         ops.load_native()
-        native = torch.ops.zerofast.read_cast_new(sources, fds, offsets, segments, dims, ranks, dtype)
+        native = torch.ops.zerofast.read_cast_new(sources, fds, offsets, segments, dims, ranks, dtype, readers)
         ref = reference.read_cast_new(sources, fds, offsets, segments, dims, ranks, dtype)
     finally:
         os.close(fd)
@@ -238,8 +238,8 @@ def test_read_cast_new_checks_shapes():
     ops.load_native()
     args = ([torch.zeros(4)], [-1], torch.zeros(1, dtype=torch.int64), torch.zeros(0, 5, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="reaches past the end of `dims`"):
-        torch.ops.zerofast.read_cast_new(*args, torch.tensor([2]), torch.tensor([2]), torch.float32)
+        torch.ops.zerofast.read_cast_new(*args, [2], [2], torch.float32)
     with pytest.raises(RuntimeError, match="sizes past the last output"):
-        torch.ops.zerofast.read_cast_new(*args, torch.tensor([2, 3]), torch.tensor([1]), torch.float32)
+        torch.ops.zerofast.read_cast_new(*args, [2, 3], [1], torch.float32)
     with pytest.raises(RuntimeError, match="negative size"):
-        torch.ops.zerofast.read_cast_new(*args, torch.tensor([-2]), torch.tensor([1]), torch.float32)
+        torch.ops.zerofast.read_cast_new(*args, [-2], [1], torch.float32)

@@ -25,7 +25,9 @@ from .export.formats import FORMATS
 from .export.shards import parse_size
 from .ops import resolve_device
 from .pipeline import prepare
-from .plan import BUFFER, FROZEN, TRAINABLE, keys, out_dtype_for
+from . import keys
+from .dtypes import out_dtype_for
+from .plan import BUFFER, FROZEN, TRAINABLE
 
 KINDS = (TRAINABLE, FROZEN, BUFFER)
 
@@ -322,7 +324,7 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
               for label, d in dtypes.CLI_NAMES.items()}
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
-        "universal": ckpt.universal is not None,
+        "layout": ckpt.layout.name, "universal": ckpt.layout.name == "universal",
         "world_size": plan.world_size, "deepspeed_version": _text_or_none(ckpt.ds_version),
         "global_steps": _int_or_none(ckpt.meta.raw.get(keys.GLOBAL_STEPS)),
         "training_dtype": _training_dtype(ckpt.meta.raw.get(keys.DS_CONFIG)),

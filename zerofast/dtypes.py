@@ -57,3 +57,10 @@ def check(dtype: torch.dtype | None) -> None:
 
 def castable(src: torch.dtype, dst: torch.dtype) -> bool:
     return src == dst or (src in CASTABLE and dst in CASTABLE)
+
+
+def out_dtype_for(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype policy: floating tensors take ``dtype``; ``None`` and non-floating keep their own."""
+    if dtype is None or not stored.is_floating_point:
+        return stored
+    return dtype

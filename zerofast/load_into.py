@@ -18,7 +18,8 @@ from . import dtypes
 from .errors import LoadIntoError
 from .execute import Executor
 from .pipeline import prepare
-from .plan import Plan, TensorPlan, out_dtype_for
+from .dtypes import out_dtype_for
+from .plan import Plan, TensorPlan
 
 
 class IncompatibleKeys(NamedTuple):
@@ -29,7 +30,7 @@ class IncompatibleKeys(NamedTuple):
 
 
 def load_into(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, strict: bool = True, tag: str | None = None,
-              dtype: torch.dtype | None = None) -> IncompatibleKeys:
+              dtype: torch.dtype | None = None, follow_symlinks: bool | None = None) -> IncompatibleKeys:
     """Load a DeepSpeed ZeRO checkpoint into ``model`` in place, tensor by tensor.
 
     Args:
@@ -42,11 +43,14 @@ def load_into(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, strict: bo
         dtype: ``None`` (default) casts each tensor once, to the dtype of the model's own tensor.
             A floating dtype first rounds the values to it, as loading
             ``zerofast.reconstruct(ckpt_dir, dtype)`` would.
+        follow_symlinks: follow symbolic links that lead out of the checkpoint folder (refused by
+            default: a checkpoint from elsewhere could point zerofast at any file). None takes
+            ``ZEROFAST_FOLLOW_SYMLINKS``.
 
     Returns:
         ``IncompatibleKeys(missing_keys, unexpected_keys)``, by name, in model and checkpoint order.
     """
-    prepared = prepare(ckpt_dir, None, tag=tag)
+    prepared = prepare(ckpt_dir, None, tag=tag, follow_symlinks=follow_symlinks)
     plan = prepared.plan
     targets = model.state_dict(keep_vars=True)
     result = _compare_names(plan, targets)

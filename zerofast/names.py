@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import os
 
-from .plan.layouts.pipeline import sequential_names as _sequential
+from .layouts.pipeline import sequential_names as _sequential
+from .pipeline import prepare
 
 
 def sequential_names(ckpt_dir: str | os.PathLike, *, tag: str | None = None) -> dict[str, str]:
@@ -16,8 +17,6 @@ def sequential_names(ckpt_dir: str | os.PathLike, *, tag: str | None = None) -> 
     record: load with ``strict=False`` and expect them among the missing keys, or tie them
     yourself. Other checkpoints map every name to itself. Reads metadata only.
     """
-    from .pipeline import prepare
-
     prepared = prepare(ckpt_dir, None, tag=tag)
     tied = prepared.checkpoint.parallelism.get("tied_layers", {})
     return _sequential(prepared.plan.order, tied)

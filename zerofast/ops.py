@@ -1,12 +1,16 @@
 """The only door to the native ops: ``torch.ops.zerofast.*``, or the reference when asked for.
 
+Each op has its wrapper here and, beside it, its fake (the meta kernel FakeTensor tracing,
+``torch.compile`` and ``opcheck`` use), registered at module scope as ``pytorch/extension-cpp``
+does. The kernels' knobs (reader threads, huge pages, copy_file_range) are op arguments, filled
+from :func:`zerofast.settings.settings` here, so an op is a function of its arguments.
+
 The extension is loaded on first use, so ``import zerofast`` never fails for lack of it; the
 first reconstruct does, with a :class:`NativeExtensionError` that says how to build it.
-``ZEROFAST_NATIVE=0`` selects the pure-torch reference instead (slow; for debugging).
+``ZEROFAST_NATIVE=0`` selects the pure-torch reference instead (same bytes, slower).
 """
 from __future__ import annotations
 
-import os
 import re
 from contextlib import contextmanager
 from typing import Sequence
@@ -14,16 +18,16 @@ from typing import Sequence
 import torch
 
 from . import reference
+from .devices import device_of
 from .errors import DeviceError, NativeExtensionError
+from .settings import settings
 
 _BUILD_HINT = "build it with `pip install --no-build-isolation -e .` (or `make build`) in the zerofast checkout"
-# Device types the executor knows how to feed; the extension says which it was built with.
-DEVICE_TYPES = ("cpu", "cuda")
 _loaded = False
 
 
 def native_enabled() -> bool:
-    return os.environ.get("ZEROFAST_NATIVE", "1") != "0"
+    return settings().native
 
 
 def load_native() -> None:
@@ -40,8 +44,7 @@ def load_native() -> None:
         raise NativeExtensionError(
             f"zerofast's native extension was built for torch {built_for} but torch {torch.__version__} is "
             f"running; rebuild it: {_BUILD_HINT}")
-    if not _fake_registered():
-        _register_fake()
+    _register_fakes()
     _loaded = True
 
 
@@ -53,29 +56,13 @@ def built_devices() -> list[str]:
     return list(_C.built_devices())
 
 
-def _fake_registered() -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key("zerofast::gather_cast", "Meta")
-
-
-def _register_fake() -> None:
-    # These ops only write into their outputs (or a file), so their fake kernels have nothing to
-    # compute; having them lets FakeTensor tracing (torch.compile, opcheck) pass through them.
-    torch.library.register_fake("zerofast::gather_cast")(lambda sources, segments, out, stream_sources=False: None)
-    torch.library.register_fake("zerofast::read_cast")(lambda sources, fds, offsets, segments, outs: None)
-    torch.library.register_fake("zerofast::read_cast_to_file")(
-        lambda sources, fds, offsets, segments, out_fd, out_offsets, out_numels, out_dtype: None)
-    # read_cast_new has none: its output shapes are the values of its `dims` tensor, data that a
-    # fake tensor does not carry.
-
-
 def resolve_device(device: str | torch.device) -> torch.device:
     """``device`` as a place the executor can run, or a :class:`DeviceError` that says what is missing."""
+    entry = device_of(device)
     device = torch.device(device)
     if device.type == "cpu":
         return device
-    if device.type not in DEVICE_TYPES:
-        raise DeviceError(f"device={str(device)!r}: zerofast runs on {' or '.join(map(repr, DEVICE_TYPES))}")
-    if not getattr(torch, device.type).is_available():
+    if not entry.available():
         raise DeviceError(f"device={str(device)!r}: this torch ({torch.__version__}) sees no {device.type.upper()} GPU")
     if native_enabled() and device.type not in built_devices():
         raise NativeExtensionError(
@@ -83,6 +70,26 @@ def resolve_device(device: str | torch.device) -> torch.device:
             f"{device.type.upper()}, or no compiler for it at build time); rebuild it with "
             "`FORCE_CUDA=1 pip install --no-build-isolation -e .`")
     return device
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops, each wrapper beside its fake. The fakes are registered once the library that defines
+# the ops is loaded (a fake needs its op's schema).
+
+_FAKES: list[tuple[str, object]] = []
+
+
+def _fake(op: str):
+    def register(fn):
+        _FAKES.append((f"zerofast::{op}", fn))
+        return fn
+    return register
+
+
+def _register_fakes() -> None:
+    for name, fn in _FAKES:
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+            torch.library.register_fake(name)(fn)
 
 
 def gather_cast(sources: Sequence[torch.Tensor], segments: torch.Tensor, out: torch.Tensor,
@@ -95,6 +102,12 @@ def gather_cast(sources: Sequence[torch.Tensor], segments: torch.Tensor, out: to
     torch.ops.zerofast.gather_cast(list(sources), segments, out, stream_sources)
 
 
+@_fake("gather_cast")
+def _gather_cast_fake(sources, segments, out, stream_sources=False) -> None:
+    # Writes only into ``out``: nothing to compute for a fake tensor.
+    return None
+
+
 def read_cast(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
               segments: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
     """See the schema in csrc/zerofast.cpp."""
@@ -102,20 +115,38 @@ def read_cast(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source
         reference.read_cast(sources, source_fds, source_offsets, segments, outs)
         return
     load_native()
+    knobs = settings()
     with _os_errors():
-        torch.ops.zerofast.read_cast(list(sources), list(source_fds), source_offsets, segments, list(outs))
+        torch.ops.zerofast.read_cast(list(sources), list(source_fds), source_offsets, segments, list(outs),
+                                     knobs.readers, knobs.hugepages)
+
+
+@_fake("read_cast")
+def _read_cast_fake(sources, source_fds, source_offsets, segments, outs, readers=0, hugepages=True) -> None:
+    return None
 
 
 def read_cast_new(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
-                  segments: torch.Tensor, dims: torch.Tensor, ranks: torch.Tensor,
+                  segments: torch.Tensor, dims: Sequence[int], ranks: Sequence[int],
                   dtype: torch.dtype) -> list[torch.Tensor]:
     """See the schema in csrc/zerofast.cpp."""
     if not native_enabled():
         return reference.read_cast_new(sources, source_fds, source_offsets, segments, dims, ranks, dtype)
     load_native()
+    knobs = settings()
     with _os_errors():
-        return torch.ops.zerofast.read_cast_new(list(sources), list(source_fds), source_offsets, segments, dims,
-                                                ranks, dtype)
+        return torch.ops.zerofast.read_cast_new(list(sources), list(source_fds), source_offsets, segments,
+                                                list(dims), list(ranks), dtype, knobs.readers, knobs.hugepages)
+
+
+@_fake("read_cast_new")
+def _read_cast_new_fake(sources, source_fds, source_offsets, segments, dims, ranks, dtype, readers=0,
+                        hugepages=True) -> list[torch.Tensor]:
+    shapes, pos = [], 0
+    for r in ranks:
+        shapes.append(dims[pos:pos + r])
+        pos += r
+    return [torch.empty(shape, dtype=dtype, device=segments.device) for shape in shapes]
 
 
 def read_cast_to_file(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
@@ -127,9 +158,16 @@ def read_cast_to_file(sources: Sequence[torch.Tensor], source_fds: Sequence[int]
                                     out_dtype)
         return
     load_native()
+    knobs = settings()
     with _os_errors():
         torch.ops.zerofast.read_cast_to_file(list(sources), list(source_fds), source_offsets, segments, out_fd,
-                                             out_offsets, out_numels, out_dtype)
+                                             out_offsets, out_numels, out_dtype, knobs.readers, knobs.copy_file_range)
+
+
+@_fake("read_cast_to_file")
+def _read_cast_to_file_fake(sources, source_fds, source_offsets, segments, out_fd, out_offsets, out_numels,
+                            out_dtype, readers=0, copy_file_range=True) -> None:
+    return None
 
 
 _ERRNO = re.compile(r"^zerofast: (.*) \[errno (\d+)\]$", re.M)

@@ -14,7 +14,7 @@ from .pipeline import prepare
 
 
 def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype | None = torch.float32,
-                    tag: str | None = None, lazy: bool = False):
+                    tag: str | None = None, lazy: bool = False, follow_symlinks: bool | None = None):
     """The full value of one per-element optimizer state for every trainable parameter.
 
     Args:
@@ -24,13 +24,16 @@ def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype
             keep what the checkpoint holds.
         tag: which save to read when the root holds several.
         lazy: return a read-only mapping that builds each tensor when it is looked up.
+        follow_symlinks: follow symbolic links that lead out of the checkpoint folder (refused by
+            default: a checkpoint from elsewhere could point zerofast at any file). None takes
+            ``ZEROFAST_FOLLOW_SYMLINKS``.
 
     Returns:
         ``{param_name: tensor}`` shaped like the parameters, in the model's order (an
         ``OrderedDict``, or a :class:`~zerofast.LazyStateDict` when ``lazy`` is set). Frozen and
         tied-alias names are absent: the optimizer keeps no state for them.
     """
-    prepared = prepare(ckpt_dir, dtype, tag=tag, optimizer_keys=[key])
+    prepared = prepare(ckpt_dir, dtype, tag=tag, optimizer_keys=[key], follow_symlinks=follow_symlinks)
     if lazy:
         return LazyStateDict(prepared.plan, prepared.lazy_executor())
     return eager_state_dict(prepared.plan, prepared.streaming_executor())

@@ -13,11 +13,11 @@ from typing import Sequence
 import torch
 
 from . import dtypes
-from .discover import discover
 from .errors import FrozenWeightsAbsentWarning
 from .execute import Executor
 from .execute.read_batch import BatchReader, locate
-from .load import LoadedCheckpoint, load_checkpoint
+from .layouts import discover, load_checkpoint
+from .load import LoadedCheckpoint
 from .plan import Plan, SourceTable, build_optimizer_plan, build_plan
 
 
@@ -48,12 +48,14 @@ class Prepared:
 
 def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
             exclude_frozen: bool = False, optimizer_keys: Sequence[str] | None = None,
-            warn_absent: bool = True) -> Prepared:
+            warn_absent: bool = True, follow_symlinks: bool | None = None) -> Prepared:
     """Read and plan the state dict, or with ``optimizer_keys`` (exactly one) that per-element
     state of the wrapped optimizer, named like the parameters. A full state dict of a save that
-    left its frozen weights out warns (``FrozenWeightsAbsentWarning``) unless ``warn_absent`` is off."""
+    left its frozen weights out warns (``FrozenWeightsAbsentWarning``) unless ``warn_absent`` is off.
+    ``follow_symlinks``: follow links that leave the checkpoint folder (None: the setting)."""
     dtypes.check(dtype)
-    prepared = plan_checkpoint(load_checkpoint(discover(ckpt_dir, tag)), dtype, exclude_frozen=exclude_frozen,
+    files = discover(ckpt_dir, tag, follow_symlinks=follow_symlinks)
+    prepared = plan_checkpoint(load_checkpoint(files), dtype, exclude_frozen=exclude_frozen,
                                optimizer_keys=optimizer_keys)
     plan = prepared.plan
     if plan.frozen_excluded and optimizer_keys is None and not exclude_frozen and warn_absent:

@@ -11,7 +11,8 @@ from .pipeline import prepare
 
 
 def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
-                lazy: bool = False, exclude_frozen: bool = False, device: str | torch.device = "cpu"):
+                lazy: bool = False, exclude_frozen: bool = False, device: str | torch.device = "cpu",
+                follow_symlinks: bool | None = None):
     """Consolidate a DeepSpeed ZeRO checkpoint into one state dict.
 
     Args:
@@ -25,13 +26,16 @@ def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.f
         exclude_frozen: leave out parameters with ``requires_grad=False`` (e.g. a LoRA base).
         device: where the tensors are built and returned: ``"cpu"``, or ``"cuda"``/``"cuda:N"``
             (gathered and cast on the GPU; needs the extension built with CUDA).
+        follow_symlinks: follow symbolic links that lead out of the checkpoint folder (refused by
+            default: a checkpoint from elsewhere could point zerofast at any file). None takes
+            ``ZEROFAST_FOLLOW_SYMLINKS``.
 
     Returns:
         An ``OrderedDict`` in the model's own ``state_dict()`` order (tied parameters share
         storage), or a :class:`~zerofast.LazyStateDict` when ``lazy`` is set.
     """
     device = ops.resolve_device(device)
-    prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen)
+    prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen, follow_symlinks=follow_symlinks)
     if lazy:
         return LazyStateDict(prepared.plan, prepared.lazy_executor(device))
     return eager_state_dict(prepared.plan, prepared.streaming_executor(device))

@@ -39,12 +39,12 @@ def read_cast_to_file(sources: Sequence[torch.Tensor], source_fds: Sequence[int]
 
 
 def read_cast_new(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
-                  segments: torch.Tensor, dims: torch.Tensor, ranks: torch.Tensor,
+                  segments: torch.Tensor, dims: Sequence[int], ranks: Sequence[int],
                   dtype: torch.dtype) -> list[torch.Tensor]:
     """Reference for ``torch.ops.zerofast.read_cast_new``."""
     shapes, pos = [], 0
-    flat = dims.tolist()
-    for r in ranks.tolist():
+    flat = list(dims)
+    for r in ranks:
         shapes.append(flat[pos:pos + r])
         pos += r
     outs = [torch.empty(s, dtype=dtype) for s in shapes]

@@ -124,29 +124,24 @@ bool copy_range(int in_fd, int64_t in_off, int out_fd, int64_t out_off, int64_t 
   return true;
 }
 
-bool env_flag(const char* name, bool fallback) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? fallback : std::strcmp(v, "0") != 0;
-}
-
-int reader_threads(size_t items) {
-  // More readers than cores keeps several requests in flight on a cold read; warm, the extra
-  // threads mostly wait their turn for a core.
-  int n = at::get_num_threads();
-  if (const char* v = std::getenv("ZEROFAST_READERS")) n = std::max(1, std::atoi(v));
+// `readers` <= 0 means torch's intra-op thread count. More readers than cores keeps several
+// requests in flight on a cold read; warm, the extra threads mostly wait their turn for a core.
+int reader_threads(size_t items, int64_t readers) {
+  const int64_t n = readers > 0 ? readers : at::get_num_threads();
   return static_cast<int>(std::min<size_t>(static_cast<size_t>(n), std::max<size_t>(items, 1)));
 }
 
 class Batch {
  public:
-  Batch(std::vector<Source> sources, std::vector<Dest> dests, const int64_t* seg, int64_t nseg, int out_fd)
-      : sources_(std::move(sources)), dests_(std::move(dests)), seg_(seg), out_fd_(out_fd) {
-    copy_file_range_ = out_fd >= 0 && env_flag("ZEROFAST_COPY_FILE_RANGE", true);
+  Batch(std::vector<Source> sources, std::vector<Dest> dests, const int64_t* seg, int64_t nseg, int out_fd,
+        int64_t readers, bool copy_file_range)
+      : sources_(std::move(sources)), dests_(std::move(dests)), seg_(seg), out_fd_(out_fd), readers_(readers) {
+    copy_file_range_ = out_fd >= 0 && copy_file_range;
     split(nseg);
   }
 
   void run() {
-    const int nthreads = reader_threads(items_.size());
+    const int nthreads = reader_threads(items_.size(), readers_);
     if (nthreads <= 1) {
       worker();
     } else {
@@ -252,6 +247,7 @@ class Batch {
   std::vector<Dest> dests_;
   const int64_t* seg_;
   int out_fd_;
+  int64_t readers_ = 0;
   bool copy_file_range_ = false;
   std::vector<Item> items_;
   std::atomic<size_t> next_{0};
@@ -311,10 +307,10 @@ const int64_t* check_rows(const at::Tensor& segments, const std::vector<at::Tens
 
 // Asks for transparent huge pages on the outputs' whole 2 MiB blocks: one page fault (and one
 // zeroing pass) per 2 MiB instead of per 4 KiB when the readers first touch them. Measured about
-// 2x faster on a 400 MB eager dict (README, performance); ZEROFAST_HUGEPAGES=0 turns it off, for
+// 2x faster on a 400 MB eager dict (README, performance); `hugepages=False` turns it off, for
 // machines whose fragmented memory makes the kernel compact on each fault (defrag=madvise).
-void advise_huge(const std::vector<at::Tensor>& outs) {
-  if (!env_flag("ZEROFAST_HUGEPAGES", true)) return;
+void advise_huge(const std::vector<at::Tensor>& outs, bool hugepages) {
+  if (!hugepages) return;
   constexpr uintptr_t kHuge = 2u << 20;
   for (const auto& o : outs) {
     const auto lo = (reinterpret_cast<uintptr_t>(o.data_ptr()) + kHuge - 1) / kHuge * kHuge;
@@ -324,7 +320,8 @@ void advise_huge(const std::vector<at::Tensor>& outs) {
 }
 
 void read_cast_cpu(const std::vector<at::Tensor>& sources, c10::IntArrayRef source_fds,
-                   const at::Tensor& source_offsets, const at::Tensor& segments, const std::vector<at::Tensor>& outs) {
+                   const at::Tensor& source_offsets, const at::Tensor& segments, const std::vector<at::Tensor>& outs,
+                   int64_t readers, bool hugepages) {
   std::vector<Dest> dests;
   std::vector<int64_t> numel;
   std::vector<at::ScalarType> dtypes;
@@ -337,42 +334,40 @@ void read_cast_cpu(const std::vector<at::Tensor>& sources, c10::IntArrayRef sour
   }
   auto srcs = make_sources(sources, source_fds, source_offsets);
   const int64_t* seg = check_rows(segments, sources, numel, dtypes);
-  advise_huge(outs);
-  Batch(std::move(srcs), std::move(dests), seg, segments.size(0), -1).run();
+  advise_huge(outs, hugepages);
+  Batch(std::move(srcs), std::move(dests), seg, segments.size(0), -1, readers, false).run();
 }
 
 // Allocating here rather than in Python is most of what a batch of 50k small tensors costs
-// besides the reads: an at::empty per output instead of a torch.empty and a view.
+// besides the reads: an at::empty per output instead of a torch.empty and a view. The shapes
+// are int lists, not tensors, so that the op's fake knows them.
 std::vector<at::Tensor> read_cast_new_cpu(const std::vector<at::Tensor>& sources, c10::IntArrayRef source_fds,
                                           const at::Tensor& source_offsets, const at::Tensor& segments,
-                                          const at::Tensor& dims, const at::Tensor& ranks, at::ScalarType dtype) {
-  for (const auto* t : {&dims, &ranks}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
-                "read_cast_new: `dims` and `ranks` must be contiguous 1-D CPU int64 tensors");
-  }
-  const int64_t* d = dims.const_data_ptr<int64_t>();
-  const int64_t* r = ranks.const_data_ptr<int64_t>();
+                                          c10::IntArrayRef dims, c10::IntArrayRef ranks, at::ScalarType dtype,
+                                          int64_t readers, bool hugepages) {
   const auto options = at::TensorOptions().device(at::kCPU).dtype(dtype);
+  const auto ndims = static_cast<int64_t>(dims.size());
   std::vector<at::Tensor> outs;
-  outs.reserve(ranks.size(0));
+  outs.reserve(ranks.size());
   int64_t pos = 0;
-  for (int64_t i = 0; i < ranks.size(0); ++i) {
-    TORCH_CHECK(r[i] >= 0 && r[i] <= dims.size(0) - pos, "read_cast_new: `ranks[", i, "]` = ", r[i],
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    TORCH_CHECK(ranks[i] >= 0 && ranks[i] <= ndims - pos, "read_cast_new: `ranks[", i, "]` = ", ranks[i],
                 " reaches past the end of `dims`");
-    for (int64_t k = pos; k < pos + r[i]; ++k) {
-      TORCH_CHECK(d[k] >= 0, "read_cast_new: output ", i, " has a negative size");
+    for (int64_t k = pos; k < pos + ranks[i]; ++k) {
+      TORCH_CHECK(dims[k] >= 0, "read_cast_new: output ", i, " has a negative size");
     }
-    outs.push_back(at::empty(c10::IntArrayRef(d + pos, static_cast<size_t>(r[i])), options));
-    pos += r[i];
+    outs.push_back(at::empty(dims.slice(pos, ranks[i]), options));
+    pos += ranks[i];
   }
-  TORCH_CHECK(pos == dims.size(0), "read_cast_new: `dims` holds ", dims.size(0) - pos, " sizes past the last output");
-  read_cast_cpu(sources, source_fds, source_offsets, segments, outs);
+  TORCH_CHECK(pos == ndims, "read_cast_new: `dims` holds ", ndims - pos, " sizes past the last output");
+  read_cast_cpu(sources, source_fds, source_offsets, segments, outs, readers, hugepages);
   return outs;
 }
 
 void read_cast_to_file_cpu(const std::vector<at::Tensor>& sources, c10::IntArrayRef source_fds,
                            const at::Tensor& source_offsets, const at::Tensor& segments, int64_t out_fd,
-                           const at::Tensor& out_offsets, const at::Tensor& out_numels, at::ScalarType out_dtype) {
+                           const at::Tensor& out_offsets, const at::Tensor& out_numels, at::ScalarType out_dtype,
+                           int64_t readers, bool copy_file_range) {
   TORCH_CHECK(out_fd >= 0, "read_cast_to_file: `out_fd` must be an open file descriptor, got ", out_fd);
   for (const auto* t : {&out_offsets, &out_numels}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous() &&
@@ -392,7 +387,8 @@ void read_cast_to_file_cpu(const std::vector<at::Tensor>& sources, c10::IntArray
   }
   auto srcs = make_sources(sources, source_fds, source_offsets);
   const int64_t* seg = check_rows(segments, sources, numel, std::vector<at::ScalarType>(numel.size(), out_dtype));
-  Batch(std::move(srcs), std::move(dests), seg, segments.size(0), static_cast<int>(out_fd)).run();
+  Batch(std::move(srcs), std::move(dests), seg, segments.size(0), static_cast<int>(out_fd), readers,
+        copy_file_range).run();
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 """Step 4: the executor runs plans through the native ops (``zerofast.ops``).
 
-- :mod:`.executor`: one tensor plan into fresh or given memory, on the CPU or a GPU;
-- :mod:`.pinned_copy`: GPU results copied back to host memory through pinned buffers.
+- :mod:`.executor`: one tensor plan into fresh or given memory, on the CPU or a GPU (whose
+  results come back through its :mod:`zerofast.devices` entry);
+- :mod:`.read_batch`: whole passes as one native call that preads the checkpoint files.
 """
 from .executor import Executor
 

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from .. import ops
+from ..devices import device_of
 from ..plan.model import TensorPlan
-from .pinned_copy import PinnedCopy
 
 if TYPE_CHECKING:
     from .read_batch import BatchReader
@@ -23,7 +23,7 @@ class Executor:
 
     ``compute`` (default: ``device``) is where the gather and cast run. A GPU computing results
     for host memory (``export(..., device="cuda")``) builds each tensor on the GPU and copies it
-    back through pinned buffers.
+    back with its device's host copier (:mod:`zerofast.devices`: pinned buffers for CUDA).
 
     ``batch`` (a :class:`~zerofast.execute.read_batch.BatchReader`) lets whole passes on the CPU run as
     one native call that reads the checkpoint files instead of their mappings.
@@ -37,7 +37,7 @@ class Executor:
         self.compute = self.device if compute is None else torch.device(compute)
         self.streamable = streamable
         self.batch = batch if self.device.type == "cpu" and self.compute.type == "cpu" else None
-        self._pinned: PinnedCopy | None = None
+        self._to_host = None  # the compute device's host copier, made on first use
 
     def run_all(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
         """Every tensor of ``tps`` in fresh memory, in its shape."""
@@ -64,15 +64,16 @@ class Executor:
     def _gather_elsewhere(self, tp: TensorPlan, sources: list[torch.Tensor], segments: torch.Tensor,
                           flat: torch.Tensor) -> None:
         """Build the tensor on the compute device (a GPU), then bring it back into ``flat`` (host
-        memory) through pinned buffers."""
-        with torch.cuda.device(self.compute):
+        memory) with that device's host copier."""
+        device = device_of(self.compute)
+        with device.scope(self.compute):
             # Elements no segment writes must keep what ``flat`` holds, as on the CPU.
             covered = sum(s[3] for s in tp.segments) == tp.numel
             scratch = torch.empty_like(flat, device=self.compute) if covered else flat.to(self.compute)
             ops.gather_cast(sources, segments, scratch, stream_sources=self._streams(tp))
-            if self._pinned is None:
-                self._pinned = PinnedCopy()
-            self._pinned(scratch, flat)
+            if self._to_host is None:
+                self._to_host = device.host_copier()
+            self._to_host(scratch, flat)
 
     def _streams(self, tp: TensorPlan) -> bool:
         return self.streamable is not None and all(self.streamable[s[0]] for s in tp.segments)

@@ -45,9 +45,7 @@ class BatchReader:
             for dtype, (where, group) in _by_dtype(tps).items():
                 dims = [d for tp in group for d in tp.shape]
                 ranks = [len(tp.shape) for tp in group]
-                outs = ops.read_cast_new(self.sources, fds, offsets, _rows(group),
-                                         torch.tensor(dims, dtype=torch.int64),
-                                         torch.tensor(ranks, dtype=torch.int64), dtype)
+                outs = ops.read_cast_new(self.sources, fds, offsets, _rows(group), dims, ranks, dtype)
                 for i, out in zip(where, outs):
                     made[i] = out
         return made

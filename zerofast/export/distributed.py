@@ -26,14 +26,12 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..errors import ExportError, ZeroFastError
+from ..devices import device_of
 from ..ops import resolve_device
+from ..settings import DIST_TIMEOUT_ENV, settings
 from .outdir import output_dir
 from .run import export as export_files
 
-TIMEOUT_ENV = "ZEROFAST_DIST_TIMEOUT"
-# A collective waits for the slowest rank to finish its share of the files, so the timeout must
-# cover the imbalance between ranks (at most one file), not a whole export.
-DEFAULT_TIMEOUT_S = 1800
 
 
 def world_size() -> int:
@@ -50,14 +48,7 @@ def launched() -> bool:
 
 
 def timeout_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1
-    if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
-    return value
+    return settings().dist_timeout_s()
 
 
 def share(sizes: Sequence[int], ranks: int) -> list[int]:
@@ -150,7 +141,7 @@ class Team:
         except RuntimeError as e:  # gloo/NCCL errors, timeouts included, derive from it
             self.failing = True
             raise ExportError(f"lost contact with the other ranks while {what} (one crashed, was killed, or "
-                              f"outlasted the timeout, {TIMEOUT_ENV}; see its output): {_backend_reason(e)}",
+                              f"outlasted the timeout, {DIST_TIMEOUT_ENV}; see its output): {_backend_reason(e)}",
                               where) from None
 
     @contextlib.contextmanager
@@ -171,16 +162,17 @@ class Team:
 
 def _local_device(device: str | torch.device) -> torch.device:
     """``cuda`` without an index means this rank's own GPU, as torchrun numbers them."""
+    entry = device_of(device)
     device = torch.device(device)
-    if device.type != "cuda" or device.index is not None:
+    if entry.host or device.index is not None:
         return device
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    visible = torch.cuda.device_count()
+    visible = entry.count()
     if 0 < visible <= local:  # with none at all, resolve_device says so
         # NCCL refuses two ranks on one GPU, so a rank without a GPU of its own cannot share one.
-        raise ExportError(f"device='cuda': this rank (LOCAL_RANK {local}) has no GPU of its own, {visible} visible; "
-                          "start at most one rank per GPU on each node")
-    return torch.device("cuda", local)
+        raise ExportError(f"device={device.type!r}: this rank (LOCAL_RANK {local}) has no GPU of its own, {visible} "
+                          "visible; start at most one rank per GPU on each node")
+    return torch.device(device.type, local)
 
 
 @contextlib.contextmanager
@@ -192,10 +184,9 @@ def joined(device: torch.device) -> Iterator[Team]:
     if dist.is_initialized():
         yield _team_of_default_group()
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s()))
+    entry = device_of(device)
+    entry.select(device)
+    dist.init_process_group(entry.backend, timeout=datetime.timedelta(seconds=timeout_s()))
     try:
         yield _team_of_default_group()
     finally:

@@ -26,7 +26,8 @@ import torch
 
 from ..errors import AmbiguousTagError, ExportError, PeftExportWarning, UnsupportedCheckpointError
 from ..pipeline import Prepared
-from ..plan import FROZEN, TRAINABLE, Plan, TensorPlan, out_dtype_for
+from ..dtypes import out_dtype_for
+from ..plan import FROZEN, TRAINABLE, Plan, TensorPlan
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -1,10 +1,18 @@
 """Step 2: read checkpoint files without running code and without importing DeepSpeed.
 
 - :mod:`.archive`: the zip directory of a ``torch.save`` file, checked;
-- :mod:`.unpickle`: the restricted C unpickler (allowlisted globals, bounded storages);
+- :mod:`.pickle_bounds`, :mod:`.unpickle`: the restricted C unpickler (allowlisted globals,
+  bounded opcodes and storages);
 - :mod:`.stand_ins`: inert stand-ins for the DeepSpeed classes the pickles name;
-- :mod:`.checkpoint`: typed views of the model-states and optimizer files, stage and world size.
-"""
-from .checkpoint import LoadedCheckpoint, ModelStates, OptimStates, UniversalState, load_checkpoint, load_file
+- :mod:`.records`: typed views of the model-states and optimizer files, and the checks every
+  layout shares (stage, world size, flat groups);
+- :mod:`.checkpoint`: the loaded checkpoint records a layout returns.
 
-__all__ = ["LoadedCheckpoint", "ModelStates", "OptimStates", "UniversalState", "load_checkpoint", "load_file"]
+Which files a save has and how they fit together is each layout's business
+(:mod:`zerofast.layouts`); nothing here knows the kinds of save.
+"""
+from .checkpoint import LoadedCheckpoint, PartitionedCheckpoint, Partition, Stored
+from .records import ModelStates, OptimStates, load_file
+
+__all__ = ["LoadedCheckpoint", "PartitionedCheckpoint", "Partition", "Stored", "ModelStates", "OptimStates",
+           "load_file"]

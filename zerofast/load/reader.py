@@ -35,9 +35,9 @@ def native_core() -> Callable | None:
         ops.load_native()
     except NativeExtensionError:
         return None  # the first reconstruct says what to build; reading needs no extension
-    from .. import _C
+    import zerofast._C as compiled  # loaded by ops.load_native above
 
-    return getattr(_C, "unpickle", None)
+    return getattr(compiled, "unpickle", None)
 
 
 def _hooks(index: ArchiveIndex) -> tuple:

@@ -1,35 +1,33 @@
 """Step 3: build the plan of a checkpoint's state dict.
 
-The layout builders (:mod:`zerofast.plan.layouts`) place the trainable and declared frozen
-parameters; everything else the module holds is classified here, the same way for every
-layout: tied aliases, frozen weights only the module keeps, and buffers. The dtype policy and
-the output order are applied here too, once.
+Each layout (:mod:`zerofast.layouts`) places the trainable parameters with the builders of
+:mod:`.builders`. For saves whose module dict names every tensor, :func:`plain_plan` classifies
+the rest the same way for each: declared frozen parameters, tied aliases, frozen weights only the
+module keeps, and buffers. :func:`assemble` applies the output order and the dtype policy, once,
+for every layout.
 """
 from __future__ import annotations
 
 import torch
 
+from .. import keys
+from ..dtypes import out_dtype_for
 from ..errors import InconsistentCheckpointError
 from ..load import LoadedCheckpoint
-from . import keys
-from .layouts import frozen_entries, trainable_entries
+from .builders.frozen import declared as frozen_entries
 from .model import BUFFER, FROZEN, TRAINABLE, Entry, Plan, SourceTable, TensorPlan, tensor_identity
-
-
-def out_dtype_for(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype policy: floating tensors take ``dtype``; ``None`` and non-floating keep their own."""
-    if dtype is None or not stored.is_floating_point:
-        return stored
-    return dtype
 
 
 def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
                exclude_frozen: bool = False) -> Plan:
-    if ckpt.family != "zero":  # MoE, pipeline, AutoTP: their loaders list every tensor by output name
-        from .layouts.family import build_plan as build_family_plan
+    """The state dict's plan, as the checkpoint's layout builds it."""
+    return ckpt.layout.plan(ckpt, table, dtype, exclude_frozen)
 
-        return build_family_plan(ckpt, table, dtype, exclude_frozen)
-    trainable = trainable_entries(ckpt, table, exclude_frozen)
+
+def plain_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None, exclude_frozen: bool,
+               trainable: dict[str, Entry]) -> Plan:
+    """The plan of a save whose module dict names every tensor (plain ZeRO 0-3 and its universal
+    copy), given the layout's ``trainable`` entries: the rest of the module is classified here."""
     frozen = frozen_entries(ckpt, table)
     kinds, aliases, undeclared_frozen, buffers, absent = _classify_module(ckpt, trainable, frozen)
     for name in undeclared_frozen:
@@ -40,6 +38,14 @@ def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | 
                **{n: (BUFFER, e) for n, e in buffers.items()}}
     order = [n for n in kinds if (n in entries or n in aliases) and n not in absent]
     order += [n for n in entries if n not in kinds]  # parameters the module dict did not list
+    return assemble(ckpt, entries, order, aliases, dtype, exclude_frozen,
+                    frozen_excluded=frozen_excluded(ckpt) or bool(absent), absent_frozen=tuple(sorted(absent)))
+
+
+def assemble(ckpt: LoadedCheckpoint, entries: dict[str, tuple[str, Entry]], order: list[str],
+             aliases: dict[str, str], dtype: torch.dtype | None, exclude_frozen: bool, **flags) -> Plan:
+    """The plan of ``entries`` (name -> (kind, entry)) in ``order``, tied ``aliases`` kept as
+    names, the dtype policy applied; ``exclude_frozen`` drops the frozen ones (and their aliases)."""
     if exclude_frozen:
         order = [n for n in order if entries.get(aliases.get(n, n), (None,))[0] != FROZEN]
     tensors = {}
@@ -49,8 +55,7 @@ def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | 
         kind, (shape, stored, segs) = entries[name]
         tensors[name] = TensorPlan(name, shape, kind, stored, out_dtype_for(stored, dtype), tuple(segs))
     kept_aliases = {a: s for a, s in aliases.items() if a in order}
-    return Plan(tensors, kept_aliases, tuple(order), ckpt.stage, ckpt.world_size,
-                frozen_excluded=frozen_excluded(ckpt) or bool(absent), absent_frozen=tuple(sorted(absent)))
+    return Plan(tensors, kept_aliases, tuple(order), ckpt.stage, ckpt.world_size, **flags)
 
 
 def frozen_excluded(ckpt: LoadedCheckpoint) -> bool:

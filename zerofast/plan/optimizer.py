@@ -19,11 +19,11 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import keys as K
+from ..dtypes import out_dtype_for
 from ..errors import InconsistentCheckpointError, MissingOptimizerStateError, UnsupportedCheckpointError, short_repr
 from ..load import LoadedCheckpoint, OptimStates
-from . import keys as K
-from .build import out_dtype_for
-from .layouts import master_flat_groups, partitioned_entries, universal
+from .builders import master_flat_groups
 from .model import FlatGroups, Plan, SourceTable, TensorPlan
 
 KIND = "optimizer_state"
@@ -37,8 +37,8 @@ def build_optimizer_plan(ckpt: LoadedCheckpoint, table: SourceTable, keys: Seque
     if not keys or (not qualified and len(keys) != 1):
         raise ValueError(f"expected {'one key' if not qualified else 'at least one key'}, got {list(keys)}")
     tensors: dict[str, TensorPlan] = {}
-    by_key = _universal_entries(ckpt, table, keys) if ckpt.universal is not None else _entries(ckpt, table, keys)
-    for name in _model_order(ckpt, by_key[keys[0]]):
+    by_key = ckpt.layout.optimizer_entries(ckpt, table, keys)
+    for name in model_order(ckpt, by_key[keys[0]]):
         for key in keys:
             shape, stored, segs = by_key[key][name]
             out = f"{name}.{key}" if qualified else name
@@ -46,24 +46,15 @@ def build_optimizer_plan(ckpt: LoadedCheckpoint, table: SourceTable, keys: Seque
     return Plan(tensors, {}, tuple(tensors), ckpt.stage, ckpt.world_size)
 
 
-def _entries(ckpt: LoadedCheckpoint, table: SourceTable, keys: Sequence[str]) -> dict[str, dict]:
+def flat_state_entries(ckpt: LoadedCheckpoint, table: SourceTable, keys: Sequence[str]) -> dict[str, dict]:
+    """``{key: {param: entry}}`` of a save whose optimizer files partition each state like the
+    masters; the layout places them as it places its masters."""
     states = checked_states(ckpt)
-    return {key: partitioned_entries(ckpt, table, state_flat_groups(ckpt, states, key), f"'{key}' groups")
+    return {key: ckpt.layout.trainable_from(ckpt, table, state_flat_groups(ckpt, states, key), f"'{key}' groups")
             for key in keys}
 
 
-def _universal_entries(ckpt: LoadedCheckpoint, table: SourceTable, keys: Sequence[str]) -> dict[str, dict]:
-    """A universal folder keeps each state whole in ``zero/<param>/<key>.pt``."""
-    available = universal.state_keys(ckpt)
-    for key in keys:
-        if key not in available:
-            raise MissingOptimizerStateError(
-                f"optimizer state {key!r} has no file in the parameters' folders; per-element states here: "
-                f"{available}", ckpt.universal.zero_dir)
-    return {key: universal.trainable(ckpt, table, key) for key in keys}
-
-
-def _model_order(ckpt: LoadedCheckpoint, entries: dict) -> list[str]:
+def model_order(ckpt: LoadedCheckpoint, entries: dict) -> list[str]:
     """The module's own key order, like the model state dict; names it does not list go last."""
     listed = [n for n in ckpt.meta.module if n in entries]
     seen = set(listed)
@@ -135,9 +126,12 @@ def _as_dict(o: OptimStates, value: Any, where: str) -> dict:
 
 
 def available_keys(ckpt: LoadedCheckpoint) -> list[str]:
-    """The per-element states every rank keeps for every flat group, e.g. ``["exp_avg", "exp_avg_sq"]``."""
-    if ckpt.universal is not None:
-        return universal.state_keys(ckpt)
+    """The per-element states the optimizer keeps for every parameter, e.g. ``["exp_avg", "exp_avg_sq"]``."""
+    return ckpt.layout.optimizer_keys(ckpt)
+
+
+def flat_keys(ckpt: LoadedCheckpoint) -> list[str]:
+    """The per-element states every rank keeps for every flat group."""
     per_rank = [per_element_keys(groups) for groups in checked_states(ckpt)]
     return [k for k in per_rank[0] if all(k in keys for keys in per_rank)] if per_rank else []
 
@@ -193,34 +187,29 @@ def scalar_states(ckpt: LoadedCheckpoint) -> dict:
     Each parameter gets the scalars of the flat group its elements sit in; each param group lists
     its hyperparameters and the names of the parameters it holds.
     """
-    if ckpt.universal is not None:
-        return _universal_scalar_states(ckpt)
+    return ckpt.layout.scalar_states(ckpt)
+
+
+def flat_scalar_states(ckpt: LoadedCheckpoint) -> dict:
+    """:func:`scalar_states` of a save whose optimizer files hold one state per flat group."""
     states = checked_states(ckpt)
     table = SourceTable()
     masters = master_flat_groups(ckpt)
-    entries = partitioned_entries(ckpt, table, masters, "flat fp32 groups")
+    entries = ckpt.layout.trainable_from(ckpt, table, masters, "flat fp32 groups")
     group_of = {table.add(str(o.path), where, t): (r, g)
                 for r, (o, groups) in enumerate(zip(ckpt.optim_states, masters)) for g, (where, t) in enumerate(groups)}
-    owner = {name: group_of[entries[name][2][0][0]] for name in _model_order(ckpt, entries) if entries[name][2]}
-    scalars = {name: _scalars(states[r][g][1]) for name, (r, g) in owner.items()}
-    return {"state": scalars, "param_groups": _param_groups(ckpt, owner)}
+    owner = {name: group_of[entries[name][2][0][0]] for name in model_order(ckpt, entries) if entries[name][2]}
+    found = {name: scalars(states[r][g][1]) for name, (r, g) in owner.items()}
+    return {"state": found, "param_groups": _param_groups(ckpt, owner)}
 
 
-def _universal_scalar_states(ckpt: LoadedCheckpoint) -> dict:
-    states, groups = universal.scalar_states(ckpt)
-    order = _model_order(ckpt, states)
-    return {"state": {name: _scalars(states[name]) for name in order},
-            "param_groups": [{**_settings(group), K.PARAMS: [n for n in order if n in names]}
-                             for group, names in groups]}
-
-
-def _settings(group: dict) -> dict:
+def hyperparameters(group: dict) -> dict:
     """A param group's hyperparameters as JSON data."""
     settings = {str(k)[:200]: _plain(v) for k, v in group.items() if k != K.PARAMS}
     return {k: v for k, v in settings.items() if v is not _SKIP}
 
 
-def _scalars(state: dict) -> dict:
+def scalars(state: dict) -> dict:
     out = {}
     for key, value in state.items():
         plain = _plain(value)
@@ -263,7 +252,7 @@ def _param_groups(ckpt: LoadedCheckpoint, owner: dict[str, tuple[int, int]]) -> 
         count = len(params)
         flat = range(position, position + count)
         position += count
-        settings = _settings(group)
+        settings = hyperparameters(group)
         settings["params"] = [name for name, (_, g) in owner.items() if g in flat]
         out.append(settings)
     return out

@@ -34,13 +34,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...discover import discover
 from ...errors import ExportError, InconsistentCheckpointError, ReshardError, UnsupportedCheckpointError
 from ...execute import Executor
-from ...load import LoadedCheckpoint, load_checkpoint
+from ...layouts import discover, load_checkpoint
+from ...load import LoadedCheckpoint
 from ...load.stand_ins import DeepSpeedRecord
-from ...plan import FROZEN, keys, SourceTable, TensorPlan, build_plan
-from ...plan.layouts import master_flat_groups, partitioned_entries
+from ... import keys
+from ...plan import FROZEN, SourceTable, TensorPlan, build_plan
+from ...plan.builders import master_flat_groups
 from ...plan.model import tensor_identity
 from ...plan.optimizer import checked_states, state_flat_groups, available_keys, group_states
 from .. import ds_pickle
@@ -163,13 +164,17 @@ class Source:
 
     @classmethod
     def read(cls, ckpt: LoadedCheckpoint) -> "Source":
+        if not ckpt.layout.writable:
+            raise UnsupportedCheckpointError(
+                f"checkpoints with {ckpt.layout.title} ({ckpt.layout.name}) cannot be written back at another world "
+                "size yet; plain data-parallel ZeRO 0-3 saves can", ckpt.files.tag_dir)
         table = SourceTable()
         masters, moments, frozen = {}, {}, {}
         if ckpt.stage:
             _check_optimizer(ckpt)
-            masters = _plans(partitioned_entries(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups"))
+            masters = _plans(ckpt.layout.trainable_from(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups"))
             states = checked_states(ckpt)
-            moments = {key: _plans(partitioned_entries(ckpt, table, state_flat_groups(ckpt, states, key),
+            moments = {key: _plans(ckpt.layout.trainable_from(ckpt, table, state_flat_groups(ckpt, states, key),
                                                        f"'{key}' groups"))
                        for key in available_keys(ckpt)}
             plan = build_plan(ckpt, table, None)

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...discover import discover
 from ...errors import ExportError, UnsupportedCheckpointError
-from ...load import ModelStates, load_checkpoint
-from ...load.checkpoint import read_model_states
-from ...plan import keys
+from ...layouts import discover, load_checkpoint
+from ...load import ModelStates
+from ...load.records import read_model_states
+from ... import keys
 from ...plan import BUFFER, FROZEN, TensorPlan, build_plan
 from ...plan.optimizer import group_states
 from .. import ds_pickle

@@ -18,19 +18,84 @@ the names of the same layers in one ``nn.Sequential``.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from ...discover import PIPE_LAYER, CheckpointFiles
-from ...errors import InconsistentCheckpointError, UnsupportedCheckpointError
-from ...plan import keys as K
-from ..checkpoint import expect_dict, expect_mapping, read_model_states, read_optim_states, settle_stage, load_file
-from . import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
+from .. import keys as K
+from ..discover import CheckpointFiles, Found, ranked
+from ..errors import IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
+from ..load import PartitionedCheckpoint, Partition, Stored, load_file
+from ..load.checkpoint import check_partitions, merged_meta
+from ..load.records import expect_dict, expect_mapping, read_model_states, read_optim_states, settle_stage
+from ..plan.model import Entry, SourceTable
+from .base import PartitionedLayout
+
+# "layer_<NN>-model_states.pt" next to one "mp_rank_<SS>_model_states.pt" per stage.
+PIPE_LAYER = re.compile(r"^layer_(\d+)-model_states\.pt$")
+PIPE_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+PIPE_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+@dataclass(frozen=True)
+class PipelineFiles(CheckpointFiles):
+    layer_files: tuple[Path, ...] = ()  # one per saved layer, in layer order
+
+    def paths(self) -> tuple[Path, ...]:
+        return super().paths() + self.layer_files
+
+
+class PipelineLayout(PartitionedLayout):
+    name = "pipeline"
+    title = "pipeline"
+    subsumes = ("autotp",)  # a pipeline's later stages write mp_rank_01... files too
+
+    def claims(self, found: Found) -> str | None:
+        return next((n for n in found.names if PIPE_LAYER.match(n)), None)
+
+    def list_files(self, found: Found) -> PipelineFiles:
+        return _files(self, found)
+
+    def load(self, files: PipelineFiles) -> PartitionedCheckpoint:
+        return load(files)
+
+    def stage0_masters(self, ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
+        return stage0_masters(ckpt, table)
+
+
+def _files(layout: "PipelineLayout", found: Found) -> "PipelineFiles":
+    """One model-states file per stage, optimizer files per (stage, data-parallel rank), layer files."""
+    root, tag, tag_dir, names = found.root, found.tag, found.tag_dir, found.names
+    stages = ranked(tag_dir, names, PIPE_MODEL, group=1)
+    if not stages:
+        raise IncompleteCheckpointError("expected mp_rank_<stage>_model_states.pt next to the pipeline layer files, "
+                                        "found none", tag_dir)
+    by_stage: dict[int, list[str]] = {}
+    for n in names:
+        m = PIPE_OPTIM.match(n)
+        if m:
+            by_stage.setdefault(int(m.group(3)), []).append(n)
+    optim: list[Path] = []
+    counts = set()
+    for s in range(len(stages)):
+        pattern = re.compile(rf"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_{s:02d}_optim_states\.pt$")
+        files = ranked(tag_dir, by_stage.get(s, []), pattern, group=2)
+        counts.add(len(files))
+        optim += files
+    if len(counts) > 1 or set(by_stage) - set(range(len(stages))):
+        raise IncompleteCheckpointError(
+            f"expected the same number of optimizer files for each of the {len(stages)} stages, found "
+            f"{ {s: len(v) for s, v in sorted(by_stage.items())} }", tag_dir)
+    layers = sorted((int(m.group(1)), n) for n in names if (m := PIPE_LAYER.match(n)))
+    return PipelineFiles(root, tag, tag_dir, tuple(stages), tuple(optim), layout=layout,
+                         layer_files=tuple(tag_dir / n for _, n in layers))
+
 
 TIED = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
 
 
-def load(files: CheckpointFiles) -> FamilyCheckpoint:
+def load(files: CheckpointFiles) -> PartitionedCheckpoint:
     stages = [read_model_states(p, module_optional=True) for p in files.model_files]
     P = len(stages)
     for ms in stages:
@@ -41,7 +106,7 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
     _check_partition_counts(optims, dp)
     known = _known_names(stages)
     stored, tied_layers = _layer_tensors(files, known)
-    ckpt = FamilyCheckpoint(files, stage, dp * P, stages, optims, family="pipeline", stored=stored,
+    ckpt = PartitionedCheckpoint(files, stage, dp * P, stages, optims, stored=stored,
                             buffers=frozenset(n for ms in stages for n in ms.buffer_names))
     ckpt.degrees = {"family": "pipeline-parallel", "dp": dp, "pp": P,
                     "stages": [_stage_layers(ms, tied_layers) for ms in stages], "tied_layers": tied_layers}
@@ -147,3 +212,28 @@ def _partitions(stages, dp: int) -> list[Partition]:
             out.append(Partition(tuple(range(s * dp, (s + 1) * dp)), g, dict(group), frozenset(seen & set(group))))
             seen |= set(group)
     return out
+
+
+def stage0_masters(ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
+    """ZeRO off: without mixed precision the layer files hold the trained values themselves."""
+    for ms in ckpt.model_states:
+        opt = ms.raw.get(K.STAGE0_OPTIMIZER)
+        if isinstance(opt, dict) and ({K.STAGE0_FP32_GROUPS, K.STAGE0_FP32_FLAT} & set(opt)):
+            raise UnsupportedCheckpointError(
+                "pipeline stage 0 with mixed-precision masters is not supported: the masters are unnamed and the "
+                "stage's layers are not recorded", ms.path)
+    return {n: table.whole(str(s.path), s.key, s.tensor)
+            for n, s in ckpt.stored.items() if n not in ckpt.buffers and s.tensor.is_floating_point()}
+
+
+def sequential_names(names, tied_layers: dict[str, int]) -> dict[str, str]:
+    """PipelineModule name -> the name of the same tensor in ``nn.Sequential(*layers)``:
+    ``tied_modules.<key>.<p>`` becomes ``<first layer>.<p>``, every other name stays."""
+    out = {}
+    for n in names:
+        m = TIED.match(n)
+        out[n] = f"{tied_layers[m.group(1)]}.{m.group(2)}" if m and m.group(1) in tied_layers else n
+    return out
+
+
+LAYOUT = PipelineLayout()

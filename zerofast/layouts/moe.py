@@ -16,25 +16,86 @@ rank ``e`` becomes ``e * num_local + l``.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ...discover import MOE_EXPERT, CheckpointFiles
-from ...errors import CorruptCheckpointError, InconsistentCheckpointError
-from ...plan import keys as K
-from ...plan.model import tensor_identity
-from ..checkpoint import (expect_dict, expect_int, expect_list, expect_mapping, read_model_states, read_optim_states, settle_stage,
-                          settle_world_size, load_file)
-from ..parallel import read_all
-from . import FamilyCheckpoint, Partition, Stored, check_partitions, merged_meta
+from .. import keys as K
+from ..discover import MODEL_FILE_STAGE012, OPTIM, CheckpointFiles, Found, ranked
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
+from ..load import LoadedCheckpoint, PartitionedCheckpoint, Partition, Stored, load_file
+from ..load.checkpoint import check_partitions, merged_meta
+from ..load.parallel import read_all
+from ..load.records import (expect_dict, expect_int, expect_list, expect_mapping, read_model_states, read_optim_states,
+                            settle_stage, settle_world_size)
+from ..plan.builders import stage0
+from ..plan.model import Entry, SourceTable, tensor_identity
+from .base import PartitionedLayout
+
+# DeepSpeed's names: "layer_<L>_expert_<E>_mp_rank_00_model_states.pt" and (ZeRO off)
+# "expp_rank_<R>_mp_rank_00_optim_states.pt". Experts saved before DeepSpeed 0.6 had no layer id.
+MOE_EXPERT = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt$")
+MOE_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_BEFORE_0_6 = re.compile(r"^expert_\d+_.*\.pt$")
+
+
+@dataclass(frozen=True)
+class MoEFiles(CheckpointFiles):
+    expert_files: tuple[Path, ...] = ()  # one per (layer, global expert id), in that order
+
+    def paths(self) -> tuple[Path, ...]:
+        return super().paths() + self.expert_files
+
+
+class MoELayout(PartitionedLayout):
+    name = "moe"
+    title = "mixture-of-experts"
+
+    def claims(self, found: Found) -> str | None:
+        return next((n for n in found.names if MOE_EXPERT.match(n) or MOE_OPTIM.match(n) or _BEFORE_0_6.match(n)),
+                    None)
+
+    def list_files(self, found: Found) -> MoEFiles:
+        old = next((n for n in found.names if _BEFORE_0_6.match(n)), None)
+        if old is not None:
+            raise UnsupportedCheckpointError(
+                f"mixture-of-experts checkpoints without layer ids (DeepSpeed < 0.6) are not supported (found {old})",
+                found.tag_dir)
+        return _files(self, found)
+
+    def load(self, files: MoEFiles) -> PartitionedCheckpoint:
+        return load(files)
+
+    def stage0_masters(self, ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
+        return stage0_masters(ckpt, table)
+
+
+def _files(layout: "MoELayout", found: Found) -> "MoEFiles":
+    """ZeRO 1/2: the usual files plus the experts'. ZeRO off: the model file, one ``expp_rank``
+    optimizer file per expert-parallel rank, and the experts'."""
+    root, tag, tag_dir, names = found.root, found.tag, found.tag_dir, found.names
+    experts = sorted((int(m.group(1)), int(m.group(2)), n) for n in names if (m := MOE_EXPERT.match(n)))
+    expp = ranked(tag_dir, names, MOE_OPTIM, group=1)
+    optim = ranked(tag_dir, names, OPTIM, group=2)
+    if expp and optim:
+        raise IncompleteCheckpointError(
+            "expected either expp_rank_* (MoE without ZeRO) or zero_pp_rank_* optimizer files, found both: the "
+            "folder mixes two saves", tag_dir)
+    if MODEL_FILE_STAGE012 not in names:
+        raise IncompleteCheckpointError(f"expected {MODEL_FILE_STAGE012} next to the expert files, found none",
+                                        tag_dir)
+    return MoEFiles(root, tag, tag_dir, (tag_dir / MODEL_FILE_STAGE012,), tuple(expp or optim), layout=layout,
+                    expert_files=tuple(tag_dir / n for _, _, n in experts))
+
 
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 EXPERT_NAME = re.compile(r"^(.*" + re.escape(EXPERTS) + r")(\d+)(\..+)$")
 
 
-def load(files: CheckpointFiles) -> FamilyCheckpoint:
+def load(files: CheckpointFiles) -> PartitionedCheckpoint:
     first = read_model_states(files.model_files[0])
     zero_off = bool(files.optim_files) and files.optim_files[0].name.startswith("expp_rank_")
     optims = [] if zero_off else [read_optim_states(p, group_counts=True) for p in files.optim_files]
@@ -44,7 +105,7 @@ def load(files: CheckpointFiles) -> FamilyCheckpoint:
                    for n in expect_list(first.path, first.raw.get(K.NUM_EXPERTS), "'num_experts'")]
     layers = _expert_layers(files, num_experts)
     stored = _module_with_experts(first, layers)
-    ckpt = FamilyCheckpoint(files, stage, world, [first], optims, family="moe", stored=stored,
+    ckpt = PartitionedCheckpoint(files, stage, world, [first], optims, stored=stored,
                             aliases=_aliases(first, stored), buffers=frozenset(first.buffer_names))
     ep = _ep_degrees(ckpt, layers)
     ckpt.degrees = {"family": "mixture-of-experts", "dp": world, "ep": ep,
@@ -126,7 +187,7 @@ def _aliases(first, stored: dict[str, Stored]) -> dict[str, str]:
     return out
 
 
-def _ep_degrees(ckpt: FamilyCheckpoint, layers) -> int:
+def _ep_degrees(ckpt: PartitionedCheckpoint, layers) -> int:
     """The expert-parallel degree: from the expert groups' partition counts (ZeRO 1/2) or the
     number of ``expp_rank`` files (ZeRO off)."""
     if ckpt.stage == 0:
@@ -166,7 +227,7 @@ def _partition_counts(o) -> list[int]:
     return list(counts)
 
 
-def _partitions(ckpt: FamilyCheckpoint, layers) -> list[Partition]:
+def _partitions(ckpt: PartitionedCheckpoint, layers) -> list[Partition]:
     shapes = ckpt.meta.param_shapes
     if shapes is None or len(shapes) != len(ckpt.optim_states[0].flat_groups):
         raise InconsistentCheckpointError(
@@ -199,3 +260,52 @@ def _globalized(ckpt, group: dict, layers, ep_rank: int, ep: int) -> dict:
                 f"expert group entry {name!r}: local expert id beyond the {local} experts per rank", ckpt.meta.path)
         out[f"{m.group(1)}{ep_rank * local + int(m.group(2))}{m.group(3)}"] = shape
     return out
+
+
+# ZeRO off: the masters, matched by value per expert-parallel rank.
+
+def stage0_masters(ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
+    """Each expert-parallel rank's masters sit unnamed in its ``expp_rank`` file. The dense
+    masters are matched on ep rank 0, each rank's expert masters against its own experts, with
+    the value matching of a plain stage-0 save."""
+    out: dict[str, Entry] = {}
+    dense = {n: s.tensor for n, s in ckpt.stored.items() if not EXPERT_NAME.match(n)}
+    ep = ckpt.parallelism["ep"]
+    for e, path in enumerate(ckpt.files.optim_files):
+        raw = expect_dict(path, load_file(path), "an expp_rank optimizer file")
+        mine = dict(dense)
+        for experts, n in ckpt.extra["experts"].values():
+            mine.update(t for expert, _, tensors in experts if expert // (n // ep) == e for t in tensors.items())
+        meta = dataclasses.replace(ckpt.meta, path=Path(path), module=mine, param_shapes=None, raw=raw)
+        view = LoadedCheckpoint(ckpt.files, 0, ckpt.world_size, [meta], [])
+        found = stage0.trainable(view, table, exclude_frozen=False)
+        out.update((n, v) for n, v in found.items() if e == 0 or EXPERT_NAME.match(n))
+    ckpt.aliases.update(_copied_ties(ckpt, out))
+    return out
+
+
+def _copied_ties(ckpt: PartitionedCheckpoint, masters: dict) -> dict[str, str]:
+    """Tied weights of a ZeRO-off MoE save. It records no ``shared_params`` and saves the module
+    as copies, so a tied alias is a second, bit-identical copy of a parameter that has a master,
+    with no master of its own. (Two distinct parameters, one frozen, would have to be equal in
+    every bit to be taken for a tie; the output values are the same either way in ``dtype=None``.)"""
+    by_value: dict[tuple, str] = {}
+    for name in masters:
+        t = ckpt.stored[name].tensor if name in ckpt.stored else None
+        if t is not None:
+            by_value.setdefault((tuple(t.shape), t.dtype, _bits(t)), name)
+    out = {}
+    for name, s in ckpt.stored.items():
+        if name in masters or name in ckpt.buffers or name in ckpt.aliases:
+            continue
+        source = by_value.get((tuple(s.tensor.shape), s.tensor.dtype, _bits(s.tensor)))
+        if source is not None:
+            out[name] = source
+    return out
+
+
+def _bits(t) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+LAYOUT = MoELayout()

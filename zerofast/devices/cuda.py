@@ -1,4 +1,5 @@
-"""GPU results back into host memory through pinned buffers (``export(..., device="cuda")``).
+"""The CUDA device's Python side: whether one is there, and GPU results back into host memory
+through pinned buffers (``export(..., device="cuda")``). Its kernels are in ``csrc/cuda/``.
 
 The export's destinations are memory-mapped windows of the output files: pageable memory, which
 the GPU cannot write directly, so every copy to it goes through a pinned bounce buffer anyway.
@@ -10,6 +11,22 @@ from __future__ import annotations
 import torch
 
 CHUNK_BYTES = 16 << 20
+
+
+def available() -> bool:
+    return torch.cuda.is_available()
+
+
+def count() -> int:
+    return torch.cuda.device_count()
+
+
+def scope(device: torch.device):
+    return torch.cuda.device(device)
+
+
+def select(device: torch.device) -> None:
+    torch.cuda.set_device(device)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

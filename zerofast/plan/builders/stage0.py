@@ -16,7 +16,7 @@ import torch
 
 from ...errors import CorruptCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
 from ...load import LoadedCheckpoint
-from .. import keys
+from ... import keys
 from ..model import Entry, SourceTable, tensor_identity
 
 

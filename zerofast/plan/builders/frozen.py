@@ -11,7 +11,7 @@ import torch
 
 from ...errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
-from .. import keys
+from ... import keys
 from ..model import Entry, Segments, SourceTable, ceil_div, rank_share
 
 

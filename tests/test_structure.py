@@ -1,0 +1,166 @@
+"""The package's structure rules, checked on its source: layers import one way, no cycles
+(function-local imports count), no private names across modules, modules of a readable size,
+and no kind-of-save branching outside the layout registry."""
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "zerofast"
+MAX_LINES = 450
+# Modules that are not library code: test data generators shipped for users' own tests.
+NOT_LIBRARY = {"zerofast.testing.synthesize", "zerofast.testing.strategies"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    package = module.split(".")
+    if MODULES[module].name != "__init__.py":
+        package = package[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def _imports(module: str) -> list[tuple[str, list[str]]]:
+    """(imported module, names taken from it) for every import the module runs, at any depth."""
+    tree = ast.parse(MODULES[module].read_text())
+    skip = _type_checking_lines(tree)
+    out = []
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(alias.name, []) for alias in node.names if alias.name.startswith("zerofast")]
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, node)
+            if not target.startswith("zerofast"):
+                continue
+            names = [a.name for a in node.names]
+            # ``from . import x`` imports the submodule x when there is one.
+            subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+            out += [(s, []) for s in subs] or [(target, names)]
+            if subs and len(subs) < len(names):
+                out.append((target, [n for n in names if f"{target}.{n}" not in MODULES]))
+    return [(t, n) for t, n in out if t in MODULES or t == "zerofast._C"]
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {m: set() for m in MODULES}
+    for m in MODULES:
+        for target, _ in _imports(m):
+            if target in MODULES and target != m:
+                graph[m].add(target)
+    return graph
+
+
+def _package_of(module: str) -> str | None:
+    """The package whose ``__init__`` importing ``module`` is not a cycle but its own export list."""
+    return module.rsplit(".", 1)[0] if "." in module else None
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # A package's __init__ re-exporting its own submodules is how packages work; a submodule
+    # importing a sibling through the package is the edge that would close a cycle.
+    for m in graph:
+        graph[m] = {t for t in graph[m] if not (MODULES[m].name == "__init__.py" and t.startswith(m + "."))}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node, stack):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles[:10])
+
+
+def test_no_private_names_imported_across_modules():
+    found = []
+    for m in MODULES:
+        for target, names in _imports(m):
+            for name in names:
+                # _C is the compiled extension, underscored by the convention torch extensions share.
+                if name.startswith("_") and not name.startswith("__") and name != "_C":
+                    found.append(f"{m} imports {name} from {target}")
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m not in NOT_LIBRARY])
+def test_library_modules_stay_readable(module):
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module} has {lines} lines (at most {MAX_LINES}): split it by what it does"
+
+
+def test_no_branching_on_the_kind_of_save_outside_the_layouts():
+    pattern = re.compile(r"family ==|\.family\b|universal is not None")
+    found = [f"{m}:{i}: {line.strip()}" for m, path in MODULES.items() if not m.startswith("zerofast.layouts")
+             for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "\n".join(found)
+
+
+# Each layer, and the layers it may import. Lower layers never import higher ones.
+LAYERS = [
+    ("base", {"zerofast.errors", "zerofast.settings", "zerofast.dtypes", "zerofast.keys"}),
+    ("discover", {"zerofast.discover"}),
+    ("load", {"zerofast.load"}),
+    ("plan", {"zerofast.plan"}),
+    ("layouts", {"zerofast.layouts"}),
+]
+
+
+def _layer(module: str) -> int | None:
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def test_the_input_layers_import_downward_only():
+    found = []
+    graph = _graph()
+    for m in MODULES:
+        mine = _layer(m)
+        if mine is None:
+            continue
+        for target in graph[m]:
+            theirs = _layer(target)
+            if theirs is not None and theirs > mine:
+                found.append(f"{m} ({LAYERS[mine][0]}) imports {target} ({LAYERS[theirs][0]})")
+            if theirs is None and mine <= 3 and not target.startswith(("zerofast.devices", "zerofast.ops",
+                                                                         "zerofast.reference")):
+                found.append(f"{m} ({LAYERS[mine][0]}) imports {target}, a layer above the plan")
+    assert not found, "\n".join(found)

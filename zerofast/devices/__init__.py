@@ -1,0 +1,60 @@
+"""The devices zerofast runs on, in one registry.
+
+A device is one kernel directory under ``csrc/`` (its kernels register themselves with the
+dispatcher) plus one :class:`Device` entry here, which says everything the Python side needs:
+whether one is there, how a computation is pinned to one, how results come back into host
+memory, and which ``torch.distributed`` backend ranks on it use. Nothing else in the package
+names a device type.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+import torch
+
+from ..errors import DeviceError
+from . import cuda
+
+
+@dataclass(frozen=True)
+class Device:
+    type: str  # torch's device type, and the name of the kernel directory under csrc/
+    available: Callable[[], bool]  # this torch sees at least one
+    count: Callable[[], int]  # how many this process sees (ranks are placed on LOCAL_RANK's)
+    scope: Callable[[torch.device], ContextManager]  # make it the current device while work runs
+    select: Callable[[torch.device], None]  # make it this process's device for good (a rank's GPU)
+    host_copier: Callable[[], Callable[[torch.Tensor, torch.Tensor], None]] | None  # (src, host dst) copier
+    backend: str  # the torch.distributed backend of a team exporting on it
+
+    @property
+    def host(self) -> bool:
+        """The host's own memory: results need no copy back, and ranks need no device each."""
+        return self.host_copier is None
+
+
+def _nothing(device: torch.device) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+def _stay(device: torch.device) -> None:
+    return None
+
+
+DEVICES: dict[str, Device] = {
+    "cpu": Device("cpu", lambda: True, lambda: 1, _nothing, _stay, None, "gloo"),
+    "cuda": Device("cuda", cuda.available, cuda.count, cuda.scope, cuda.select, cuda.PinnedCopy, "nccl"),
+}
+
+
+def device_of(device: str | torch.device) -> Device:
+    """The registry entry of ``device``'s type, or a :class:`DeviceError` that lists the types."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError, ValueError):
+        raise DeviceError(f"device={device!r}: not a device torch knows; zerofast runs on "
+                          f"{' or '.join(map(repr, DEVICES))}") from None
+    if kind not in DEVICES:
+        raise DeviceError(f"device={str(device)!r}: zerofast runs on {' or '.join(map(repr, DEVICES))}")
+    return DEVICES[kind]

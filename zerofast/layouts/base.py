@@ -1,0 +1,104 @@
+"""The :class:`Layout` protocol: one kind of DeepSpeed save, from its file names to its plan.
+
+A layout is one module in this package holding one instance of a :class:`Layout` subclass, and
+one line in the registry (:data:`zerofast.layouts.LAYOUTS`). Nothing outside the layout knows
+what kind of save it reads: every later step asks ``ckpt.layout``.
+
+Call order, for one checkpoint (:func:`zerofast.layouts.discover` and
+:func:`zerofast.layouts.load_checkpoint` run steps 1-3; :mod:`zerofast.pipeline` the rest):
+
+1. :meth:`Layout.claims` ``(found)``: from the tag folder's names alone, the name that shows
+   this save is of this layout, or None. The registry asks every layout; see
+   :func:`zerofast.layouts.identify` for how several claims are settled.
+2. :meth:`Layout.list_files` ``(found)``: the files the layout needs, checked as a set (every
+   rank there, no two saves mixed), as a :class:`~zerofast.discover.CheckpointFiles` whose
+   ``layout`` is this layout. Nothing is unpickled yet.
+3. :meth:`Layout.load` ``(files)``: the records, read by the restricted loader
+   (:mod:`zerofast.load.records`) and checked against each other: a
+   :class:`~zerofast.load.LoadedCheckpoint`.
+4. :meth:`Layout.plan` ``(ckpt, table, dtype, exclude_frozen)``: the state dict's
+   :class:`~zerofast.plan.Plan`, over sources added to ``table``.
+   :meth:`Layout.trainable_from` ``(ckpt, table, flats, what)`` places the trainable
+   parameters from per-rank flat tensors laid out like the fp32 masters: the masters
+   themselves, or one per-element optimizer state. Writers call it for both.
+5. Optional, for the optimizer's state: :meth:`Layout.optimizer_keys`,
+   :meth:`Layout.optimizer_entries`, :meth:`Layout.scalar_states`. The defaults read saves whose
+   optimizer files partition every state like the masters.
+
+``writable`` says whether reshard and to-universal can write the save back at another world
+size; their writers refuse the layouts that cannot.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..discover import CheckpointFiles, Found
+from ..errors import UnsupportedCheckpointError
+from ..load import LoadedCheckpoint, PartitionedCheckpoint
+from ..plan import optimizer
+from ..plan.builders import master_flat_groups
+from ..plan.model import Entry, FlatGroups, Plan, SourceTable
+from ..plan.partitioned import partition_entries, partitioned_plan
+
+
+class Layout:
+    """One kind of save; see the module docstring for the order of the calls."""
+
+    name: str = ""  # short, stable: "zero", "universal", "moe", "pipeline", "autotp"
+    title: str = ""  # what the save has, in messages: "mixture-of-experts", ...
+    writable: bool = False  # reshard and to-universal can write it at another world size
+    subsumes: tuple[str, ...] = ()  # layouts whose marks this one's saves carry too
+
+    def claims(self, found: Found) -> str | None:
+        raise NotImplementedError
+
+    def list_files(self, found: Found) -> CheckpointFiles:
+        raise NotImplementedError
+
+    def load(self, files: CheckpointFiles) -> LoadedCheckpoint:
+        raise NotImplementedError
+
+    def plan(self, ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
+             exclude_frozen: bool) -> Plan:
+        raise NotImplementedError
+
+    def trainable_from(self, ckpt: LoadedCheckpoint, table: SourceTable, flats: FlatGroups,
+                       what: str) -> dict[str, Entry]:
+        raise UnsupportedCheckpointError(f"{self.name} checkpoints keep no flat partitions to place {what} from",
+                                         ckpt.files.tag_dir)
+
+    def optimizer_keys(self, ckpt: LoadedCheckpoint) -> list[str]:
+        return optimizer.flat_keys(ckpt)
+
+    def optimizer_entries(self, ckpt: LoadedCheckpoint, table: SourceTable,
+                          keys: Sequence[str]) -> dict[str, dict[str, Entry]]:
+        return optimizer.flat_state_entries(ckpt, table, keys)
+
+    def scalar_states(self, ckpt: LoadedCheckpoint) -> dict:
+        return optimizer.flat_scalar_states(ckpt)
+
+    def __repr__(self) -> str:
+        return f"<zerofast layout {self.name!r}>"
+
+
+class PartitionedLayout(Layout):
+    """A layout whose trainable masters are the partitions its loader lists
+    (:class:`~zerofast.load.PartitionedCheckpoint`), each planned by the stage 1-2 builder; a save
+    without ZeRO has no partitions, and the layout finds its masters in :meth:`stage0_masters`."""
+
+    def stage0_masters(self, ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
+        raise UnsupportedCheckpointError(f"{self.title} checkpoints without ZeRO are not supported", ckpt.meta.path)
+
+    def plan(self, ckpt: PartitionedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
+             exclude_frozen: bool) -> Plan:
+        if ckpt.stage == 0:
+            trainable = self.stage0_masters(ckpt, table)
+        else:
+            trainable = self.trainable_from(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups")
+        return partitioned_plan(ckpt, table, dtype, exclude_frozen, trainable)
+
+    def trainable_from(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
+                       what: str) -> dict[str, Entry]:
+        return partition_entries(ckpt, table, flats, what)

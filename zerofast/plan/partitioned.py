@@ -1,0 +1,59 @@
+"""The plan of a save split into partitions (:class:`~zerofast.load.PartitionedCheckpoint`: MoE,
+pipeline-parallel, AutoTP).
+
+Every partition is planned by the plain stage 1-2 builder on a view of the checkpoint restricted
+to its ranks. Every other tensor is a whole tensor the layout's loader listed by output name,
+classified here as frozen or buffer; :func:`~zerofast.plan.build.assemble` applies the order and
+the dtype policy as for plain saves. The layouts supply what is theirs (AutoTP's shard
+composition, the masters of a save without ZeRO) as the ``trainable`` entries.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
+from ..load import LoadedCheckpoint, PartitionedCheckpoint
+from ..load.checkpoint import narrow_group
+from .build import assemble
+from .builders import flat_entries
+from .model import BUFFER, FROZEN, TRAINABLE, Entry, FlatGroups, Plan, SourceTable
+
+
+def partition_entries(ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> dict[str, Entry]:
+    """Every trainable parameter of ``ckpt.partitions``, read from ``flats`` (the masters or one
+    optimizer state, one entry per optimizer file)."""
+    out: dict[str, Entry] = {}
+    for p in ckpt.partitions:
+        optims = [narrow_group(ckpt.optim_states[r], p.group) for r in p.ranks]
+        meta = dataclasses.replace(ckpt.meta, param_shapes=[p.shapes])
+        view = LoadedCheckpoint(ckpt.files, ckpt.stage, len(p.ranks), [meta], optims)
+        entries = flat_entries(view, table, [[flats[r][p.group]] for r in p.ranks], what)
+        out.update((n, e) for n, e in entries.items() if n not in p.skip)
+    return out
+
+
+def partitioned_plan(ckpt: PartitionedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
+                     exclude_frozen: bool, trainable: dict[str, Entry]) -> Plan:
+    """The state dict's plan: ``trainable`` (the layout's masters) and every stored tensor."""
+    if exclude_frozen and not ckpt.frozen_known:
+        raise UnsupportedCheckpointError(
+            "exclude_frozen: this checkpoint does not record which parameters are frozen (no optimizer names them)",
+            ckpt.meta.path)
+    entries: dict[str, tuple[str, Entry]] = {}
+    for name, s in ckpt.stored.items():
+        if name in ckpt.aliases:
+            continue
+        if name in trainable:
+            entries[name] = (TRAINABLE, trainable[name])
+        else:
+            entries[name] = (BUFFER if name in ckpt.buffers else FROZEN, table.whole(str(s.path), s.key, s.tensor))
+    entries.update((n, (TRAINABLE, e)) for n, e in trainable.items() if n not in entries)
+    for alias, source in ckpt.aliases.items():
+        if source not in entries:
+            raise InconsistentCheckpointError(f"tied parameter {alias!r} points to unknown parameter {source!r}",
+                                              ckpt.meta.path)
+    order = [n for n in ckpt.stored if n in entries or n in ckpt.aliases]
+    order += [n for n in entries if n not in ckpt.stored]
+    return assemble(ckpt, entries, order, ckpt.aliases, dtype, exclude_frozen)
