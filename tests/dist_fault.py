@@ -15,7 +15,7 @@ FAULT_ENV = "ZEROFAST_TEST_FAULT"
 
 
 def install(mode: str) -> None:
-    from zerofast.export import run as write_shards
+    from zerofast.hf import run as write_shards
 
     original = write_shards._Write.write
     started = 0

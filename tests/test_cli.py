@@ -15,8 +15,8 @@ import torch
 
 import zerofast
 from zerofast.cli import main
-from zerofast.export import load_exported
-from zerofast.export.outdir import MARKER
+from zerofast.hf import load_exported
+from zerofast.output.transaction import MARKER
 
 MARKER_TOP, MARKER_NAME = MARKER.split("/")[0], Path(MARKER).name  # what listdir / a rename shows
 

@@ -17,7 +17,7 @@ import torch
 from zerofast import compat
 from zerofast.cli import main
 from zerofast.execute import Executor
-from zerofast.export import load_exported
+from zerofast.hf import load_exported
 
 from tests.conftest import needs_deepspeed
 from tests.dsgen.models import build_model

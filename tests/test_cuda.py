@@ -21,7 +21,7 @@ import zerofast
 from zerofast import ops, reference
 from zerofast.errors import DeviceError, NativeExtensionError
 from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
-from zerofast.export import export
+from zerofast.hf import export
 from tests.helpers import assert_bitwise_equal
 
 HAVE_GPU = torch.cuda.is_available()

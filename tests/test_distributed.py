@@ -17,11 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zerofast.cli import _as_one_rank, main
-from zerofast.export.distributed import Team, share
+from zerofast.output.team import Team, share
 from zerofast.errors import ExportError
 from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
-from zerofast.export import export
-from zerofast.export.outdir import MARKER
+from zerofast.hf import export
+from zerofast.output.transaction import MARKER
 
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint

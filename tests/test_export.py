@@ -25,16 +25,16 @@ from hypothesis import strategies as st
 
 import zerofast
 from zerofast import pipeline
-from zerofast.export import windows
+from zerofast.output import windows
 from zerofast.errors import ExportError, OutputExistsError
 from zerofast.execute import Executor
 from zerofast.execute.read_batch import BatchReader
-from zerofast.export import export, load_exported
-from zerofast.export.formats import TIED_KEY
-from zerofast.export.outdir import MARKER
+from zerofast.hf import export, load_exported
+from zerofast.hf.formats import TIED_KEY
+from zerofast.output.transaction import MARKER
 
 MARKER_TOP, MARKER_NAME = MARKER.split("/")[0], Path(MARKER).name  # what listdir / a rename shows
-from zerofast.export.shards import parse_size, plan_shards
+from zerofast.hf.shards import parse_size, plan_shards
 
 from tests.dsgen.catalog import LAYOUTS
 from tests.helpers import assert_bitwise_equal, expected_value
@@ -361,7 +361,7 @@ _KILL_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, sys.argv[4])
     from zerofast.execute import Executor
-    from zerofast.export import export
+    from zerofast.hf import export
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)

@@ -31,8 +31,8 @@ import zerofast
 from zerofast.cli import main
 from zerofast.errors import ExportError
 from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
-from zerofast.export import export, load_exported
-from zerofast.export.outdir import MARKER
+from zerofast.hf import export, load_exported
+from zerofast.output.transaction import MARKER
 
 MARKER_TOP, MARKER_NAME = MARKER.split("/")[0], Path(MARKER).name  # what listdir / a rename shows
 
@@ -128,7 +128,7 @@ def _assert_rerun_succeeds(ref: Reference, out: Path, fmt: str, shard: str) -> N
 
 _UNDER_LIMITS = textwrap.dedent("""
     import json, resource, signal, sys
-    from zerofast.export import export
+    from zerofast.hf import export
 
     # Past the limit the kernel sends SIGXFSZ, whose default action kills the process; ignored, the
     # write fails with EFBIG instead.
@@ -208,7 +208,7 @@ def test_cli_reports_a_write_error_in_one_line(ref, tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [f"zerofast: error: {failing}: could not write this file: File too large "
-                                        "(EFBIG); the export stopped and put no file in place"]
+                                        "(EFBIG); the command stopped and put no file in place"]
     assert os.listdir(out) == []
     assert main(["export", str(ref.root), str(out), "--max-shard-size", SHARDED, "--quiet"]) == 0
     _assert_same(load_exported(out), ref.want, str(out))
@@ -333,9 +333,9 @@ def test_marker_that_cannot_shrink_does_not_fail_a_complete_export(ref, tmp_path
 
 _KILLED = textwrap.dedent("""
     import os, signal, sys, threading, time
-    from zerofast.export import windows
-    from zerofast.export.formats import safetensors as write_shards
-    from zerofast.export import export
+    from zerofast.output import windows
+    from zerofast.hf.formats import safetensors as write_shards
+    from zerofast.hf import export
 
     ckpt, out, fmt, shard, mode, value = sys.argv[1:7]
     value = float(value)

@@ -27,7 +27,7 @@ if not HAVE_DEEPSPEED:
 
 from tests.dsgen.hf_catalog import HF_RUNS, ensure_run  # noqa: E402
 from zerofast.cli import main  # noqa: E402
-from zerofast.export.outdir import LEGACY_MARKER, MARKER  # noqa: E402
+from zerofast.output.transaction import LEGACY_MARKER, MARKER  # noqa: E402
 
 FULL = [n for n, s in HF_RUNS.items() if not s["peft"]]
 PEFT = [n for n, s in HF_RUNS.items() if s["peft"]]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import assert_bitwise_equal
-from zerofast.export import hf
+from zerofast.hf import trainer as hf
 from zerofast.errors import AmbiguousTagError, ExportError
 
 

@@ -22,7 +22,7 @@ from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
 from tests.planting import LOSS_SCALER, REPO_ROOT, Call, copy_checkpoint, replace_member, rewrite
 from tests.test_fuzz import run_limited
-from zerofast.export.outdir import LEGACY_MARKER, MARKER
+from zerofast.output.transaction import LEGACY_MARKER, MARKER
 
 pytestmark = needs_deepspeed
 

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 import zerofast
 from zerofast.cli import main
-from zerofast.export.run import OPTIMIZER_JSON
+from zerofast.hf.run import OPTIMIZER_JSON
 
 from tests.conftest import needs_deepspeed
 from tests.helpers import assert_bitwise_equal, expected_value

@@ -15,7 +15,7 @@ import zerofast
 from tests.helpers import assert_bitwise_equal, expected_value
 from zerofast.testing.strategies import layouts
 from zerofast.testing.synthesize import synthesize
-from zerofast.export import export, load_exported
+from zerofast.hf import export, load_exported
 
 DTYPES = [torch.float32, None, torch.bfloat16, torch.float16]
 

@@ -20,8 +20,8 @@ import torch
 
 import zerofast
 from zerofast.cli import main
-from zerofast.export.formats.reshard import reshard
-from zerofast.export.formats.universal import LATEST, to_universal, universal_module_state
+from zerofast.writers.reshard import reshard
+from zerofast.writers.universal import LATEST, to_universal, universal_module_state
 
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import REPO_ROOT
@@ -234,15 +234,15 @@ def test_broken_source_is_named_and_nothing_is_written(tmp_path):
 
 
 def test_failure_while_writing_leaves_no_checkpoint(tmp_path, monkeypatch):
-    from zerofast.export.formats import reshard as module
+    from zerofast.writers import source as module
 
     written = []
 
-    def failing(path, obj, skeleton, executor):
+    def failing(path, obj, skeleton, executor, advance=None):
         if len(written) == 2:
             raise zerofast.ExportError("disk full (simulated)", path)
         written.append(path)
-        real(path, obj, skeleton, executor)
+        real(path, obj, skeleton, executor, advance)
 
     real = module.write_torch_file
     monkeypatch.setattr(module, "write_torch_file", failing)

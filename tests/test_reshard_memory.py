@@ -49,7 +49,7 @@ def test_peak_memory_stays_flat(tmp_path):
 def test_placeholders_larger_than_memory():
     """A one-rank reshard of a large model holds fp32 partitions larger than RAM as placeholders;
     torch.empty is refused for those under the default overcommit heuristic."""
-    from zerofast.export.torch_stream import _placeholder
+    from zerofast.writers.torch_stream import _placeholder
 
     t = _placeholder((64 << 30,), torch.float32, 256 << 30)
     assert t.shape == (64 << 30,) and t.dtype == torch.float32

@@ -164,3 +164,36 @@ def test_the_input_layers_import_downward_only():
                                                                          "zerofast.reference")):
                 found.append(f"{m} ({LAYERS[mine][0]}) imports {target}, a layer above the plan")
     assert not found, "\n".join(found)
+
+
+# The output side: results (in memory), output (what every writer of files shares), and the two
+# kinds of file writers on top of it, neither importing the other.
+OUTPUT_RULES = {
+    "zerofast.results": ("zerofast.output", "zerofast.hf", "zerofast.writers"),
+    "zerofast.output": ("zerofast.results", "zerofast.hf", "zerofast.writers"),
+    "zerofast.hf": ("zerofast.writers",),
+    "zerofast.writers": ("zerofast.hf",),
+}
+
+
+def test_the_output_side_imports_downward_only():
+    graph = _graph()
+    found = [f"{m} imports {target}" for m in MODULES for prefix, banned in OUTPUT_RULES.items()
+             if m == prefix or m.startswith(prefix + ".")
+             for target in graph[m] if target.startswith(banned)]
+    assert not found, "\n".join(found)
+
+
+def test_public_functions_and_their_modules_have_different_names():
+    """``import zerofast.hf.distributed`` then ``zerofast.hf.distributed.export`` works: no public
+    function shares its name with a module of the package it is exported from."""
+    import importlib
+
+    import zerofast
+
+    for name in ("export", "load_exported", "reshard", "to_universal"):
+        assert callable(getattr(zerofast, name)), name
+    for module in ("zerofast.hf.distributed", "zerofast.writers.reshard", "zerofast.writers.universal"):
+        importlib.import_module(module)
+    assert callable(zerofast.hf.distributed.export)
+    assert callable(zerofast.export)

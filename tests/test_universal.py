@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import zerofast
 from zerofast.cli import describe, main
-from zerofast.export.run import OPTIMIZER_JSON
+from zerofast.hf.run import OPTIMIZER_JSON
 
 from tests.conftest import needs_deepspeed
 from tests.dsgen.universal import DEFAULT, ensure_universal

@@ -1,6 +1,8 @@
 """zerofast: consolidate DeepSpeed ZeRO checkpoints on a native core, without DeepSpeed.
 
-The package tree is the pipeline: ``discover`` -> ``load`` -> ``plan`` -> ``execute`` -> ``export``.
+The package tree is the pipeline: ``discover`` -> ``load`` -> ``plan`` -> ``execute`` -> ``results``
+(in memory), ``hf`` (Hugging Face weight folders) or ``writers`` (DeepSpeed checkpoints), the last
+two through ``output`` (the output-folder transaction and the team protocol).
 
 The public names load their modules on first use (PEP 562): ``import zerofast`` costs only the
 errors module, and torch is imported by the first call that needs it, so a CLI that fails on its
@@ -41,29 +43,30 @@ from .errors import (
 
 if TYPE_CHECKING:
     from . import compat
-    from .export import ExportResult, LazyStateDict, TensorMeta, export, load_exported
+    from .hf import ExportResult, export, load_exported
     from .load_into import IncompatibleKeys, load_into
     from .names import sequential_names
-    from .export.formats.reshard import reshard
-    from .export.formats.universal import to_universal, universal_module_state
     from .optimizer_states import optimizer_state
     from .reconstruct import reconstruct
+    from .results import LazyStateDict, TensorMeta
+    from .writers.reshard import reshard
+    from .writers.universal import to_universal, universal_module_state
 
 # public name -> the module that defines it
 _LAZY = {
     "reconstruct": ".reconstruct",
-    "export": ".export",
-    "load_exported": ".export",
-    "ExportResult": ".export",
-    "LazyStateDict": ".export",
-    "TensorMeta": ".export",
+    "export": ".hf",
+    "load_exported": ".hf",
+    "ExportResult": ".hf",
+    "LazyStateDict": ".results",
+    "TensorMeta": ".results",
     "load_into": ".load_into",
     "IncompatibleKeys": ".load_into",
     "optimizer_state": ".optimizer_states",
     "sequential_names": ".names",
-    "reshard": ".export.formats.reshard",
-    "to_universal": ".export.formats.universal",
-    "universal_module_state": ".export.formats.universal",
+    "reshard": ".writers.reshard",
+    "to_universal": ".writers.universal",
+    "universal_module_state": ".writers.universal",
 }
 
 

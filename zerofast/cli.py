@@ -9,25 +9,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import traceback
 import warnings
 from collections import Counter
-from typing import Sequence, TextIO
+from typing import Sequence
 
 import torch
 
 from . import __version__, dtypes
 from .compat import export_like_deepspeed
-from .errors import ZeroFastError, short_repr
-from .export import distributed, export
-from .export.formats import FORMATS
-from .export.shards import parse_size
+from .errors import ZeroFastError, short_repr, some
+from .hf import distributed, export
+from .hf.formats import FORMATS
+from .hf.shards import parse_size
 from .ops import resolve_device
+from .output import team as teams
+from .output.progress import ProgressBar, is_tty
 from .pipeline import prepare
 from . import keys
 from .dtypes import out_dtype_for
 from .plan import BUFFER, FROZEN, TRAINABLE
+from .writers.reshard import write_resharded
+from .writers.universal import write_universal
 
 KINDS = (TRAINABLE, FROZEN, BUFFER)
 
@@ -41,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), teams.signals_raise():
             warnings.showwarning = _show_warning
             return args.run(args)
     except ZeroFastError as e:
@@ -49,9 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"zerofast: error: {_rank_prefix()}{' '.join(str(e).split())}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("zerofast: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (teams.Stopped): the writers have cleaned up
+        signum = getattr(e, "signum", signal.SIGINT)
+        how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
+        print(f"zerofast: interrupted{how}", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:
         # The reader left (`zerofast inspect ... | head`); point stdout at /dev/null so that
         # Python's final flush does not raise again.
@@ -77,11 +84,12 @@ def _parser() -> argparse.ArgumentParser:
                                     "an index when larger than --max-shard-size).")
     ex.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     ex.add_argument("out", metavar="OUT", help="output folder")
-    ex.add_argument("--dtype", choices=list(dtypes.CLI_NAMES), default="fp32",
-                    help="dtype of floating tensors; 'keep' keeps what the checkpoint holds (default: fp32)")
+    ex.add_argument("--dtype", type=_dtype, default=torch.float32, metavar="{fp32,bf16,fp16,keep}",
+                    help="dtype of floating tensors, in any spelling (bf16, bfloat16, torch.bfloat16, any case); "
+                         "'keep' keeps what the checkpoint holds (default: fp32)")
     ex.add_argument("--format", choices=list(FORMATS), default="safetensors")
     ex.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
-                    help="per-file limit: bytes, or e.g. 500MB, 5GB, 4GiB (default: 5GB)")
+                    help="per-file limit: bytes, or e.g. 500MB, 5G, 5GB, 4GiB (default: 5GB)")
     ex.add_argument("--exclude-frozen", action="store_true", help="leave out parameters that did not train")
     ex.add_argument("--duplicate-tied", action="store_true",
                     help="store tied weights as real copies instead of recording the aliases")
@@ -133,6 +141,15 @@ def _positive(what: str):
     return parse
 
 
+def _dtype(text: str):
+    """An argparse type: the one dtype vocabulary (:func:`zerofast.dtypes.output_dtype`)."""
+    try:
+        return dtypes.output_dtype(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected fp32, bf16, fp16 or keep (or bfloat16, float16, float32, "
+                                         f"torch.bfloat16, ..., in any case), got {text!r}") from None
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -146,13 +163,13 @@ def _size(text: str) -> int:
 def _export(args: argparse.Namespace) -> int:
     resolve_device(args.device)  # here, so that --workers starts no ranks for a device that is not there
     if args.workers > 1:
-        distributed.launch_local(args.workers, _as_one_rank(args.argv))
+        teams.launch_local(args.workers, _as_one_rank(args.argv))
         return 0
-    run = distributed.export if distributed.launched() else export
-    leader = distributed.rank() == 0
-    bar = _ProgressBar(enabled=leader and not args.quiet and _is_tty(sys.stderr))
+    run = distributed.export if teams.launched() else export
+    leader = teams.rank() == 0
+    bar = ProgressBar(enabled=leader and not args.quiet and is_tty(sys.stderr), desc="export")
     try:
-        result = run(args.ckpt, args.out, dtype=dtypes.CLI_NAMES[args.dtype], format=args.format,
+        result = run(args.ckpt, args.out, dtype=args.dtype, format=args.format,
                      max_shard_size=args.max_shard_size, tag=args.tag, exclude_frozen=args.exclude_frozen,
                      duplicate_tied=args.duplicate_tied, overwrite=args.overwrite,
                      optimizer_states=args.optimizer_states, progress=bar, device=args.device,
@@ -163,10 +180,16 @@ def _export(args: argparse.Namespace) -> int:
     if leader and not args.quiet:
         count = len(result.files) + (1 if result.index else 0) + len(result.optimizer_files) + len(result.other_files)
         tied = f", {len(result.aliases)} tied" if result.aliases else ""
-        ranks = f" by {distributed.world_size()} ranks" if distributed.launched() else ""
-        print(f"wrote {count} file{'s' if count != 1 else ''} ({human_bytes(result.total_size)}, "
-              f"{result.tensors} tensors{tied}) to {result.out_dir}{ranks} in {result.seconds:.2f} s")
+        ranks = f" by {teams.world_size()} ranks" if teams.launched() else ""
+        optim = f", {human_bytes(result.optimizer_size)} of optimizer states" if result.optimizer_files else ""
+        print(f"wrote {count} file{'s' if count != 1 else ''} ({human_bytes(result.total_size + result.optimizer_size)}"
+              f"{optim}, {result.tensors} tensors{tied}) to {result.out_dir}{ranks} in {result.seconds:.2f} s"
+              f"{_replaced(result.replaced)}")
     return 0
+
+
+def _replaced(names) -> str:
+    return f"; replaced {some(names, 6)}" if names else ""
 
 
 def _as_one_rank(argv: Sequence[str]) -> list[str]:
@@ -178,7 +201,7 @@ def _as_one_rank(argv: Sequence[str]) -> list[str]:
 
 
 def _rank_prefix() -> str:
-    return f"[rank {distributed.rank()} of {distributed.world_size()}] " if distributed.launched() else ""
+    return f"[rank {teams.rank()} of {teams.world_size()}] " if teams.launched() else ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +224,7 @@ def _add_zero_to_fp32(sub) -> None:
 
 
 def _zero_to_fp32(args: argparse.Namespace) -> int:
-    bar = _ProgressBar(enabled=_is_tty(sys.stderr))
+    bar = ProgressBar(enabled=is_tty(sys.stderr), desc="export")
     try:
         result = export_like_deepspeed(args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
                                        safe_serialization=args.safe_serialization, tag=args.tag,
@@ -224,7 +247,10 @@ def _add_resume(sub, common) -> None:
     r.add_argument("out", metavar="OUT", help="the new checkpoint root")
     r.add_argument("--world-size", type=_positive("ranks"), required=True, metavar="N",
                    help="the new data-parallel world size")
-    r.add_argument("--overwrite", action="store_true", help="write into a non-empty folder zerofast did not write")
+    r.add_argument("--overwrite", action="store_true",
+                   help="write into a folder holding files this command did not write (replaces only the names it "
+                        "writes: latest, the tag folder, the recovery scripts)")
+    r.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     r.add_argument("--workers", type=_positive("workers"), default=1, metavar="N",
                    help="share the files among N processes on this machine (under torchrun, the ranks share them)")
     r.set_defaults(run=_reshard)
@@ -235,73 +261,55 @@ def _add_resume(sub, common) -> None:
                                    "latest_universal is written next to it.")
     u.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     u.add_argument("out", metavar="OUT", help="the universal tag folder, e.g. ckpt_universal/global_step100")
-    u.add_argument("--overwrite", action="store_true", help="write into a non-empty folder zerofast did not write")
+    u.add_argument("--overwrite", action="store_true",
+                   help="write into a folder holding files this command did not write (replaces only the names it "
+                        "writes: the model-states files and zero/)")
+    u.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     u.add_argument("--workers", type=_positive("workers"), default=1, metavar="N",
                    help="share the files among N processes on this machine (under torchrun, the ranks share them)")
     u.set_defaults(run=_to_universal)
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    from .export.formats.reshard import reshard
-
-    out = _shared(args, reshard, args.ckpt, args.out, args.world_size, tag=args.tag, overwrite=args.overwrite)
-    if out is not None:
-        print(f"wrote {out} for {args.world_size} data-parallel ranks")
+    written = _shared(args, "reshard", write_resharded, args.ckpt, args.out, args.world_size, tag=args.tag,
+                      overwrite=args.overwrite)
+    if written is not None:
+        print(f"wrote {written.path} for {args.world_size} data-parallel ranks ({_summary(written)})")
     return 0
 
 
 def _to_universal(args: argparse.Namespace) -> int:
-    from .export.formats.universal import to_universal
-
-    out = _shared(args, to_universal, args.ckpt, args.out, tag=args.tag, overwrite=args.overwrite)
-    if out is not None:
-        print(f"wrote the universal checkpoint {out} (latest_universal in {out.parent})")
+    written = _shared(args, "to-universal", write_universal, args.ckpt, args.out, tag=args.tag,
+                      overwrite=args.overwrite)
+    if written is not None:
+        print(f"wrote the universal checkpoint {written.path} (latest_universal in {written.path.parent}; "
+              f"{_summary(written)})")
     return 0
 
 
-def _shared(args: argparse.Namespace, write, *positional, **options):
-    """Run ``write`` alone, as the ranks of this torchrun job, or as --workers local ranks. Returns
-    its result on the process that reports it, else None."""
+def _summary(written) -> str:
+    ranks = f" by {teams.world_size()} ranks" if teams.launched() else ""
+    return (f"{written.files} files, {human_bytes(written.nbytes)} of tensors{ranks} in {written.seconds:.2f} s"
+            f"{_replaced(written.replaced)}")
+
+
+def _shared(args: argparse.Namespace, what: str, write, *positional, **options):
+    """Run ``write`` alone, as the ranks of this torchrun job, or as --workers local ranks, with a
+    progress bar on the leader's terminal. Returns its result on the process that reports it (the
+    leader, unless --quiet), else None."""
     if args.workers > 1:
-        distributed.launch_local(args.workers, _as_one_rank(args.argv))
+        teams.launch_local(args.workers, _as_one_rank(args.argv))
         return None
-    if not distributed.launched():
-        return write(*positional, **options)
-    with distributed.joined(torch.device("cpu")) as team, distributed._sigterm_raises(team):
-        result = write(*positional, team=team, **options)
-    return result if team.leader else None
-
-
-def _is_tty(stream: TextIO) -> bool:
+    bar = ProgressBar(enabled=teams.rank() == 0 and not args.quiet and is_tty(sys.stderr), desc=what)
     try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-class _ProgressBar:
-    """A tqdm bar of bytes written, created on the first report (when the total is known)."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self._bar = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self._bar is None:
-            try:
-                from tqdm import tqdm
-            except ImportError:  # tqdm comes with the 'export' extra; without it, no bar
-                self.enabled = False
-                return
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="export", file=sys.stderr,
-                             dynamic_ncols=True, leave=False)
-        self._bar.update(done - self._bar.n)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        if not teams.launched():
+            result = write(*positional, progress=bar, **options)
+            return None if args.quiet else result
+        with teams.joined(torch.device("cpu")) as team, teams.signals_raise(team):
+            result = write(*positional, team=team, progress=bar, **options)
+        return result if team.leader and not args.quiet else None
+    finally:
+        bar.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from collections import OrderedDict
 import torch
 
 from . import dtypes
-from .export import ExportResult, LazyStateDict, Progress, export
+from .hf import ExportResult, Progress, export
+from .results import LazyStateDict
 from .load_into import load_into
 from .reconstruct import reconstruct
 

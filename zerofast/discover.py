@@ -17,10 +17,12 @@ from typing import Any
 from .errors import (
     AmbiguousTagError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
     few,
+    first_line,
     short_repr,
     some,
 )
@@ -31,6 +33,8 @@ ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _MODEL_PARALLEL_RANK = re.compile(r"mp_rank_(\d+)_")
 LATEST_FILES = ("latest", "latest_universal")  # the second is what ds_to_universal writes
+# Remote locations people paste for a folder; pathlib would fold "s3://b/c" into the local "s3:/b/c".
+_REMOTE = re.compile(r"^(s3|s3a|gs|gcs|hf|az|abfss?|https?)://?", re.IGNORECASE)
 
 
 def optim_file_name(rank: int, bf16: bool) -> str:
@@ -81,18 +85,36 @@ class CheckpointFiles:
 
 def locate(ckpt_dir: str | os.PathLike, tag: str | None = None, follow_symlinks: bool | None = None) -> Found:
     """Resolve ``ckpt_dir`` (a checkpoint root or a tag folder) and list its tag folder."""
+    url = remote_url(ckpt_dir)
+    if url:
+        raise CheckpointNotFoundError("expected a local folder, found a remote location: zerofast reads local "
+                                      "folders only: download the checkpoint first (aws s3 sync, gsutil rsync, "
+                                      "huggingface-cli download, ...)", url)
     root = Path(ckpt_dir)
     if not root.is_dir():
-        found = "a file" if root.exists() else "no such directory"
+        found = ("a file; pass the folder that holds it, " + str(root.parent) if root.exists() and
+                 root.suffix == ".pt" else "a file" if root.exists() else "no such directory")
         raise CheckpointNotFoundError(f"expected a DeepSpeed checkpoint folder, found {found}", root)
     if tag is None and _holds_model_states(root):
         return Found(root.parent, root.name, root, tuple(sorted(os.listdir(root))))
+    latest = None if tag is not None else next((n for n in LATEST_FILES if (root / n).is_file()), None)
     tag = tag if tag is not None else _pick_tag(root, follow_symlinks)
     tag_dir = root / tag
     if not tag_dir.is_dir():
-        raise CheckpointNotFoundError(f"tag {short_repr(tag)} has no folder {short_repr(tag_dir.name)} here", root)
+        named = f"{latest!r} names tag" if latest else "tag"
+        raise CheckpointNotFoundError(f"{named} {short_repr(tag)}, which has no folder here; the tags here: "
+                                      f"{few(_tag_folders(root), 8) if _tag_folders(root) else 'none'}", root)
     check_inside(root, tag_dir, follow_symlinks)
     return Found(root, tag, tag_dir, tuple(sorted(os.listdir(tag_dir))))
+
+
+def remote_url(path: str | os.PathLike) -> str | None:
+    """``path`` when it is a remote URL rather than a local folder (``s3://``, ``hf://``, ``gs://``,
+    ``http(s)://``; also once a Path has folded the double slash), else None."""
+    text = os.fspath(path)
+    if isinstance(text, bytes) or not _REMOTE.match(text) or os.path.exists(text):
+        return None
+    return re.sub(r"^([A-Za-z0-9]+):/(?!/)", r"\1://", text)
 
 
 def check_inside(root: Path, path: Path, follow_symlinks: bool | None = None) -> None:
@@ -103,7 +125,11 @@ def check_inside(root: Path, path: Path, follow_symlinks: bool | None = None) ->
     allows it."""
     if settings().follow_symlinks if follow_symlinks is None else follow_symlinks:
         return
-    real_root, real = root.resolve(), path.resolve()
+    try:
+        real_root, real = root.resolve(), path.resolve()
+    except (RuntimeError, OSError) as e:  # a loop of links: pathlib raises RuntimeError before 3.13
+        raise CorruptCheckpointError(f"cannot follow the symbolic links of {path.name} ({first_line(e)[:120]})",
+                                     path) from None
     if real != real_root and real_root not in real.parents:
         raise UnsafeCheckpointError(
             f"{path.relative_to(root)} is a symbolic link (or lies in a linked folder) that leads out of the "
@@ -183,11 +209,23 @@ def _pick_tag(root: Path, follow_symlinks: bool | None) -> str:
     if len(tags) == 1:
         return tags[0]
     if not tags:
+        inner = _checkpoint_subfolders(root)
+        found = f"none here, but {len(inner)} in its subfolders ({some(inner, 6)}): pass one of them" if inner else "none"
         raise CheckpointNotFoundError(
             "expected a DeepSpeed checkpoint ('latest' plus a tag folder, or a tag folder holding "
-            "*_model_states.pt files), found none", root)
+            f"*_model_states.pt files), found {found}", root)
     raise AmbiguousTagError(f"no 'latest' file and {len(tags)} tags {few(tags, 8)}; pass tag= (or --tag) to pick one",
                             root)
+
+
+def _checkpoint_subfolders(root: Path) -> list[str]:
+    """Subfolders that are checkpoint roots themselves (Lightning's ``epoch=0-step=9.ckpt/``
+    folders, one run's saves side by side): one level down, a few hundred at most."""
+    try:
+        subs = sorted(p for p in root.iterdir() if p.is_dir())[:256]
+        return [p.name for p in subs if any((p / n).is_file() for n in LATEST_FILES) or _tag_folders(p)]
+    except OSError:
+        return []
 
 
 def ranked(tag_dir: Path, names: list[str], pattern: re.Pattern, group: int) -> list[Path]:

@@ -43,9 +43,20 @@ def resolve(dtype) -> torch.dtype | None:
     ``"torch.float16"``, ...) or None; anything else is a ValueError that lists the choices."""
     if dtype is None:
         return None
-    found = _NAMES.get(dtype.removeprefix("torch.").lower()) if isinstance(dtype, str) else dtype
+    found = _NAMES.get(dtype.lower().removeprefix("torch.")) if isinstance(dtype, str) else dtype
     if found not in _NAMES.values():
         raise ValueError(f"Unsupported output dtype {dtype!r}. Choose one of: {', '.join(sorted(_NAMES))}")
+    return found
+
+
+def output_dtype(dtype) -> torch.dtype | None:
+    """The requested output dtype from any spelling the API, the CLI and compat share: a torch
+    dtype, None, or a name in any case (``"bf16"``, ``"BFloat16"``, ``"torch.bfloat16"``; ``"keep"``
+    is None)."""
+    if isinstance(dtype, str) and dtype.strip().lower() in ("keep", "none"):
+        return None
+    found = resolve(dtype.strip() if isinstance(dtype, str) else dtype)
+    check(found)
     return found
 
 

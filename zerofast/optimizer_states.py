@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from .export.materialize import LazyStateDict, eager_state_dict
+from .results import LazyStateDict, eager_state_dict
 from .pipeline import prepare
 
 

@@ -53,7 +53,7 @@ def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float
     state of the wrapped optimizer, named like the parameters. A full state dict of a save that
     left its frozen weights out warns (``FrozenWeightsAbsentWarning``) unless ``warn_absent`` is off.
     ``follow_symlinks``: follow links that leave the checkpoint folder (None: the setting)."""
-    dtypes.check(dtype)
+    dtype = dtypes.output_dtype(dtype)  # one vocabulary: torch.bfloat16, "bf16", "BFloat16", ...
     files = discover(ckpt_dir, tag, follow_symlinks=follow_symlinks)
     prepared = plan_checkpoint(load_checkpoint(files), dtype, exclude_frozen=exclude_frozen,
                                optimizer_keys=optimizer_keys)

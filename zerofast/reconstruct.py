@@ -6,7 +6,7 @@ import os
 import torch
 
 from . import ops
-from .export.materialize import LazyStateDict, eager_state_dict
+from .results import LazyStateDict, eager_state_dict
 from .pipeline import prepare
 
 

@@ -120,8 +120,9 @@ def param_groups(o: OptimStates, inner: dict, where: str) -> list[tuple[dict, li
 
 
 def _as_dict(o: OptimStates, value: Any, where: str) -> dict:
-    if not isinstance(value, dict):
-        raise InconsistentCheckpointError(f"expected {where} to be a dict, found {type(value).__name__}", o.path)
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):  # keys: "exp_avg", "step"...
+        found = "a dict keyed by other than names" if isinstance(value, dict) else type(value).__name__
+        raise InconsistentCheckpointError(f"expected {where} to be a dict of named states, found {found}", o.path)
     return value
 
 

@@ -60,8 +60,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..export import ds_pickle
-from ..export.ds_pickle import ZeroStageEnum as _ZeroStageEnum, ds_global
+from ..writers import ds_pickle
+from ..writers.ds_pickle import ZeroStageEnum as _ZeroStageEnum, ds_global
 
 __all__ = [
     "ParamSpec",

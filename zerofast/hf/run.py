@@ -1,16 +1,17 @@
 """``zerofast.export``: write a checkpoint out in the Hugging Face layout, streaming.
 
-The export runs as a sequence of steps (read, open the folder, write the data files, commit) led
-by a ``team``: one process alone, or the ranks of :mod:`.distributed`, which share the data files
-out and agree after each step. The files are laid out by :mod:`.shards`, written by the format's
-writer (:mod:`.formats`) into the temporary folder of :mod:`.outdir`, and committed there.
+The export runs as the steps of the team protocol (:mod:`zerofast.output.team`: read, open the
+folder, write the data files, commit), led by one process alone or by the ranks of
+:mod:`.distributed`, which share the data files out and agree after each step. The files are laid
+out by :mod:`.shards`, written by the format's writer (:mod:`.formats`) into the temporary folder
+of the output-folder transaction (:mod:`zerofast.output.transaction`), and committed there.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,21 +19,27 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
+from .. import dtypes
 from ..errors import ExportError
 from ..execute import Executor
 from ..load import LoadedCheckpoint
 from ..ops import resolve_device
 from ..pipeline import Prepared, plan_checkpoint, prepare
 from ..plan.optimizer import available_keys, scalar_states
-from . import formats, hf
+from ..output.team import ALONE
+from ..output.transaction import EXPORT, checkpoint_inputs, local_folder, write_bytes, write_text
+from . import formats, trainer
 from .formats import WeightFormat
-from .outdir import commit, output_dir, write_bytes, write_text
 from .shards import ShardFile, index_doc, layout, parse_size
 
 if TYPE_CHECKING:
-    from .distributed import Team
+    from ..output.team import Team
 
 Progress = Callable[[int, int], None]
+# Files an export replaces even in a folder it did not write (``overwrite``): model weights, so
+# that no index of an older set of shards is left next to the new files.
+WEIGHT_FILE = re.compile(r"^(model(-\d{5,}-of-\d{5,})?\.safetensors|pytorch_model(-\d{5,}-of-\d{5,})?\.bin)"
+                         r"(\.index\.json)?$")
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,8 @@ class ExportResult:
     seconds: float
     optimizer_files: tuple[str, ...] = ()  # optimizer-state shards, their index, the scalars' JSON
     other_files: tuple[str, ...] = ()  # copied config, tokenizer and adapter config files
+    optimizer_size: int = 0  # tensor bytes of the optimizer-state shards
+    replaced: tuple[str, ...] = ()  # files of others the export replaced (``overwrite``)
 
     @property
     def paths(self) -> list[Path]:
@@ -69,15 +78,19 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     Args:
         ckpt_dir: the checkpoint root (holding ``latest``) or a tag folder.
         out_dir: the folder to write; created if missing. A folder holding files zerofast did not
-            write is refused unless ``overwrite`` is set; a previous zerofast export is replaced.
-        dtype: as for :func:`zerofast.reconstruct` (``None`` keeps the checkpoint's dtypes).
-        format: a name from :data:`zerofast.export.formats.FORMATS`: ``"safetensors"`` (streamed
+            write, or another command's output (a resharded checkpoint), is refused unless
+            ``overwrite`` is set; a previous export is replaced. It may not be, lie inside or
+            hold the checkpoint (nor the ``base_model`` folder of a merge).
+        dtype: as for :func:`zerofast.reconstruct` (``None`` keeps the checkpoint's dtypes); a name
+            in any spelling (``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"``) is taken too.
+        format: a name from :data:`zerofast.hf.formats.FORMATS`: ``"safetensors"`` (streamed
             into the files) or ``"torch"`` (``torch.save``, one shard in memory at a time).
         max_shard_size: per-file limit, an int of bytes or a string such as ``"5GB"``/``"4GiB"``.
         tag, exclude_frozen: as for :func:`zerofast.reconstruct`.
         duplicate_tied: write tied weights as real copies instead of recording the aliases.
-        overwrite: write into a non-empty folder that zerofast did not write; only model weight
-            files (``model*.safetensors``, ``pytorch_model*.bin`` and their indexes) are replaced.
+        overwrite: write into such a folder anyway; only the names the export writes and model
+            weight files (``model*.safetensors``, ``pytorch_model*.bin`` and their indexes) are
+            replaced, and ``ExportResult.replaced`` lists those it found.
         optimizer_states: also write the wrapped optimizer's per-element states (stages 1-3):
             ``True`` for all of them, or a list of keys such as ``["exp_avg"]``. They go to
             ``optimizer.safetensors`` (sharded like the weights) as ``<param>.<key>``, as stored
@@ -86,8 +99,8 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         progress: called as ``progress(bytes_done, bytes_total)``, first with 0, then as data lands.
         device: where the weights are gathered and cast: ``"cpu"``, or ``"cuda"``/``"cuda:N"``, which
             builds each tensor on the GPU and copies it back through pinned buffers to the writer.
-        team: the ranks sharing this export (:class:`zerofast.export.distributed.Team`); None writes
-            every file here. Use :func:`zerofast.export.distributed.export` rather than passing one.
+        team: the ranks sharing this export (:class:`zerofast.output.team.Team`); None writes every
+            file here. Use :func:`zerofast.hf.distributed.export` rather than passing one.
         adapter: for a PEFT checkpoint, write only the adapter, as ``adapter_model.safetensors`` plus
             ``adapter_config.json`` under the names ``PeftModel.from_pretrained`` expects.
         merge_adapters: for a PEFT (LoRA) checkpoint, write the base model with the LoRA deltas
@@ -102,15 +115,16 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     """
     fmt = formats.get(format)
     limit = parse_size(max_shard_size)
+    dtype = dtypes.output_dtype(dtype)
     compute = resolve_device(device)
     started = time.monotonic()
     team = team or ALONE
-    out = Path(out_dir)
+    out = local_folder(out_dir)
     if merge_adapters and (adapter or exclude_frozen):
         raise ValueError("merge_adapters writes the whole base model: it excludes adapter and exclude_frozen")
     with team.step("reading the checkpoint", out):
         if hf_files:
-            ckpt_dir = hf.resolve_checkpoint_dir(ckpt_dir)
+            ckpt_dir = trainer.resolve_checkpoint_dir(ckpt_dir)
         prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen or adapter,
                            warn_absent=not merge_adapters)
         prepared, names, extras = _hf_view(prepared, fmt, dtype, adapter, merge_adapters, base_model, hf_files)
@@ -122,39 +136,43 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         writes = _data_writes(files, tied, fmt, prepared.streaming_executor(compute=compute), optim)
     index = fmt.index if len(files) > 1 else None
     extra = _optimizer_names(optim) if optim else []
-    with team.output_dir(out, overwrite) as (tmp, previous):
-        mine = team.share(writes, prepared.checkpoint.files.tag, out)
+    ckpt_files = prepared.checkpoint.files
+    # The base model's weights are read (mapped) while the merged files are written.
+    base = [Path(base_model) / "model.safetensors"] if merge_adapters and base_model is not None else []
+    with team.output_dir(out, overwrite, command=EXPORT, inputs=checkpoint_inputs(ckpt_files) + base,
+                         replaces=WEIGHT_FILE.match) as folder:
+        mine = team.share(writes, ckpt_files.tag, out)
         advance = _counter(progress, sum(w.nbytes for w in mine))
         with team.step("writing the files", out):
             for w in mine:
-                w.write(tmp, advance)
+                w.write(folder.tmp, advance)
         with team.step("committing the export", out):
             if team.leader:
-                _write_indexes(tmp, fmt, files, tied, index, optim)
+                _write_indexes(folder.tmp, fmt, files, tied, index, optim)
                 for name, content in extras.items():
-                    write_bytes(tmp / name, content)
-                commit(out, tmp, [f.name for f in files] + extra + list(extras), index, previous)
-    total = sum(f.nbytes for f in files)
-    return ExportResult(out, fmt.name, dtype, tuple(f.name for f in files), index, total,
+                    write_bytes(folder.tmp / name, content)
+                folder.commit([f.name for f in files] + extra + list(extras) + ([index] if index else []),
+                              pointer=lambda n: n.endswith(".index.json"))
+    return ExportResult(out, fmt.name, dtype, tuple(f.name for f in files), index, sum(f.nbytes for f in files),
                         sum(len(f.items) for f in files), tied, time.monotonic() - started, tuple(extra),
-                        tuple(extras))
+                        tuple(extras), sum(f.nbytes for f in optim.files) if optim else 0, tuple(folder.replaced))
 
 
 def _hf_view(prepared: Prepared, fmt: WeightFormat, dtype, adapter: bool, merge: bool, base_model,
              hf_files: bool):
     """The plan to write for a Hugging Face folder, the (single, pattern) file names, and the
     config/tokenizer files to copy next to the weights."""
-    folder = hf.trainer_folder(prepared)
+    folder = trainer.trainer_folder(prepared)
     names, folders = fmt.names, [folder]
     if adapter:
-        hf.read_adapter_config(folder)
-        prepared = dataclasses.replace(prepared, plan=hf.adapter_plan(prepared.plan, folder))
-        names = (hf.ADAPTER_FILES[fmt.name], fmt.pattern)
+        trainer.read_adapter_config(folder)
+        prepared = dataclasses.replace(prepared, plan=trainer.adapter_plan(prepared.plan, folder))
+        names = (trainer.ADAPTER_FILES[fmt.name], fmt.pattern)
     elif merge:
-        prepared, folders = hf.merged_plan(prepared, dtype, base_model, folder)
-    elif hf_files and hf.is_peft(prepared.plan, folder):
-        hf.warn_peft_as_is(prepared.plan, folder)
-    extras = hf.extra_files(folders, prepared.plan, dtype, adapter) if hf_files or adapter else {}
+        prepared, folders = trainer.merged_plan(prepared, dtype, base_model, folder)
+    elif hf_files and trainer.is_peft(prepared.plan, folder):
+        trainer.warn_peft_as_is(prepared.plan, folder)
+    extras = trainer.extra_files(folders, prepared.plan, dtype, adapter) if hf_files or adapter else {}
     return prepared, names, extras
 
 
@@ -198,25 +216,6 @@ def _write_indexes(tmp: Path, fmt: WeightFormat, files: Sequence[ShardFile], tie
         _write_index(tmp, fmt, index, files, tied)
     if optim:
         _write_optimizer_index(tmp, optim)
-
-
-class _Alone:
-    """The one process of a plain export: it writes every file, and steps need no agreement.
-    ``zerofast.export.distributed.Team`` stands in for it when several processes share the work."""
-
-    leader = True
-
-    def step(self, what: str, where: Path) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def output_dir(self, out: Path, overwrite: bool):
-        return output_dir(out, overwrite)
-
-    def share(self, writes: list[_Write], tag: str, where: Path) -> list[_Write]:
-        return writes
-
-
-ALONE = _Alone()
 
 
 # ---------------------------------------------------------------------------------------------

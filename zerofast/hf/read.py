@@ -34,6 +34,9 @@ def _load_indexed(index_path: Path, fmt: WeightFormat) -> "OrderedDict[str, torc
     except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError) as e:
         raise ExportError(f"expected an index with a 'weight_map', could not read it ({first_line(e)[:200]})",
                           index_path) from None
+    odd = [v for v in weight_map.values() if not isinstance(v, str)]  # a list is unhashable, and no file name
+    if odd:
+        raise ExportError(f"expected the index to name files in its folder, found {short_repr(odd[0])}", index_path)
     merged: dict[str, torch.Tensor] = {}
     for name in dict.fromkeys(weight_map.values()):
         merged.update(_read_weights(_shard_path(index_path, name), fmt)[0])
@@ -61,8 +64,10 @@ def _read_weights(path: Path, fmt: WeightFormat) -> tuple[dict[str, torch.Tensor
         raise ExportError("the index lists this file, but it is missing", path)
     try:
         tensors, metadata = fmt.read(path)
-    except ZeroFastError:
-        raise
+    except ZeroFastError as e:  # the format's own reader checked the file: say what it found
+        detail = str(e).removeprefix(f"{e.path}: ")
+        raise ExportError(f"expected a {fmt.name} weight file as zerofast writes them, could not read it "
+                          f"({detail[:300]})", path) from None
     except Exception as e:  # the readers fail in their own ways on a file zerofast did not write
         # torch's message advises weights_only=False, which would run whatever the file holds.
         detail = "" if "weights_only" in str(e) else f": {first_line(e)[:200]}"

@@ -3,11 +3,14 @@
 The path for writers that cannot hand a whole batch to the native file writer (a GPU computing
 the values, the streaming torch.save writer): each tensor, or slice of one, is gathered and cast
 straight into its place in a mapping of at most ``WINDOW_BYTES``, so memory stays flat whatever
-the tensor sizes.
+the tensor sizes. Each window's blocks are reserved (:func:`reserve`) before it is mapped, so a
+full disk or a file-size limit is an OSError, not a SIGBUS on the first page with no room.
 """
 from __future__ import annotations
 
+import errno
 import mmap
+import os
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -24,7 +27,7 @@ def write_windows(fd: int, placed: Iterable[tuple[TensorPlan, int]], base: int, 
     for start, end, batch in _windows(_pieces(placed, base)):
         _fill(fd, start, end, batch, executor)
         if advance is not None:
-            advance(end - start)
+            advance(sum(tp.nbytes for tp, _ in batch))  # the tensors' bytes, not the gaps between them
 
 
 def _pieces(placed: Iterable[tuple[TensorPlan, int]], base: int) -> Iterator[tuple[TensorPlan, int]]:
@@ -53,7 +56,29 @@ def _windows(pieces: Iterable[tuple[TensorPlan, int]]) -> Iterator[tuple[int, in
         yield start, end, batch
 
 
+def reserve(fd: int, offset: int, length: int) -> None:
+    """Allocate the blocks of ``[offset, offset + length)`` of ``fd``: a full disk (ENOSPC) or a
+    file-size limit (EFBIG) then fails here, as an OSError, rather than killing the process with
+    SIGBUS when a mapped page finds no room."""
+    if length <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except AttributeError:  # no posix_fallocate on this platform: at least size the file
+        _grow(fd, offset + length)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        _grow(fd, offset + length)
+
+
+def _grow(fd: int, size: int) -> None:
+    if os.fstat(fd).st_size < size:
+        os.ftruncate(fd, size)
+
+
 def _fill(fd: int, start: int, end: int, batch: Sequence[tuple[TensorPlan, int]], executor: Executor) -> None:
+    reserve(fd, start, end - start)
     base = start - start % mmap.ALLOCATIONGRANULARITY
     # The tensor holds the only reference to the mapping, so returning unmaps it: written pages
     # leave this process's memory and wait in the page cache for write-back.
@@ -62,3 +87,21 @@ def _fill(fd: int, start: int, end: int, batch: Sequence[tuple[TensorPlan, int]]
         executor.run(tp, out=window[off - base:off - base + tp.nbytes].view(tp.out_dtype))
 
 
+
+
+Progress = Callable[[int, int], None]
+
+
+def counter(progress: Progress | None, total: int) -> Callable[[int], None]:
+    """An ``advance(nbytes)`` that reports ``progress(done, total)``: first with 0, then as data lands."""
+    done = 0
+    if progress is not None:
+        progress(0, total)
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
+
+    return advance

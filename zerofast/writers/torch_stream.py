@@ -4,7 +4,8 @@
 ``torch.serialization.skip_data``, with unwritten (never touched, so never resident) tensors
 standing for the real ones: torch reserves each storage's bytes in the zip without reading them.
 Each storage is then gathered and cast by the executor straight into a memory-mapped window of
-its zip entry, one bounded window at a time (the export's windows), so memory stays flat
+its zip entry, one bounded window at a time (:mod:`zerofast.output.windows`, each reserved on
+disk before it is mapped), so memory stays flat
 whatever the tensor sizes. The pickle names DeepSpeed's classes through :mod:`ds_pickle`.
 """
 from __future__ import annotations
@@ -15,17 +16,17 @@ import sys
 import types
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.serialization import skip_data
 
 from ..errors import ExportError
 from ..execute import Executor
+from ..output.transaction import torch_save, writing
+from ..output.windows import write_windows
 from ..plan import TensorPlan
 from . import ds_pickle
-from .outdir import writing
-from .windows import write_windows
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")
 _MAPPED_FROM = 1 << 20
@@ -58,8 +59,10 @@ def _placeholder(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> tor
     return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
 
 
-def write_torch_file(path: Path, obj: Any, skeleton: Skeleton, executor: Executor) -> None:
-    """Save ``obj`` to ``path`` and fill every placeholder tensor of ``skeleton`` in the file."""
+def write_torch_file(path: Path, obj: Any, skeleton: Skeleton, executor: Executor,
+                     advance: Callable[[int], None] | None = None) -> None:
+    """Save ``obj`` to ``path`` and fill every placeholder tensor of ``skeleton`` in the file;
+    ``advance(nbytes)`` is told of the bytes as they land."""
     keys: dict[str, int] = {}
 
     def hook(storage, pid) -> None:
@@ -69,9 +72,9 @@ def write_torch_file(path: Path, obj: Any, skeleton: Skeleton, executor: Executo
     pickler = type("Pickler", (ds_pickle.DeepSpeedNamePickler,), {"storage_hook": staticmethod(hook)})
     module = types.ModuleType(ds_pickle.PICKLE_MODULE.__name__)
     module.Pickler = pickler
+    with skip_data():
+        torch_save(obj, path, pickle_module=module, pickle_protocol=2)
     with writing(path):
-        with skip_data(), open(path, "wb") as f:
-            torch.save(obj, f, pickle_module=module, pickle_protocol=2)
         entries = _entry_offsets(path)
         placed = []
         for key, ptr in keys.items():
@@ -86,7 +89,7 @@ def write_torch_file(path: Path, obj: Any, skeleton: Skeleton, executor: Executo
             placed.append((tp, offset))
         placed.sort(key=lambda p: p[1])
         with open(path, "r+b") as f:
-            write_windows(f.fileno(), placed, 0, executor)
+            write_windows(f.fileno(), placed, 0, executor, advance)
 
 
 def _entry_offsets(path: Path) -> dict[str, tuple[int, int]]:

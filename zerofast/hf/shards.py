@@ -12,13 +12,15 @@ from typing import Iterable
 
 from ..plan.model import Plan, TensorPlan
 
+# huggingface_hub's and transformers' units: decimal KB/MB/GB/TB (also written K/M/G/T), binary KiB...
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes in a size limit as huggingface_hub reads it: ``"5GB"`` is 5*10**9, ``"5GiB"`` 5*2**30,
-    and an int (or a string of digits) is a count of bytes."""
+    """Bytes in a size limit as huggingface_hub reads it: ``"5GB"`` (or ``"5G"``) is 5*10**9,
+    ``"5GiB"`` 5*2**30, and an int (or a string of digits) is a count of bytes."""
     if isinstance(size, bool) or not isinstance(size, (int, str)):
         raise ValueError(f"max_shard_size must be an int or a string such as '5GB', got {size!r}")
     if isinstance(size, int):
@@ -28,7 +30,7 @@ def parse_size(size: int | str) -> int:
         unit = m.group(2).upper() if m else None
         if unit not in _UNITS:
             raise ValueError(f"max_shard_size {size!r}: expected a number of bytes or a size such as '500MB', "
-                             "'5GB' or '4GiB'")
+                             "'5G', '5GB' or '4GiB'")
         value = int(float(m.group(1)) * _UNITS[unit])
     if value <= 0:
         raise ValueError(f"max_shard_size must be positive, got {size!r}")

@@ -18,41 +18,55 @@ same builders as ``reshard`` and written through the native executor, streaming.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from ...errors import ExportError, UnsupportedCheckpointError
-from ...layouts import discover, load_checkpoint
-from ...load import ModelStates
-from ...load.records import read_model_states
-from ... import keys
-from ...plan import BUFFER, FROZEN, TensorPlan, build_plan
-from ...plan.optimizer import group_states
-from .. import ds_pickle
-from ..outdir import os_error, output_dir
-from ..run import ALONE
-from ..torch_stream import Skeleton
-from .reshard import Source, commit_tree, concat, write_shared
+from .. import keys
+from ..errors import ExportError, UnsupportedCheckpointError
+from ..layouts import discover, load_checkpoint
+from ..load import ModelStates
+from ..load.records import read_model_states
+from ..output.team import ALONE
+from ..output.transaction import Folder, copy_file, local_folder, os_error, writing
+from ..plan import BUFFER, FROZEN, TensorPlan, build_plan
+from ..plan.optimizer import group_states
+from . import ds_pickle
+from .source import Source, Written, concat, write_checkpoint
+from .torch_stream import Skeleton
 
 if TYPE_CHECKING:
-    from ..distributed import Team
+    from ..output.team import Team
+    from ..output.windows import Progress
 
+COMMAND = "to-universal"
 LATEST = "latest_universal"
 _SHARDED = (keys.ZERO12_INNER, keys.SLICE_MAPPINGS, keys.ZERO12_FLAT)
 
 
 def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag: str | None = None,
-                 overwrite: bool = False, team: "Team | None" = None) -> Path:
+                 overwrite: bool = False, progress: "Progress | None" = None, team: "Team | None" = None) -> Path:
     """Write the ZeRO stage 1-3 checkpoint at ``ckpt_dir`` as a universal checkpoint in ``out_dir``
-    (a tag folder: ``latest_universal`` in its parent names it). Returns ``out_dir``. ``team``:
-    the ranks sharing the files (``zerofast.export.distributed``); None writes them all."""
+    (a tag folder: ``latest_universal`` in its parent names it). Returns ``out_dir``.
+
+    ``overwrite``: write into a folder holding files this command did not write, replacing only
+    the names it writes. ``progress(bytes_done, bytes_total)``: as for :func:`zerofast.export`.
+    ``team``: the ranks sharing the files (:mod:`zerofast.output.team`); None writes them all."""
+    return write_universal(ckpt_dir, out_dir, tag=tag, overwrite=overwrite, progress=progress, team=team).path
+
+
+def write_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag: str | None = None,
+                    overwrite: bool = False, progress: "Progress | None" = None,
+                    team: "Team | None" = None) -> Written:
+    """:func:`to_universal`, returning what it wrote and replaced."""
+    started = time.monotonic()
     team = team or ALONE
-    out = Path(out_dir)
+    out = local_folder(out_dir)
     with team.step("reading the checkpoint", out):
         files = discover(ckpt_dir, tag)
         ckpt = load_checkpoint(files)
@@ -61,16 +75,15 @@ def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag
                 "universal checkpoints are made from ZeRO stage 1-3 saves; this is stage 0, which every world "
                 "size already loads", ckpt.meta.path)
         source = Source.read(ckpt)
-    with team.output_dir(out, overwrite) as (tmp, previous):
-        write_shared(team, out, tmp, files.tag, lambda: _files(source), source.executor)
-        with team.step("committing", out):
-            if team.leader:
-                for path in files.model_files:
-                    shutil.copyfile(path, tmp / path.name)
-                names = [p.name for p in files.model_files] + ["zero"]
-                commit_tree(out, tmp, names, previous)
-                _write_latest(out)
-    return out
+
+    def finish(folder: Folder) -> None:
+        for path in files.model_files:
+            copy_file(path, folder.tmp / path.name)
+        with _latest(out):
+            folder.commit([p.name for p in files.model_files] + ["zero"])
+
+    return write_checkpoint(out, files, lambda: _files(source), source.executor, command=COMMAND,
+                            overwrite=overwrite, finish=finish, team=team, progress=progress, started=started)
 
 
 def _files(source: Source):
@@ -81,13 +94,26 @@ def _files(source: Source):
             yield f"zero/{name}/{key}.pt", obj, skeleton
 
 
-def _write_latest(out: Path) -> None:
+@contextlib.contextmanager
+def _latest(out: Path):
+    """Stage ``latest_universal`` in the parent folder before the commit (where a full disk fails
+    with nothing moved yet), and move it into place after the body (the commit). The staged file
+    goes on any failure."""
+    final = out.parent / LATEST
     staged = out.parent / f".{LATEST}.tmp-{os.getpid()}"
     try:
-        staged.write_text(out.name)
-        os.replace(staged, out.parent / LATEST)
-    except OSError as e:
-        raise ExportError(f"cannot write {LATEST}: {os_error(e)}", out.parent / LATEST) from e
+        with writing(final):
+            staged.write_text(out.name)
+        yield
+        try:
+            os.replace(staged, final)
+        except OSError as e:
+            raise ExportError(f"could not write this file: {os_error(e)}; the universal checkpoint is complete in "
+                              f"{out.name}, only {LATEST} is missing: write it or run the command again",
+                              final) from e
+    finally:
+        with contextlib.suppress(OSError):
+            staged.unlink()
 
 
 def _optimizer_state(source: Source) -> tuple[dict, Skeleton]:
@@ -103,7 +129,10 @@ def _optimizer_state(source: Source) -> tuple[dict, Skeleton]:
                                  if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
                              for i, (_, s) in enumerate(states)},
                    keys.PARAM_GROUPS: source.copy(inner[keys.PARAM_GROUPS], first.path, keys.PARAM_GROUPS, sk)}
-        out = {k: _global(source, first, k, v, sk) for k, v in osd.items() if k != keys.ZERO3_FLAT}
+        # The inner state is replaced by its reduced copy, so it is not copied (its moments would
+        # be planned into the file's skeleton for nothing, and counted in the progress total).
+        out = {k: None if k == keys.ZERO3_INNER else _global(source, first, k, v, sk) for k, v in osd.items()
+               if k != keys.ZERO3_FLAT}
         out[keys.ZERO3_INNER] = reduced
         out[keys.PARAM_GROUPS] = reduced[keys.PARAM_GROUPS]
     else:

@@ -1,13 +1,4 @@
-"""The registry of output formats. Each format module gives its file names and its writer and
-reader; :func:`zerofast.export`, the CLI and the compat layer look formats up here by name, so a
-new format is one module plus one line below.
-
-Two more modules here write DeepSpeed checkpoints rather than weight shards, so they are not in
-the registry of weight formats: :mod:`.reshard` (a native ZeRO checkpoint for another
-data-parallel world size) and :mod:`.universal` (DeepSpeed's universal checkpoint layout). They
-stream through the same executor into ``torch.save`` files (:mod:`..torch_stream`) and commit
-through the same output-folder transaction (:mod:`..outdir`).
-"""
+"""What every weight format module fills in: :class:`WeightFormat`, and the names they share."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,16 +32,3 @@ class WeightFormat:
     @property
     def names(self) -> tuple[str, str]:
         return self.single, self.pattern
-
-
-# The format modules build on the names above, so they are imported after them.
-from . import safetensors, torch  # noqa: E402
-
-FORMATS: dict[str, WeightFormat] = {f.name: f for f in (safetensors.FORMAT, torch.FORMAT)}
-
-
-def get(name: str) -> WeightFormat:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(f"format must be one of {tuple(FORMATS)}, got {name!r}") from None

@@ -26,32 +26,30 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...errors import ExportError, InconsistentCheckpointError, ReshardError, UnsupportedCheckpointError
-from ...execute import Executor
-from ...layouts import discover, load_checkpoint
-from ...load import LoadedCheckpoint
-from ...load.stand_ins import DeepSpeedRecord
-from ... import keys
-from ...plan import FROZEN, SourceTable, TensorPlan, build_plan
-from ...plan.builders import master_flat_groups
-from ...plan.model import tensor_identity
-from ...plan.optimizer import checked_states, state_flat_groups, available_keys, group_states
-from .. import ds_pickle
-from ..outdir import write_marker, os_error, output_dir, write_text
-from ..run import ALONE
-from ..torch_stream import Skeleton, write_torch_file
+from ..errors import InconsistentCheckpointError, ReshardError, UnsupportedCheckpointError
+from ..layouts import discover, load_checkpoint
+from ..load import LoadedCheckpoint
+from ..output.team import ALONE
+from ..output.transaction import Folder, copy_file, local_folder, write_text
+from .. import keys
+from ..plan import TensorPlan
+from ..plan.optimizer import group_states
+from . import ds_pickle
+from .source import Source, Written, concat, write_checkpoint
+from .torch_stream import Skeleton
 
 if TYPE_CHECKING:
-    from ..distributed import Team
+    from ..output.team import Team
+    from ..output.windows import Progress
 
+COMMAND = "reshard"
 NCCL_START_ALIGNMENT_FACTOR = 2  # DeepSpeed's stage_1_and_2.py / bf16_optimizer.py
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size default
 _FRAGMENT = "deepspeed.utils.tensor_fragment.fragment_address"
@@ -59,7 +57,7 @@ _RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 def reshard(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
-            overwrite: bool = False, team: Team | None = None) -> Path:
+            overwrite: bool = False, progress: Progress | None = None, team: Team | None = None) -> Path:
     """Write the checkpoint at ``ckpt_dir`` as DeepSpeed would have saved it at ``world_size``
     data-parallel ranks, so that a plain ``engine.load_checkpoint(out_dir)`` at that size resumes.
 
@@ -67,182 +65,51 @@ def reshard(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size:
         ckpt_dir: the checkpoint root (holding ``latest``) or a tag folder, ZeRO stage 0-3.
         out_dir: the new checkpoint root; it gets ``latest``, the tag folder and DeepSpeed's
             recovery script when the source has one. Written into a temporary folder and moved
-            into place once complete.
+            into place once complete. It may not be, lie inside or hold the checkpoint.
         world_size: the new data-parallel world size.
         tag: which save to read when the root holds several (the output keeps its tag).
-        overwrite: write into a folder that holds files zerofast did not write.
-        team: the ranks sharing the files (``zerofast.export.distributed``); None writes them all.
+        overwrite: write into a folder that holds files this command did not write (another
+            command's output, a user's files); only the names the new checkpoint writes are replaced.
+        progress: called as ``progress(bytes_done, bytes_total)``, first with 0, then as data lands.
+        team: the ranks sharing the files (:mod:`zerofast.output.team`); None writes them all.
 
     Returns:
         The tag folder written.
     """
+    return write_resharded(ckpt_dir, out_dir, world_size, tag=tag, overwrite=overwrite, progress=progress,
+                           team=team).path
+
+
+def write_resharded(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *,
+                    tag: str | None = None, overwrite: bool = False, progress: Progress | None = None,
+                    team: Team | None = None) -> Written:
+    """:func:`reshard`, returning what it wrote and replaced."""
     if type(world_size) is not int or world_size < 1:
         raise ReshardError(f"expected a world size (an int >= 1), got {world_size!r}")
+    started = time.monotonic()
     team = team or ALONE
-    out = Path(out_dir)
+    out = local_folder(out_dir)
     with team.step("reading the checkpoint", out):
         files = discover(ckpt_dir, tag)
         ckpt = load_checkpoint(files)
         source = Source.read(ckpt)
         writer = _LAYOUTS[ckpt.stage](source, world_size)
-    with team.output_dir(out, overwrite) as (tmp, previous):
-        def produce():
-            return ((f"{files.tag}/{name}", obj, sk) for name, obj, sk in writer.files())
 
-        write_shared(team, out, tmp, files.tag, produce, source.executor)
-        with team.step("committing", out):
-            if team.leader:
-                write_text(tmp / "latest", files.tag)
-                names = [files.tag, "latest"]
-                for script in _RECOVERY_SCRIPTS:
-                    if (files.root / script).is_file():
-                        shutil.copyfile(files.root / script, tmp / script)
-                        names.append(script)
-                commit_tree(out, tmp, names, previous)
-    return out / files.tag
+    def produce():
+        return ((f"{files.tag}/{name}", obj, sk) for name, obj, sk in writer.files())
 
+    def finish(folder: Folder) -> None:
+        write_text(folder.tmp / "latest", files.tag)
+        names = [files.tag, "latest"]
+        for script in _RECOVERY_SCRIPTS:
+            if (files.root / script).is_file():
+                copy_file(files.root / script, folder.tmp / script)
+                names.append(script)
+        folder.commit(names, pointer=lambda n: n == "latest")
 
-@dataclass(frozen=True)
-class FileWrite:
-    """One output file as the ranks share them out (``Team.share`` reads ``file.name``,
-    ``file.keys`` and ``nbytes``)."""
-
-    name: str  # the path under the output folder
-    nbytes: int
-    keys: tuple = ()
-
-    @property
-    def file(self) -> "FileWrite":
-        return self
-
-
-def write_shared(team, out: Path, tmp: Path, tag: str, produce, executor: Executor) -> None:
-    """Write this rank's share of the files ``produce()`` yields as (path, object, skeleton).
-    Every rank plans every file (metadata only, one file at a time) and writes its own."""
-    planned = [FileWrite(path, sum(tp.nbytes for tp in sk.plans.values())) for path, _, sk in produce()]
-    mine = {w.name for w in team.share(planned, tag, out)}
-    with team.step("writing the files", out):
-        for path, obj, skeleton in produce():
-            if path in mine:
-                (tmp / path).parent.mkdir(parents=True, exist_ok=True)
-                write_torch_file(tmp / path, obj, skeleton, executor)
-
-
-def commit_tree(out_dir: Path, tmp: Path, names: list[str], previous: list[str]) -> None:
-    """Move files and folders from ``tmp`` into ``out_dir`` in the order of ``names`` (``latest``
-    after the tag folder it names), after removing what they replace and what the previous run
-    wrote (``latest`` first, so it never names a folder that is gone). The export's marker claims
-    every name first, so a rerun after an interruption recognizes them as zerofast's."""
-    write_marker(out_dir, tmp, sorted(set(previous) | set(names)))
-    try:
-        for name in sorted(set(previous) | set(names), key=lambda n: n != "latest"):
-            path = out_dir / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
-        for name in names:
-            os.replace(tmp / name, out_dir / name)
-    except OSError as e:
-        raise ExportError(f"stopped while moving the new files into place: {os_error(e)}; run it again",
-                          out_dir) from e
-    write_marker(out_dir, tmp, names)
-
-
-# ---------------------------------------------------------------------------------------------
-# The source: every tensor the output needs, as plans over one source table.
-
-@dataclass
-class Source:
-    ckpt: LoadedCheckpoint
-    table: SourceTable
-    executor: Executor
-    masters: dict[str, TensorPlan]  # trainable name -> full fp32 master
-    moments: dict[str, dict[str, TensorPlan]]  # per-element optimizer key -> name -> full state
-    frozen: dict[str, TensorPlan]  # frozen name -> full value in the model dtype
-    copies: dict[tuple, torch.Tensor]
-
-    @classmethod
-    def read(cls, ckpt: LoadedCheckpoint) -> "Source":
-        if not ckpt.layout.writable:
-            raise UnsupportedCheckpointError(
-                f"checkpoints with {ckpt.layout.title} ({ckpt.layout.name}) cannot be written back at another world "
-                "size yet; plain data-parallel ZeRO 0-3 saves can", ckpt.files.tag_dir)
-        table = SourceTable()
-        masters, moments, frozen = {}, {}, {}
-        if ckpt.stage:
-            _check_optimizer(ckpt)
-            masters = _plans(ckpt.layout.trainable_from(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups"))
-            states = checked_states(ckpt)
-            moments = {key: _plans(ckpt.layout.trainable_from(ckpt, table, state_flat_groups(ckpt, states, key),
-                                                       f"'{key}' groups"))
-                       for key in available_keys(ckpt)}
-            plan = build_plan(ckpt, table, None)
-            frozen = {n: tp for n, tp in plan.tensors.items() if tp.kind == FROZEN}
-        return cls(ckpt, table, Executor(table.tensors, streamable=table.mapped), masters, moments, frozen, {})
-
-    def copy(self, value: Any, file: Path, where: str, skeleton: Skeleton) -> Any:
-        """``value`` from a loaded pickle, made writable: tensors become placeholders filled from
-        the source file (one output tensor per source tensor, so ties stay ties), DeepSpeed
-        stand-ins become objects pickled under their DeepSpeed names."""
-        if isinstance(value, torch.Tensor):
-            ident = (str(file), tensor_identity(value))
-            if ident not in self.copies:
-                src = self.table.add(str(file), where, value)
-                tp = TensorPlan(where, tuple(value.shape), "copy", value.dtype, value.dtype,
-                                ((src, 0, 0, value.numel()),) if value.numel() else ())
-                self.copies[ident] = skeleton.tensor(tp)
-            return self.copies[ident]
-        if isinstance(value, DeepSpeedRecord):
-            fields = {k: self.copy(v, file, f"{where}.{k}", skeleton) for k, v in vars(value).items() if k != "args"}
-            return ds_pickle.record_class(value.ds_name)(**fields)
-        if isinstance(value, torch.Size):
-            return value
-        if isinstance(value, dict):
-            items = [(k, self.copy(v, file, f"{where}[{k!r}]", skeleton)) for k, v in value.items()]
-            return type(value)(items) if type(value) in (dict, OrderedDict) else dict(items)
-        if isinstance(value, (list, tuple)):
-            items = [self.copy(v, file, f"{where}[{i}]", skeleton) for i, v in enumerate(value)]
-            return type(value)(items) if type(value) in (list, tuple) else list(items)
-        return value
-
-    def new_file(self) -> Skeleton:
-        self.copies = {}  # ties are per file, as torch.save keeps them
-        return Skeleton()
-
-
-def _plans(entries: dict) -> dict[str, TensorPlan]:
-    return {name: TensorPlan(name, shape, "state", dtype, dtype, tuple(segs))
-            for name, (shape, dtype, segs) in entries.items()}
-
-
-def _check_optimizer(ckpt: LoadedCheckpoint) -> None:
-    cfg = ckpt.meta.raw.get(keys.DS_CONFIG)
-    zero = cfg.get("zero_optimization") if isinstance(cfg, dict) else None
-    if isinstance(zero, dict) and zero.get("round_robin_gradients"):
-        raise UnsupportedCheckpointError(
-            "resharding with round_robin_gradients is not supported: the flat order of the parameters depends on "
-            "the world size", ckpt.meta.path)
-    if (ckpt.files.tag_dir / "offloaded_tensors").exists():
-        raise UnsupportedCheckpointError("resharding NVMe-offloaded optimizer state is not supported",
-                                         ckpt.files.tag_dir)
-    inner_key = keys.inner_key(ckpt.stage)
-    for o in ckpt.optim_states:
-        inner = o.raw[keys.OPTIMIZER_STATE_DICT].get(inner_key)
-        if not isinstance(inner, dict) or not isinstance(inner.get(keys.PARAM_GROUPS), list):
-            raise UnsupportedCheckpointError(
-                f"resharding needs the wrapped optimizer's state_dict() in {inner_key!r}; found "
-                f"{type(inner).__name__} (an elastic_checkpoint save?)", o.path)
-
-
-def concat(name: str, length: int, dtype: torch.dtype, pieces: list[tuple[TensorPlan, int, int, int]]) -> TensorPlan:
-    """A 1-D plan of ``length`` elements: elements [lo, hi) of each piece's plan at ``dst``; the rest
-    is left as the file holds it (zeros)."""
-    segments = []
-    for tp, lo, hi, dst in pieces:
-        for src, src_off, dst_off, n in tp.slice(lo, hi).segments:
-            segments.append((src, src_off, dst + dst_off, n))
-    return TensorPlan(name, (length,), "partition", dtype, dtype, tuple(segments))
+    written = write_checkpoint(out, files, produce, source.executor, command=COMMAND, overwrite=overwrite,
+                               finish=finish, team=team, progress=progress, started=started)
+    return Written(out / files.tag, written.files, written.nbytes, written.seconds, written.replaced)
 
 
 def _dtype(plans: dict[str, TensorPlan]) -> torch.dtype:

@@ -1,14 +1,31 @@
-"""One export written by several processes: the ranks of a torch.distributed job, or local workers.
+"""The team protocol: the processes that write one output together, and how signals stop them.
 
-Every rank reads the checkpoint's metadata and computes the same layout (a pure function of the
-checkpoint and the options), so the ranks need not send each other any plan. Rank 0 opens the
-output folder as a plain export does (lock, ownership check, temporary folder); each rank writes
-the data files a deterministic byte-balanced assignment gives it into that temporary folder; rank
-0 then writes the indexes and commits. Every phase ends with an agreement, an all_gather of each
-rank's outcome, so one failing rank makes every rank fail, and nothing is committed unless every
-file was written.
+Every writer of files (:func:`zerofast.export`, :func:`zerofast.reshard`,
+:func:`zerofast.to_universal`) is led by a team: :data:`ALONE`, one process that writes every
+file, or a :class:`Team`, the ranks of a torch.distributed job (torchrun, or ``--workers``) that
+share the files out. A writer calls it in this order:
 
-The output folder must be one folder that every rank sees (a shared filesystem across nodes).
+1. ``with team.step("reading the checkpoint", out):`` each rank reads the checkpoint and plans
+   every file for itself (metadata only), so no plan is sent between ranks.
+2. ``with team.output_dir(out, overwrite, ...) as folder:`` the leader opens the output folder's
+   transaction (:func:`zerofast.output.transaction.output_dir`: ownership, never over the input,
+   lock, temporary folder); the others get the same temporary folder, which they must see.
+3. ``mine = team.share(writes, tag, out)``: the ranks compare a fingerprint of their plans (and
+   the tag they resolved) and refuse to go on if they differ; each gets a byte-balanced share of
+   ``writes`` (items with ``nbytes`` and ``file.name`` / ``file.keys``).
+4. ``with team.step("writing the files", out):`` each rank writes its share into the temporary
+   folder.
+5. ``with team.step("committing", out): if team.leader: ...`` the leader writes what depends on
+   every file (indexes, ``latest``) and commits the transaction.
+
+Each step ends with an agreement (an all_gather of every rank's outcome): if any rank failed,
+every rank raises, so nothing is committed unless every file was written, and the leader's
+transaction removes the temporary folder as the error unwinds. An interrupt leaves at once.
+
+:func:`signals_raise` turns SIGTERM into an exception for the duration of a command, so that a
+writer stopped by ``kill`` (or by torchrun, once another rank failed) unwinds and removes its
+temporary folder the way Ctrl-C does: alone, it raises :class:`Stopped` (a KeyboardInterrupt, exit
+code 143 on the command line); in a team it raises an ExportError saying the launcher stopped it.
 """
 from __future__ import annotations
 
@@ -26,12 +43,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..errors import ExportError, ZeroFastError
+from .transaction import Folder, output_dir
 from ..devices import device_of
-from ..ops import resolve_device
 from ..settings import DIST_TIMEOUT_ENV, settings
-from .outdir import output_dir
-from .run import export as export_files
-
 
 
 def world_size() -> int:
@@ -64,6 +78,25 @@ def share(sizes: Sequence[int], ranks: int) -> list[int]:
     return owners
 
 
+class Alone:
+    """The one process of a plain run: it writes every file, and steps need no agreement."""
+
+    leader = True
+    failing = False
+
+    def step(self, what: str, where: Path) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def output_dir(self, out: Path, overwrite: bool, **transaction) -> contextlib.AbstractContextManager[Folder]:
+        return output_dir(out, overwrite, **transaction)
+
+    def share(self, writes: list, tag: str, where: Path) -> list:
+        return writes
+
+
+ALONE = Alone()
+
+
 def _fingerprint(writes: Sequence, tag: str) -> str:
     h = hashlib.sha256(tag.encode())
     for w in writes:
@@ -83,7 +116,7 @@ def _backend_reason(e: BaseException) -> str:
 
 
 class Team:
-    """The ranks writing one export; what ``zerofast.export(team=...)`` takes.
+    """The ranks writing one output; what the writers' ``team=`` takes.
 
     ``gather(obj)`` returns every rank's ``obj`` in rank order (``all_gather_object``), and raises
     RuntimeError when a rank is lost or the timeout passes.
@@ -100,10 +133,10 @@ class Team:
         return self.rank == 0
 
     def share(self, writes: list, tag: str, where: Path) -> list:
-        """This rank's part of ``writes``, once every rank is found to have planned the same export.
+        """This rank's part of ``writes``, once every rank is found to have planned the same output.
 
         Every rank reads the checkpoint for itself; one that resolved another tag (``latest``
-        moved while the job started) or saw other files would write shards of another export.
+        moved while the job started) or saw other files would write files of another output.
         """
         plans = self._gather(_fingerprint(writes, tag), "comparing the ranks' plans", where)
         odd = [r for r, p in enumerate(plans) if p != plans[0]]
@@ -145,40 +178,26 @@ class Team:
                               where) from None
 
     @contextlib.contextmanager
-    def output_dir(self, out: Path, overwrite: bool) -> Iterator[tuple[Path, list[str]]]:
-        """Rank 0's output folder and temporary folder (see :func:`.outdir.output_dir`), shared."""
+    def output_dir(self, out: Path, overwrite: bool, **transaction) -> Iterator[Folder]:
+        """Rank 0's transaction (see :func:`.transaction.output_dir`); the others get its
+        temporary folder and take no part in the commit."""
         with contextlib.ExitStack() as stack:
-            tmp, previous = None, []
+            folder = None
             with self.step("opening the output folder", out):
                 if self.leader:
-                    tmp, previous = stack.enter_context(output_dir(out, overwrite))
-            tmp = Path(self._gather(str(tmp) if self.leader else None, "opening the output folder", out)[0])
+                    folder = stack.enter_context(output_dir(out, overwrite, **transaction))
+            tmp = Path(self._gather(str(folder.tmp) if self.leader else None, "opening the output folder", out)[0])
             with self.step("opening the output folder", out):
                 if not tmp.is_dir():
                     raise ExportError(f"cannot see rank 0's temporary folder {tmp.name} here: every rank must "
                                       "write to the same folder, on a filesystem all the nodes share", out)
-            yield tmp, previous
-
-
-def _local_device(device: str | torch.device) -> torch.device:
-    """``cuda`` without an index means this rank's own GPU, as torchrun numbers them."""
-    entry = device_of(device)
-    device = torch.device(device)
-    if entry.host or device.index is not None:
-        return device
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    visible = entry.count()
-    if 0 < visible <= local:  # with none at all, resolve_device says so
-        # NCCL refuses two ranks on one GPU, so a rank without a GPU of its own cannot share one.
-        raise ExportError(f"device={device.type!r}: this rank (LOCAL_RANK {local}) has no GPU of its own, {visible} "
-                          "visible; start at most one rank per GPU on each node")
-    return torch.device(device.type, local)
+            yield folder if folder is not None else Folder.follower(out, tmp)
 
 
 @contextlib.contextmanager
 def joined(device: torch.device) -> Iterator[Team]:
     """A Team of this process's job: the default group if the caller set one up, else one joined
-    from the launcher's environment (gloo, or NCCL for a GPU export) and left at the end."""
+    from the launcher's environment (gloo, or NCCL for a GPU run) and left at the end."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -204,14 +223,30 @@ def _team_of_default_group() -> Team:
     return Team(dist.get_rank(), dist.get_world_size(), gather)
 
 
+# ---------------------------------------------------------------------------------------------
+# Signals
+
+class Stopped(KeyboardInterrupt):
+    """A signal other than SIGINT stopped the run; unwinding removes the temporary folder as for
+    Ctrl-C. ``signum`` says which (the command line exits with 128 + signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 @contextlib.contextmanager
-def _sigterm_raises(team: Team) -> Iterator[None]:
-    """torchrun stops every rank with SIGTERM once one fails; raising instead of dying lets this
-    rank remove the temporary folder. A rank already failing ignores it and finishes its cleanup."""
+def signals_raise(team: "Team | Alone" = ALONE) -> Iterator[None]:
+    """SIGTERM raises instead of killing the process, so the writers unwind and clean up. A team's
+    rank raises an ExportError (torchrun stops every rank with SIGTERM once one fails); a rank
+    already failing ignores it and finishes its cleanup."""
     def stop(signum, frame):
-        if not team.failing:
+        if team.failing:
+            return
+        if isinstance(team, Team):
             team.failing = True
             raise ExportError("stopped by SIGTERM: the launcher stops every rank once one of them fails")
+        raise Stopped(signum)
 
     try:
         previous = signal.signal(signal.SIGTERM, stop)
@@ -222,19 +257,6 @@ def _sigterm_raises(team: Team) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def export(ckpt_dir, out_dir, *, device: str | torch.device = "cpu", **options):
-    """:func:`zerofast.export` shared among the ranks of a torch.distributed job; call it on every rank.
-
-    Takes the same arguments and returns the same :class:`~zerofast.ExportResult` on every rank. It
-    joins the job from torchrun's environment unless the default process group already exists.
-    ``device="cuda"`` gives each rank the GPU of its ``LOCAL_RANK``.
-    """
-
-    device = resolve_device(_local_device(device))  # before NCCL needs the GPU
-    with joined(device) as team, _sigterm_raises(team):
-        return export_files(ckpt_dir, out_dir, device=device, team=team, **options)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,8 +282,9 @@ def launch_local(workers: int, argv: Sequence[str]) -> None:
         except ChildFailedError as e:
             exits = ", ".join(f"rank {r} {_exit(f.exitcode, f.signal_name())}" for r, f in sorted(e.failures.items()))
             raise ExportError(f"the export on {workers} workers failed: {exits} (the ranks' errors are above)") from None
-        except SignalException:  # the launcher's own name for Ctrl-C (and SIGTERM); it stops the ranks first
-            raise KeyboardInterrupt from None
+        except SignalException as e:  # the launcher's own name for a signal; it stops the ranks first
+            signum = getattr(e, "sigval", signal.SIGINT)
+            raise (KeyboardInterrupt() if signum == signal.SIGINT else Stopped(signum)) from None
 
 
 def _exit(code: int, signal_name: str) -> str:

@@ -1,4 +1,5 @@
-"""In-memory results: the eager state dict and the lazy mapping."""
+"""In-memory results: the eager state dict and the lazy mapping (files are :mod:`zerofast.hf`'s
+and :mod:`zerofast.writers`')."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -8,8 +9,8 @@ from typing import Iterator
 
 import torch
 
-from ..execute import Executor
-from ..plan.model import Plan
+from .execute import Executor
+from .plan.model import Plan
 
 
 def eager_state_dict(plan: Plan, executor: Executor) -> "OrderedDict[str, torch.Tensor]":

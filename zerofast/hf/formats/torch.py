@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from ...execute import Executor
-from ..outdir import writing
+from ...output.transaction import torch_save
 from ..shards import ShardFile
-from . import Advance, WeightFormat
+from .base import Advance, WeightFormat
 
 
 def write(path: Path, file: ShardFile, metadata: dict[str, str] | None, executor: Executor,
@@ -24,34 +24,7 @@ def write(path: Path, file: ShardFile, metadata: dict[str, str] | None, executor
         advance(tp.nbytes)
     for alias, source in file.aliases:
         made[alias] = made[source]
-    with writing(path), open(path, "wb") as f:
-        sink = _Sink(f)
-        try:
-            torch.save(OrderedDict((k, made[k]) for k in file.keys), sink)
-        except RuntimeError:
-            if sink.error is None:
-                raise
-            raise sink.error from None
-
-
-class _Sink:
-    """The file object torch.save writes through. torch turns a failed write into a RuntimeError
-    about stream positions; holding on to the OSError lets the export say what failed (EFBIG, ENOSPC).
-    (Given a path instead, torch writes from C++ and the OS error is lost entirely.)"""
-
-    def __init__(self, f):
-        self.f = f
-        self.error: OSError | None = None
-
-    def write(self, data) -> int:
-        try:
-            return self.f.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
+    torch_save(OrderedDict((k, made[k]) for k in file.keys), path)
 
 
 def read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:

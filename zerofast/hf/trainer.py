@@ -1,4 +1,4 @@
-"""What turns an export into a folder Hugging Face libraries load as it is.
+"""Trainer and PEFT folders: what turns an export into a folder Hugging Face libraries load as it is.
 
 A Trainer checkpoint (``output_dir/checkpoint-N/``) keeps ``config.json``, the tokenizer files and,
 for PEFT models, ``adapter_config.json`` next to DeepSpeed's ``global_stepN/``. This module finds
@@ -12,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import mmap
 import os
 import re
-import struct
 import warnings
 from collections import Counter
 from collections.abc import Sequence
@@ -24,10 +22,13 @@ from typing import Callable
 
 import torch
 
+from .. import dtypes
 from ..errors import AmbiguousTagError, ExportError, PeftExportWarning, UnsupportedCheckpointError
+from ..execute import Executor
 from ..pipeline import Prepared
 from ..dtypes import out_dtype_for
 from ..plan import FROZEN, TRAINABLE, Plan, TensorPlan
+from .formats import safetensors
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -38,7 +39,6 @@ ADAPTER_FILES = {"safetensors": "adapter_model.safetensors", "torch": "adapter_m
 PEFT_PREFIX = "base_model.model."
 _CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)\.(?P<adapter>[^.]+)\.weight$")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ def _weights_dtype(plan: Plan, dtype: torch.dtype | None) -> torch.dtype | None:
 
 
 def _with_dtype(raw: bytes, folders: list[Path], dtype: torch.dtype | None) -> bytes:
-    if dtype not in _DTYPE_NAMES:
+    if dtype is None or dtype not in dtypes.OUTPUT_DTYPES:
         return raw
     try:
         config = json.loads(raw)
@@ -139,7 +139,7 @@ def _with_dtype(raw: bytes, folders: list[Path], dtype: torch.dtype | None) -> b
     # from_pretrained(dtype="auto") loads, so set the ones present (or the current name).
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype", "torch_dtype"]
     for key in keys:
-        config[key] = _DTYPE_NAMES[dtype]
+        config[key] = dtypes.name(dtype)
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
 
 
@@ -322,8 +322,6 @@ def _base_tensors(prepared: Prepared, base_model, config: dict, folder: Path, so
 
 def _materialize(sources: list, tp: TensorPlan) -> torch.Tensor:
     """One tensor of the plan in fp32, as peft holds it in an fp32 model."""
-    from ..execute import Executor
-
     full = dataclasses.replace(tp, out_dtype=torch.float32 if tp.stored_dtype.is_floating_point else tp.stored_dtype)
     return Executor(sources).run(full)
 
@@ -358,12 +356,7 @@ def _merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: floa
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading a save_pretrained folder's safetensors files, memory-mapped, without the safetensors package
-
-_ST = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-       "BOOL": torch.bool}
-
+# Reading a save_pretrained folder's safetensors files, memory-mapped, with the package's one reader
 
 def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
@@ -379,37 +372,7 @@ def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
                           "for the base model, found neither", folder)
     out: dict[str, torch.Tensor] = {}
     for name in files:
-        if "/" in name or name in ("", ".", ".."):
-            raise ExportError(f"the index names {name!r}, not a file in this folder", index)
-        out.update(_read_safetensors(folder / name))
-    return out
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        try:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError(f"a header of {n} bytes in a file of {size}")
-            header = json.loads(f.read(n))
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
-        except (struct.error, ValueError) as e:
-            raise ExportError(f"expected a safetensors file, could not read its header ({e})", path) from None
-    out = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype, shape, (lo, hi) = _ST[info["dtype"]], [int(s) for s in info["shape"]], info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ExportError(f"tensor {key!r} has a header entry safetensors does not define: {info!r}",
-                              path) from None
-        count = math.prod(shape)
-        if not 0 <= lo <= hi <= size - 8 - n or hi - lo != count * dtype.itemsize:
-            raise ExportError(f"tensor {key!r} claims bytes [{lo}, {hi}), which do not fit its shape {shape} "
-                              "inside the file", path)
-        flat = torch.frombuffer(data, dtype=dtype, count=count, offset=8 + n + lo) if count else torch.empty(
-            0, dtype=dtype)
-        out[key] = flat.reshape(shape)
+        if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
+            raise ExportError(f"the index names {name!r}, not a file in this folder"[:300], index)
+        out.update(safetensors.read(folder / name)[0])
     return out

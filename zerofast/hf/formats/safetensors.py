@@ -1,0 +1,180 @@
+"""safetensors, streamed: the header is laid out first and the data region sized up front, then
+the executor's batch reader writes each tensor at its offset straight from the checkpoint files
+(``copy_file_range``, or ``pwrite`` with the cast fused; see ``zerofast.execute.read_batch``).
+Executors without one (a GPU computing) fill a memory-mapped window of the file instead, one
+window (``windows.WINDOW_BYTES``) at a time. The data is written once, and memory stays flat whatever
+the model size. Each native call is sized to take about :data:`_CALL_SECONDS`, so that a signal
+(Ctrl-C, SIGTERM) is handled within a fraction of a second whatever the disk's speed.
+
+:func:`read` is the one safetensors reader of the package (``load_exported``, and a base model's
+weights for ``--merge-adapters``): the header checked against the file, the tensors memory-mapped,
+without the safetensors package.
+"""
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from ...dtypes import SAFETENSORS_CODES
+from ...errors import ExportError
+from ...execute import Executor
+from ...output.transaction import writing
+from ...output.windows import reserve, write_windows
+from ...plan.model import TensorPlan
+from ..shards import ShardFile
+from .base import TIED_KEY, Advance, WeightFormat
+
+_BATCH_BYTES = 256 << 20  # the most one native call writes
+_FIRST_BATCH = 16 << 20  # until the speed is known
+_CALL_SECONDS = 0.1  # a signal waits at most about this long for the native call to return
+_DTYPES = {code: dtype for dtype, code in SAFETENSORS_CODES.items()}
+
+
+def _code(tp: TensorPlan) -> str:
+    try:
+        return SAFETENSORS_CODES[tp.out_dtype]
+    except KeyError:
+        raise ExportError(f"{tp.name!r} has dtype {tp.out_dtype}, which safetensors cannot store; "
+                          "use --format torch") from None
+
+
+def header(items: Sequence[TensorPlan], metadata: dict[str, str]) -> tuple[bytes, list[tuple[TensorPlan, int]]]:
+    """The file's first bytes (length prefix and JSON header) and each tensor's data offset.
+
+    safetensors wants the data packed without gaps, so tensors go in by falling itemsize: every
+    offset is then a multiple of its tensor's itemsize, and the typed views of the mapping are
+    aligned (the header is padded so the data region starts at a multiple of 8).
+    """
+    head: dict = {"__metadata__": metadata}
+    placed = []
+    pos = 0
+    for tp in sorted(items, key=lambda t: -t.out_dtype.itemsize):
+        if tp.name == "__metadata__":
+            # The name of the header's metadata entry: the file would lose one or the other.
+            raise ExportError("a tensor named '__metadata__' cannot be stored in safetensors, whose header uses that "
+                              "name for its metadata; use --format torch")
+        head[tp.name] = {"dtype": _code(tp), "shape": list(tp.shape), "data_offsets": [pos, pos + tp.nbytes]}
+        placed.append((tp, pos))
+        pos += tp.nbytes
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, placed
+
+
+def write(path: Path, file: ShardFile, metadata: dict[str, str] | None, executor: Executor,
+          advance: Advance) -> None:
+    head, placed = header(file.items, metadata or {})
+    with writing(path), open(path, "w+b") as f:
+        f.write(head)
+        f.flush()
+        reserve(f.fileno(), 0, len(head) + sum(tp.nbytes for tp, _ in placed))
+        if executor.batch is not None:  # read and written by the native op, no mapping on either side
+            pace = _Pace()
+            for batch in _batches(placed, len(head), pace):
+                nbytes, started = sum(tp.nbytes for tp, _ in batch), time.monotonic()
+                executor.batch.write(f.fileno(), batch)
+                pace.record(nbytes, time.monotonic() - started)
+                advance(nbytes)
+            return
+        write_windows(f.fileno(), placed, len(head), executor, advance)
+
+
+class _Pace:
+    """How many bytes one native call may take: what the last call wrote in ``_CALL_SECONDS``,
+    between ``_FIRST_BATCH / 4`` and ``_BATCH_BYTES``."""
+
+    def __init__(self) -> None:
+        self.limit = min(_FIRST_BATCH, _BATCH_BYTES)
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        rate = nbytes / max(seconds, 1e-6)
+        floor = min(_FIRST_BATCH // 4, _BATCH_BYTES)
+        self.limit = int(min(_BATCH_BYTES, max(floor, rate * _CALL_SECONDS)))
+
+
+def _batches(placed: Sequence[tuple[TensorPlan, int]], base: int,
+             pace: _Pace) -> Iterator[list[tuple[TensorPlan, int]]]:
+    """(tensor, file offset) in groups of about ``pace.limit`` bytes: one native call each, and a
+    progress report in between. A tensor larger than the limit is cut into slices."""
+    batch: list[tuple[TensorPlan, int]] = []
+    size = 0
+    for tp, off in _sliced(placed, pace):
+        batch.append((tp, base + off))
+        size += tp.nbytes
+        if size >= pace.limit:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _sliced(placed: Sequence[tuple[TensorPlan, int]], pace: _Pace) -> Iterator[tuple[TensorPlan, int]]:
+    for tp, off in placed:
+        if tp.nbytes <= pace.limit or tp.numel < 2:
+            yield tp, off
+            continue
+        lo = 0
+        while lo < tp.numel:
+            hi = min(tp.numel, lo + max(1, pace.limit // tp.out_dtype.itemsize))
+            yield (tp.slice(lo, hi), off + lo * tp.out_dtype.itemsize)
+            lo = hi
+
+
+def read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors of a safetensors file, memory-mapped copy-on-write, and its string metadata."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
+        except (struct.error, ValueError, RecursionError) as e:
+            raise ExportError(f"expected a safetensors file, could not read its header ({e})", path) from None
+    metadata = header.pop("__metadata__", None)
+    return {key: _tensor(data, info, 8 + n, size, key, path) for key, info in header.items()}, (
+        metadata if isinstance(metadata, dict) else {})
+
+
+def _tensor(data, info, start: int, size: int, key: str, path: Path) -> torch.Tensor:
+    try:
+        dtype, shape, (lo, hi) = _DTYPES[info["dtype"]], [int(s) for s in info["shape"]], info["data_offsets"]
+        lo, hi = int(lo), int(hi)
+    except (KeyError, TypeError, ValueError):
+        raise ExportError(f"tensor {key!r} has a header entry safetensors does not define: {info!r}"[:300],
+                          path) from None
+    count = math.prod(shape)
+    if min(shape, default=0) < 0 or not 0 <= lo <= hi <= size - start or hi - lo != count * dtype.itemsize:
+        raise ExportError(f"tensor {key!r} claims bytes [{lo}, {hi}), which do not fit its shape {shape} "
+                          "inside the file", path)
+    if not count:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype, count=count, offset=start + lo).reshape(shape)
+
+
+def file_metadata(tied: dict[str, str], count: int) -> dict[str, str]:
+    # transformers refuses a safetensors file whose metadata lacks format "pt"
+    metadata = {"format": "pt"}
+    if tied and count == 1:
+        metadata[TIED_KEY] = json.dumps(tied, sort_keys=True)
+    return metadata
+
+
+def index_metadata(tied: dict[str, str]) -> dict:
+    return {TIED_KEY: json.dumps(tied, sort_keys=True)} if tied else {}
+
+
+FORMAT = WeightFormat("safetensors", "model.safetensors", "model-{:05d}-of-{:05d}.safetensors",
+                      "model.safetensors.index.json", aliases_in_files=False, write=write, read=read,
+                      file_metadata=file_metadata, index_metadata=index_metadata)
