@@ -508,9 +508,12 @@ Val Reader::rebuild_tensor(const std::vector<Val>& args) {  // _rebuild_tensor
   if (numel > s.numel || extent > s.numel) throw Declined("a tensor past its storage");
   built_bytes_ += int64_t(numel) * int64_t(c10::elementSize(s.dtype));
   if (built_bytes_ > hooks_.byte_limit) throw Declined("too many bytes of tensors");
-  at::Tensor t = at::empty({0}, at::TensorOptions().dtype(s.dtype));
-  t.set_(s.storage, offset, size, stride);
-  return py_val(THPVariable_Wrap(std::move(t)), "tensor");
+  // What torch.empty(0, dtype=...).set_(storage, offset, size, stride) makes, without two trips
+  // through the dispatcher per tensor.
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(s.storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                   caffe2::TypeMeta::fromScalarType(s.dtype));
+  impl->set_sizes_and_strides(size, stride, offset);
+  return py_val(THPVariable_Wrap(at::Tensor(std::move(impl))), "tensor");
 }
 
 Val Reader::rebuild_parameter(const std::vector<Val>& args) {  // _rebuild_parameter
