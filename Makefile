@@ -1,30 +1,44 @@
 # `make demo` and `make test` work on a fresh machine: they create the venv and build first.
+# `make demo` installs the runtime dependencies only (torch, numpy, ninja); `make test` adds the
+# development set (requirements-dev.txt: DeepSpeed, transformers, ...).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h)
+# The torch the tests pin (the CPU wheel), so that the demo does not pull a CUDA build either.
+TORCH := $(shell grep -m1 '^torch==' requirements-dev.txt)
 
-.PHONY: venv build test demo bench clean cuda-headers cuda-check
+.PHONY: runtime venv build test demo bench clean cuda-headers cuda-check
 
+runtime: $(VENV)/.runtime-stamp
 venv: $(VENV)/.deps-stamp
-build: $(VENV)/.build-stamp
 
-$(VENV)/.deps-stamp: requirements-dev.txt
+# A plain `pip install -e .` (build isolation on): it compiles nothing, so it takes seconds.
+$(VENV)/.runtime-stamp: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
+	@echo "== installing $(TORCH) and numpy into $(VENV)"
+	$(PIP) install --quiet $(TORCH) numpy
+	@echo "== installing zerofast (editable)"
+	$(PIP) install --quiet -e .
+	touch $@
+
+$(VENV)/.deps-stamp: $(VENV)/.runtime-stamp requirements-dev.txt
+	@echo "== installing the development dependencies (requirements-dev.txt)"
 	$(PIP) install --quiet -r requirements-dev.txt
 	touch $@
 
-$(VENV)/.build-stamp: $(VENV)/.deps-stamp setup.py pyproject.toml $(NATIVE_SOURCES)
-	$(PIP) install --quiet --no-build-isolation --no-deps -e .
-	touch $@
+# Compiles the native core against the venv's torch into the user cache, showing each step, or
+# finds it there already built (see `zerofast doctor`).
+build: runtime
+	$(PY) -m zerofast build
+	touch $(VENV)/.build-stamp
 
 # The CUDA compile checks run inside `make test` (tests/test_cuda_build.py): about 20 s, plus about
 # 10 s the first time to fetch torch's CUDA headers. Without nvcc, or where pip cannot get the
 # wheels, they are skipped with a message; a source that does not compile fails the suite.
-test: build cuda-headers
-	$(PY) -m pytest -q
+# ZEROFAST_NATIVE=1: a native core that does not load fails the suite instead of falling back.
+test: venv build cuda-headers
+	ZEROFAST_NATIVE=1 $(PY) -m pytest -q
 
 cuda-headers: venv
 	$(PY) -m tools.cuda_build fetch
@@ -37,7 +51,7 @@ cuda-check: venv
 demo: build
 	$(PY) -m zerofast.demo
 
-bench: build
+bench: venv build
 	$(PY) benchmarks/run.py
 
 clean:

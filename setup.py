@@ -1,56 +1,33 @@
-"""Build for zerofast's native core.
+"""Packaging only: nothing is compiled at install time, so no build-time torch is ever involved.
 
-`pip install --no-build-isolation -e .` compiles the op schema (csrc/*.cpp) and, for each device
-directory under csrc/ that can be built here, its kernels: csrc/cpu always; csrc/cuda when torch
-was built with CUDA and nvcc is found, or when FORCE_CUDA=1 (TORCH_CUDA_ARCH_LIST is respected by
-torch's builder). Each device's kernels register themselves with the dispatcher, so nothing else
-needs to know which were built: `zerofast._C.built_devices()` asks the dispatcher.
+The C++ sources (``csrc/``) go into the wheel as package data, ``zerofast/csrc``; the native
+core is compiled from them against the torch that is installed, on first use or by
+``zerofast build`` (see zerofast/native/). An editable install reads ``csrc/`` in the checkout.
 """
-import glob
-import os
+import shutil
+from pathlib import Path
 
-import torch
 from setuptools import setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+from setuptools.command.build_py import build_py
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-
-
-def want_cuda() -> bool:
-    if os.environ.get("FORCE_CUDA", "0") == "1":
-        return True
-    return torch.version.cuda is not None and CUDA_HOME is not None
+ROOT = Path(__file__).resolve().parent
+SOURCE_SUFFIXES = (".cpp", ".cu", ".h")
 
 
-# device directory under csrc/ -> whether its kernels can be built here
-DEVICES = {"cpu": lambda: True, "cuda": want_cuda}
+class BuildPyWithSources(build_py):
+    """build_py, plus csrc/ copied to zerofast/csrc in the build tree (so into the wheel)."""
+
+    def run(self):
+        super().run()
+        if self.editable_mode:  # the checkout's csrc/ is found next to the package
+            return
+        dest = Path(self.build_lib) / "zerofast" / "csrc"
+        shutil.rmtree(dest, ignore_errors=True)
+        for src in sorted((ROOT / "csrc").rglob("*")):
+            if src.is_file() and src.suffix in SOURCE_SUFFIXES:
+                target = dest / src.relative_to(ROOT / "csrc")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, target)
 
 
-def cxx_standard() -> str:
-    # torch 2.14's headers need C++20; older ones are built and tested here as C++17.
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return "c++20" if (major, minor) >= (2, 14) else "c++17"
-
-
-def _sources(pattern: str) -> list:
-    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
-
-
-def extension():
-    sources = _sources("csrc/*.cpp") + _sources("csrc/load/*.cpp")  # host code: the native pickle reader
-    for device, wanted in DEVICES.items():
-        if wanted():
-            sources += _sources(f"csrc/{device}/*.cpp") + _sources(f"csrc/{device}/*.cu")
-    macros = [("ZEROFAST_TORCH_VERSION", f'"{torch.__version__}"')]
-    cxx = ["-O3", f"-std={cxx_standard()}", "-fopenmp"]
-    if any(s.endswith(".cu") for s in sources):
-        return CUDAExtension("zerofast._C", sources, define_macros=macros,
-                             extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]}, extra_link_args=["-fopenmp"])
-    return CppExtension("zerofast._C", sources, define_macros=macros, extra_compile_args={"cxx": cxx},
-                        extra_link_args=["-fopenmp"])
-
-
-setup(
-    ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-)
+setup(cmdclass={"build_py": BuildPyWithSources})

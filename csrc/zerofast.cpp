@@ -1,8 +1,9 @@
 // Operator schema and the Python module that carries it.
 //
 // Ops are declared once here; each device registers its kernels under csrc/<device>/.
-// The Python module exists so `import zerofast._C` loads this library (registering the ops)
-// and so the loader can compare the torch it was compiled against with the running one.
+// The Python module exists so that importing it (zerofast/native/loader.py) loads this library,
+// registering the ops, and so the loader can compare the torch it was compiled against with the
+// running one.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 #include <torch/library.h>

@@ -98,10 +98,12 @@ def test_bad_arguments_name_the_argument():
 
 
 def test_extension_built_for_other_torch_is_a_typed_error(monkeypatch):
-    from zerofast import _C
+    from zerofast.native import loader
 
-    monkeypatch.setattr(ops, "_loaded", False)
-    monkeypatch.setattr(_C, "torch_version", lambda: "1.0.0")
+    core = ops.load_native()
+    monkeypatch.setattr(core, "torch_version", lambda: "1.0.0")
+    monkeypatch.setattr(loader, "_state", None)  # so that the next use looks at the cached core again
+    monkeypatch.setattr(loader, "import_core", lambda path: loader.verify(core))
     with pytest.raises(ops.NativeExtensionError, match="built for torch 1.0.0 but torch .* is running"):
         ops.load_native()
 

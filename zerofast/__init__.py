@@ -14,12 +14,6 @@ import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("zerofast")  # the one place it is set is pyproject.toml
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
 
 from .errors import (
     AmbiguousTagError,
@@ -70,7 +64,20 @@ _LAZY = {
 }
 
 
+def _installed_version() -> str:
+    # Looked up on first use: importlib.metadata costs more than the rest of `zerofast --help`.
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("zerofast")  # the one place it is set is pyproject.toml
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "0+unknown"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        globals()[name] = _installed_version()
+        return globals()[name]
     if name == "compat":
         return importlib.import_module(".compat", __name__)
     if name not in _LAZY:

@@ -3,6 +3,9 @@
 
 Errors about the input or the output folder (every :class:`~zerofast.errors.ZeroFastError`) are
 reported as one line on stderr with exit code 1; ``--debug`` adds the traceback.
+
+Parsing the arguments imports no torch (each command imports what it runs), so ``--help`` and
+``--version`` answer at once; ``build`` and ``doctor`` see to the native core.
 """
 from __future__ import annotations
 
@@ -16,25 +19,10 @@ import warnings
 from collections import Counter
 from typing import Sequence
 
-import torch
-
-from . import __version__, dtypes
-from .compat import export_like_deepspeed
+from .cli_args import Later, Version, dtype_arg, positive, size_arg
 from .errors import ZeroFastError, short_repr, some
-from .hf import distributed, export
-from .hf.formats import FORMATS
-from .hf.shards import parse_size
-from .ops import resolve_device
-from .output import team as teams
+from .native.commands import add_native_commands
 from .output.progress import ProgressBar, is_tty
-from .pipeline import prepare
-from . import keys
-from .dtypes import out_dtype_for
-from .plan import BUFFER, FROZEN, TRAINABLE
-from .writers.reshard import write_resharded
-from .writers.universal import write_universal
-
-KINDS = (TRAINABLE, FROZEN, BUFFER)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -45,6 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    from .output import team as teams  # torch: only once a command runs
+
     try:
         with warnings.catch_warnings(), teams.signals_raise():
             warnings.showwarning = _show_warning
@@ -76,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--tag", help="which save to read when the root holds several (default: 'latest')")
     common.add_argument("--debug", action="store_true", help="show the traceback of an error")
     parser = argparse.ArgumentParser(prog="zerofast", description="Consolidate DeepSpeed ZeRO checkpoints.")
-    parser.add_argument("--version", action="version", version=f"zerofast {__version__}")
+    parser.add_argument("--version", action=Version, help="show zerofast's, torch's and Python's versions, the "
+                        "native core and the thread count, and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     ex = sub.add_parser("export", parents=[common], help="write Hugging Face-layout weight files",
@@ -84,11 +75,13 @@ def _parser() -> argparse.ArgumentParser:
                                     "an index when larger than --max-shard-size).")
     ex.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     ex.add_argument("out", metavar="OUT", help="output folder")
-    ex.add_argument("--dtype", type=_dtype, default=torch.float32, metavar="{fp32,bf16,fp16,keep}",
+    ex.add_argument("--dtype", type=dtype_arg, default="fp32", metavar="{fp32,bf16,fp16,keep}",
                     help="dtype of floating tensors, in any spelling (bf16, bfloat16, torch.bfloat16, any case); "
                          "'keep' keeps what the checkpoint holds (default: fp32)")
-    ex.add_argument("--format", choices=list(FORMATS), default="safetensors")
-    ex.add_argument("--max-shard-size", type=_size, default="5GB", metavar="SIZE",
+    # A metavar, so that building the parser does not list (import) the choices; the help does.
+    ex.add_argument("--format", choices=Later(".hf.formats", "FORMATS"), default="safetensors", metavar="FORMAT",
+                    help="%(choices)s (default: safetensors)")
+    ex.add_argument("--max-shard-size", type=size_arg, default="5GB", metavar="SIZE",
                     help="per-file limit: bytes, or e.g. 500MB, 5G, 5GB, 4GiB (default: 5GB)")
     ex.add_argument("--exclude-frozen", action="store_true", help="leave out parameters that did not train")
     ex.add_argument("--duplicate-tied", action="store_true",
@@ -101,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
                          "as <param>.<key>, and their step and hyperparameters to optimizer_state.json")
     ex.add_argument("--device", default="cpu",
                     help="where to gather and cast: cpu, or cuda (each rank its LOCAL_RANK's GPU) / cuda:N")
-    ex.add_argument("--workers", type=_positive("workers"), default=1, metavar="N",
+    ex.add_argument("--workers", type=positive("workers"), default=1, metavar="N",
                     help="share the export among N processes on this machine (under torchrun, the ranks "
                          "share it without this)")
     peft = ex.add_mutually_exclusive_group()
@@ -124,43 +117,18 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.set_defaults(run=_inspect)
+    add_native_commands(sub)
     return parser
-
-
-def _positive(what: str):
-    """An argparse type: a positive int, or an error that says what the number counts."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"expected a positive number of {what}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _dtype(text: str):
-    """An argparse type: the one dtype vocabulary (:func:`zerofast.dtypes.output_dtype`)."""
-    try:
-        return dtypes.output_dtype(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected fp32, bf16, fp16 or keep (or bfloat16, float16, float32, "
-                                         f"torch.bfloat16, ..., in any case), got {text!r}") from None
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------
 # export
 
 def _export(args: argparse.Namespace) -> int:
+    from .hf import distributed, export
+    from .ops import resolve_device
+    from .output import team as teams
+
     resolve_device(args.device)  # here, so that --workers starts no ranks for a device that is not there
     if args.workers > 1:
         teams.launch_local(args.workers, _as_one_rank(args.argv))
@@ -201,6 +169,8 @@ def _as_one_rank(argv: Sequence[str]) -> list[str]:
 
 
 def _rank_prefix() -> str:
+    from .output import team as teams
+
     return f"[rank {teams.rank()} of {teams.world_size()}] " if teams.launched() else ""
 
 
@@ -214,7 +184,7 @@ def _add_zero_to_fp32(sub) -> None:
                                    "with an index past --max_shard_size).")
     z.add_argument("checkpoint_dir", help="path to the desired checkpoint folder, e.g. path/checkpoint-12")
     z.add_argument("output_dir", help="folder for the fp32 state_dict files, e.g. path/checkpoint-12-output/")
-    z.add_argument("--max_shard_size", type=_size, default="5GB",
+    z.add_argument("--max_shard_size", type=size_arg, default="5GB",
                    help="largest file before sharding: bytes, or e.g. 500MB, 5GB (default: 5GB)")
     z.add_argument("--safe_serialization", action="store_true", help="write safetensors instead of torch pickles")
     z.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step1 (default: 'latest')")
@@ -224,6 +194,8 @@ def _add_zero_to_fp32(sub) -> None:
 
 
 def _zero_to_fp32(args: argparse.Namespace) -> int:
+    from .compat import export_like_deepspeed
+
     bar = ProgressBar(enabled=is_tty(sys.stderr), desc="export")
     try:
         result = export_like_deepspeed(args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
@@ -245,13 +217,13 @@ def _add_resume(sub, common) -> None:
                                    "that a plain engine.load_checkpoint(OUT) at that size resumes training.")
     r.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     r.add_argument("out", metavar="OUT", help="the new checkpoint root")
-    r.add_argument("--world-size", type=_positive("ranks"), required=True, metavar="N",
+    r.add_argument("--world-size", type=positive("ranks"), required=True, metavar="N",
                    help="the new data-parallel world size")
     r.add_argument("--overwrite", action="store_true",
                    help="write into a folder holding files this command did not write (replaces only the names it "
                         "writes: latest, the tag folder, the recovery scripts)")
     r.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
-    r.add_argument("--workers", type=_positive("workers"), default=1, metavar="N",
+    r.add_argument("--workers", type=positive("workers"), default=1, metavar="N",
                    help="share the files among N processes on this machine (under torchrun, the ranks share them)")
     r.set_defaults(run=_reshard)
     u = sub.add_parser("to-universal", parents=[common], help="write DeepSpeed's universal checkpoint layout",
@@ -265,12 +237,14 @@ def _add_resume(sub, common) -> None:
                    help="write into a folder holding files this command did not write (replaces only the names it "
                         "writes: the model-states files and zero/)")
     u.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
-    u.add_argument("--workers", type=_positive("workers"), default=1, metavar="N",
+    u.add_argument("--workers", type=positive("workers"), default=1, metavar="N",
                    help="share the files among N processes on this machine (under torchrun, the ranks share them)")
     u.set_defaults(run=_to_universal)
 
 
 def _reshard(args: argparse.Namespace) -> int:
+    from .writers.reshard import write_resharded
+
     written = _shared(args, "reshard", write_resharded, args.ckpt, args.out, args.world_size, tag=args.tag,
                       overwrite=args.overwrite)
     if written is not None:
@@ -279,6 +253,8 @@ def _reshard(args: argparse.Namespace) -> int:
 
 
 def _to_universal(args: argparse.Namespace) -> int:
+    from .writers.universal import write_universal
+
     written = _shared(args, "to-universal", write_universal, args.ckpt, args.out, tag=args.tag,
                       overwrite=args.overwrite)
     if written is not None:
@@ -288,6 +264,8 @@ def _to_universal(args: argparse.Namespace) -> int:
 
 
 def _summary(written) -> str:
+    from .output import team as teams
+
     ranks = f" by {teams.world_size()} ranks" if teams.launched() else ""
     return (f"{written.files} files, {human_bytes(written.nbytes)} of tensors{ranks} in {written.seconds:.2f} s"
             f"{_replaced(written.replaced)}")
@@ -297,6 +275,10 @@ def _shared(args: argparse.Namespace, what: str, write, *positional, **options):
     """Run ``write`` alone, as the ranks of this torchrun job, or as --workers local ranks, with a
     progress bar on the leader's terminal. Returns its result on the process that reports it (the
     leader, unless --quiet), else None."""
+    import torch
+
+    from .output import team as teams
+
     if args.workers > 1:
         teams.launch_local(args.workers, _as_one_rank(args.argv))
         return None
@@ -317,9 +299,14 @@ def _shared(args: argparse.Namespace, what: str, write, *positional, **options):
 
 def describe(ckpt_dir, tag: str | None = None) -> dict:
     """What ``inspect`` reports, as plain JSON-ready data. Reads metadata only, no tensor data."""
+    from . import dtypes, keys
+    from .dtypes import out_dtype_for
+    from .pipeline import prepare
+    from .plan import BUFFER, FROZEN, TRAINABLE
+
     prepared = prepare(ckpt_dir, None, tag=tag, warn_absent=False)  # the report says it instead
     plan, ckpt = prepared.plan, prepared.checkpoint
-    tensors = {k: {"count": 0, "elements": 0, "bytes": 0, "dtypes": set()} for k in KINDS}
+    tensors = {k: {"count": 0, "elements": 0, "bytes": 0, "dtypes": set()} for k in (TRAINABLE, FROZEN, BUFFER)}
     for tp in plan.tensors.values():
         row = tensors[tp.kind]
         row["count"] += 1
@@ -377,6 +364,8 @@ def _ranges(indices: list[int]) -> str:
 
 def _training_dtype(config) -> str | None:
     """What the DeepSpeed config trained in: its bf16/fp16 sections, else fp32."""
+    from . import dtypes
+
     if not isinstance(config, dict):
         return None
     for key, label in dtypes.CONFIG_SECTIONS.items():
@@ -388,6 +377,10 @@ def _training_dtype(config) -> str | None:
 
 def _model_dtype(meta) -> str | None:
     """The dtype the module's parameters were held in (stage 3 placeholders carry it too)."""
+    import torch
+
+    from . import dtypes
+
     buffers = set(meta.buffer_names)
     counts = Counter(dtypes.name(v.dtype) for k, v in meta.module.items()
                      if k not in buffers and isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
@@ -416,7 +409,7 @@ def format_report(r: dict) -> str:
         f"{'tensors':<10}{'count':>8}{'elements':>14}{'stored':>12}   dtypes",
     ]
     total = {"count": 0, "elements": 0, "bytes": 0}
-    for kind in KINDS:
+    for kind in r["tensors"]:  # describe's order: trainable, frozen, buffer
         row = r["tensors"][kind]
         lines.append(f"{kind:<10}{row['count']:>8,}{row['elements']:>14,}{human_bytes(row['bytes']):>12}   "
                      f"{', '.join(row['dtypes']) or '-'}")

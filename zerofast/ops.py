@@ -5,9 +5,10 @@ Each op has its wrapper here and, beside it, its fake (the meta kernel FakeTenso
 does. The kernels' knobs (reader threads, huge pages, copy_file_range) are op arguments, filled
 from :func:`zerofast.settings.settings` here, so an op is a function of its arguments.
 
-The extension is loaded on first use, so ``import zerofast`` never fails for lack of it; the
-first reconstruct does, with a :class:`NativeExtensionError` that says how to build it.
-``ZEROFAST_NATIVE=0`` selects the pure-torch reference instead (same bytes, slower).
+The native core is found, or built for the running torch, on first use (:mod:`.native.loader`),
+so ``import zerofast`` never fails for lack of it. Where it cannot be built, the ops run on the
+pure-torch reference (same bytes, slower), with one warning; ``ZEROFAST_NATIVE=1`` makes that an
+error instead, and ``ZEROFAST_NATIVE=0`` selects the reference.
 """
 from __future__ import annotations
 
@@ -20,40 +21,34 @@ import torch
 from . import reference
 from .devices import device_of
 from .errors import DeviceError, NativeExtensionError
+from .native import loader
 from .settings import settings
 
-_BUILD_HINT = "build it with `pip install --no-build-isolation -e .` (or `make build`) in the zerofast checkout"
 _loaded = False
 
 
 def native_enabled() -> bool:
-    return settings().native
+    """Whether the ops run natively: the core loads (or builds), and ZEROFAST_NATIVE is not 0."""
+    if loader.load() is None:
+        return False
+    load_native()
+    return True
 
 
-def load_native() -> None:
-    """Import the compiled extension, registering ``torch.ops.zerofast``; check it fits this torch."""
+def load_native():
+    """The native core's module (built on first use), with ``torch.ops.zerofast`` registered; a
+    :class:`NativeExtensionError` that says why if it cannot be had."""
     global _loaded
-    if _loaded:
-        return
-    try:
-        from . import _C
-    except ImportError as e:
-        raise NativeExtensionError(f"zerofast's native extension could not be loaded ({e}); {_BUILD_HINT}") from e
-    built_for = _C.torch_version()
-    if built_for != torch.__version__:
-        raise NativeExtensionError(
-            f"zerofast's native extension was built for torch {built_for} but torch {torch.__version__} is "
-            f"running; rebuild it: {_BUILD_HINT}")
-    _register_fakes()
-    _loaded = True
+    module = loader.load(required=True).module
+    if not _loaded:
+        _register_fakes()
+        _loaded = True
+    return module
 
 
 def built_devices() -> list[str]:
     """Device types the loaded extension has kernels for (``["cpu"]``, ``["cpu", "cuda"]``)."""
-    load_native()
-    from . import _C
-
-    return list(_C.built_devices())
+    return list(load_native().built_devices())
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -67,8 +62,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if native_enabled() and device.type not in built_devices():
         raise NativeExtensionError(
             f"zerofast's native extension was built without its {device.type.upper()} kernels (torch without "
-            f"{device.type.upper()}, or no compiler for it at build time); rebuild it with "
-            "`FORCE_CUDA=1 pip install --no-build-isolation -e .`")
+            f"{device.type.upper()}, or no nvcc when it was built); rebuild it with nvcc on the PATH: "
+            "`zerofast build` (FORCE_CUDA=1 to insist)")
     return device
 
 

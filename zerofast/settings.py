@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-NATIVE_ENV = "ZEROFAST_NATIVE"
 FOLLOW_SYMLINKS_ENV = "ZEROFAST_FOLLOW_SYMLINKS"
 READERS_ENV = "ZEROFAST_READERS"
 HUGEPAGES_ENV = "ZEROFAST_HUGEPAGES"
@@ -30,9 +29,8 @@ DEFAULT_DIST_TIMEOUT_S = 1800
 class Settings:
     """What the environment asked for. Each field names its variable and default."""
 
-    # ZEROFAST_NATIVE: "0" runs the pure-torch reference instead of the native ops (same bytes,
-    # slower); anything else (default "1") the native core.
-    native: bool = True
+    # ZEROFAST_NATIVE, ZEROFAST_CACHE_DIR and the native core's build variables are read by
+    # zerofast.native.settings, with the machinery they steer.
     # ZEROFAST_FOLLOW_SYMLINKS=1: follow links that lead out of the checkpoint folder (default:
     # refused, see zerofast.discover.check_inside). The public follow_symlinks= keyword wins.
     follow_symlinks: bool = False
@@ -60,7 +58,6 @@ class Settings:
 def from_environment(env: Mapping[str, str]) -> Settings:
     """The settings ``env`` asks for; a value that is not understood keeps the default."""
     return Settings(
-        native=env.get(NATIVE_ENV, "1") != "0",
         follow_symlinks=env.get(FOLLOW_SYMLINKS_ENV) == "1",
         readers=_count(env.get(READERS_ENV)),
         hugepages=env.get(HUGEPAGES_ENV, "1") != "0",
@@ -76,7 +73,7 @@ def _count(value: str | None) -> int:
         return 0
 
 
-_VARIABLES = (NATIVE_ENV, FOLLOW_SYMLINKS_ENV, READERS_ENV, HUGEPAGES_ENV, COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV)
+_VARIABLES = (FOLLOW_SYMLINKS_ENV, READERS_ENV, HUGEPAGES_ENV, COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV)
 _cache: tuple[tuple, Settings] | None = None
 
 

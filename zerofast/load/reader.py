@@ -28,16 +28,13 @@ from .unpickle import ALLOWED, REBUILD_PARAMETER, REBUILD_TENSOR, load_indexed, 
 
 
 def native_core() -> Callable | None:
-    """The extension's reader, or None: ``ZEROFAST_NATIVE=0``, no extension, or one built without it."""
-    if not ops.native_enabled():
-        return None
+    """The native core's reader, or None: ``ZEROFAST_NATIVE=0``, no core, or one built without it."""
     try:
-        ops.load_native()
+        if not ops.native_enabled():
+            return None
+        return getattr(ops.load_native(), "unpickle", None)
     except NativeExtensionError:
-        return None  # the first reconstruct says what to build; reading needs no extension
-    import zerofast._C as compiled  # loaded by ops.load_native above
-
-    return getattr(compiled, "unpickle", None)
+        return None  # the first reconstruct says what is missing; reading needs no core
 
 
 def _hooks(index: ArchiveIndex) -> tuple:

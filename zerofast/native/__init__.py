@@ -1,0 +1,11 @@
+"""zerofast's native core: built against the running torch on first use, cached, loaded.
+
+- :mod:`.settings`: the environment variables it reads, in one function;
+- :mod:`.cache`: where a core lives and what it is built from, found without importing torch;
+- :mod:`.loader`: find, build (under a lock, in a child process) and load it, or say why not;
+- :mod:`.build`: the child process that runs torch's extension builder;
+- :mod:`.report`: what ``zerofast --version`` and ``zerofast doctor`` print.
+
+Nothing is compiled at ``pip install`` time, so no build-time torch is ever involved: the wheel
+and the sdist carry ``csrc/`` as package data (``zerofast/csrc``), a checkout uses its own.
+"""

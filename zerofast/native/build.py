@@ -1,0 +1,59 @@
+"""``python -m zerofast.native.build CORE DEVICES``: compile the native core into the folder CORE.
+
+:mod:`.loader` runs this in a child process, so that the compiler's output goes to the build log
+(and, condensed, to stderr) rather than to the caller's stdout, and a failed build leaves the
+caller's process untouched. torch's own builder (``torch.utils.cpp_extension.load``, with ninja)
+compiles against the torch this Python imports, into a temporary folder next to CORE that is
+renamed into place once the module has loaded and its manifest is written: a core folder is
+complete or absent.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from . import cache
+
+
+def build(core: Path, devices: tuple[str, ...]) -> None:
+    import torch
+    from torch.utils.cpp_extension import load
+
+    start = time.monotonic()
+    tmp = core.with_name(f".{core.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # Escaped for the shell that ninja runs the compiler through.
+    version = f'-DZEROFAST_TORCH_VERSION=\\"{torch.__version__}\\"'
+    module = load(cache.EXTENSION_NAME, [str(p) for p in cache.source_files(cache.sources_dir(), devices)],
+                  extra_cflags=[*cache.cxx_flags(torch.__version__), version], extra_cuda_cflags=cache.NVCC_FLAGS,
+                  extra_ldflags=cache.LDFLAGS, build_directory=str(tmp), verbose=True, with_cuda="cuda" in devices)
+    manifest = {"torch": torch.__version__, "torch_git": torch.version.git_version, "cuda": torch.version.cuda,
+                "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI), "python": sys.version.split()[0],
+                "devices": list(module.built_devices()),
+                "cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST") if "cuda" in devices else None,
+                "seconds": round(time.monotonic() - start, 1), "built": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    (tmp / cache.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    if core.exists():  # `zerofast build --force`: the old core goes only once the new one is whole
+        old = core.with_name(f".{core.name}.old-{os.getpid()}")
+        core.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.rename(core)
+
+
+def main(argv: list[str]) -> int:
+    core, devices = Path(argv[0]), tuple(argv[1].split(","))
+    try:
+        build(core, devices)
+    finally:  # what a failed build compiled is of no use; the log is kept by the caller
+        for tmp in core.parent.glob(f".{core.name}.tmp-{os.getpid()}"):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

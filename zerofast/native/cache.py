@@ -1,0 +1,174 @@
+"""Where a built native core lives, and what it is built from, found without importing torch.
+
+A core is kept in ``<cache>/native/<tag>/<devices>/``: the tag names the torch build (its
+version, CUDA version and git commit, read from ``torch/version.py``), the Python ABI, the
+machine, the compiler flags and a hash of every source under ``csrc/``, so a core is never loaded
+by a torch, a Python or sources it was not built for. ``<devices>`` is ``cpu`` or, with the CUDA
+kernels, ``cpu+cuda-<archs>``. Next to it: ``<devices>.lock`` (held while building),
+``<devices>.build.log`` and, after a failed build, ``<devices>.failed.json``.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import sys
+import sysconfig
+from pathlib import Path
+
+from .settings import NativeSettings
+
+EXTENSION_NAME = "zerofast_C"  # the module name the core is compiled and imported as
+MANIFEST = "manifest.json"  # written last, so its presence means the core is complete
+PACKAGE = Path(__file__).resolve().parent.parent
+LDFLAGS = ["-fopenmp"]
+NVCC_FLAGS = ["-O3"]
+
+
+class Unavailable(Exception):
+    """Why the native core cannot be built or loaded here; the message is the reason users see."""
+
+
+def sources_dir() -> Path:
+    """``csrc/``: inside the package when installed from a wheel or sdist, next to it in a checkout."""
+    for candidate in (PACKAGE / "csrc", PACKAGE.parent / "csrc"):
+        if (candidate / "zerofast.cpp").is_file():
+            return candidate
+    raise Unavailable(f"the C++ sources are not installed (no csrc/zerofast.cpp in {PACKAGE} or next to it)")
+
+
+def source_files(src: Path, devices: tuple[str, ...]) -> list[Path]:
+    """What gets compiled: the op schema (csrc/*.cpp), the host code of csrc/load/ (the native
+    pickle reader) and each device directory's kernels."""
+    files = sorted(src.glob("*.cpp")) + sorted((src / "load").glob("*.cpp"))
+    for device in devices:
+        files += sorted((src / device).glob("*.cpp")) + sorted((src / device).glob("*.cu"))
+    return files
+
+
+def torch_identity() -> dict:
+    """The installed torch's version, CUDA version and git commit, from its ``version.py`` text."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise Unavailable("torch is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / "version.py"
+    values = {}
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError) as e:
+        raise Unavailable(f"{path}: cannot read torch's version ({e})") from e
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and isinstance(getattr(node, "value", None), ast.Constant):
+            values[target.id] = node.value.value
+    return {k: values.get(k) for k in ("__version__", "cuda", "hip", "git_version")}
+
+
+def cxx_flags(torch_version: str) -> list[str]:
+    # torch 2.14's headers need C++20; older ones are built and tested here as C++17.
+    major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    return ["-O3", f"-std={'c++20' if (major, minor) >= (2, 14) else 'c++17'}", "-fopenmp"]
+
+
+def core_tag(src: Path, identity: dict) -> str:
+    """The folder name for cores of this torch, Python and these sources (every device set)."""
+    digest = hashlib.sha256()
+    inputs = {"torch": identity, "python": [sys.implementation.cache_tag, sysconfig.get_config_var("SOABI")],
+              "machine": platform.machine(), "cxx": cxx_flags(identity["__version__"]), "ld": LDFLAGS,
+              "nvcc": NVCC_FLAGS}
+    digest.update(json.dumps(inputs, sort_keys=True).encode())
+    for path in sorted(p for p in src.rglob("*") if p.is_file() and p.suffix in (".cpp", ".cu", ".h")):
+        digest.update(path.relative_to(src).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"torch-{identity['__version__']}-{sys.implementation.cache_tag}-{digest.hexdigest()[:12]}"
+
+
+def device_tag(devices: tuple[str, ...], arch_list: str | None) -> str:
+    tag = "+".join(devices)
+    if "cuda" in devices and arch_list:
+        tag += "-" + "_".join(arch_list.replace(",", ";").replace(" ", ";").split(";")).strip("_")
+    return tag
+
+
+def tag_dir(s: NativeSettings, tag: str) -> Path:
+    return s.cache_dir / "native" / tag
+
+
+def read_manifest(core: Path) -> dict | None:
+    try:
+        return json.loads((core / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def library(core: Path) -> Path:
+    return core / f"{EXTENSION_NAME}.so"  # the name torch's builder gives it on Linux
+
+
+def built_cores(s: NativeSettings) -> list[tuple[Path, dict]]:
+    """The complete cores in the cache for this torch, Python and sources, most devices first."""
+    tag = core_tag(sources_dir(), torch_identity())
+    found = [(d, m) for d in sorted(tag_dir(s, tag).glob("*")) if d.is_dir() and (m := read_manifest(d))]
+    return sorted(found, key=lambda dm: -len(dm[1].get("devices", [])))
+
+
+def tool_path() -> str:
+    """PATH for the build: this environment's scripts (where pip puts ninja) first."""
+    return os.pathsep.join([sysconfig.get_path("scripts"), os.path.dirname(sys.executable),
+                            os.environ.get("PATH", "")])
+
+
+def compiler(s: NativeSettings) -> str | None:
+    import shutil  # shutil and subprocess are off the path of `zerofast --version` when a core is built
+
+    return shutil.which(s.cxx.split()[0], path=tool_path()) if s.cxx.split() else None
+
+
+def preflight(s: NativeSettings) -> None:
+    """Raise :class:`Unavailable` for what can be known without compiling anything."""
+    import shutil
+    import subprocess
+
+    if not sys.platform.startswith("linux"):
+        raise Unavailable(f"the native core is built on Linux only ({sys.platform} has no copy_file_range, and "
+                          "its default compiler no OpenMP)")
+    sources_dir()
+    cxx = compiler(s)
+    if cxx is None:
+        raise Unavailable(f"no C++ compiler: {s.cxx.split()[0] if s.cxx.split() else 'CXX'} is not on the PATH "
+                          "(install g++, or set CXX)")
+    try:
+        runs = subprocess.run([cxx, "--version"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        runs = False
+    if not runs:
+        raise Unavailable(f"the C++ compiler {cxx} does not run (`{cxx} --version` fails)")
+    if importlib.util.find_spec("setuptools") is None:  # torch's builder imports it
+        raise Unavailable("setuptools is not installed (pip install setuptools)")
+    if shutil.which("ninja", path=tool_path()) is None:
+        raise Unavailable("ninja is not installed (pip install ninja)")
+    if not Path(sysconfig.get_paths()["include"], "Python.h").is_file():
+        raise Unavailable(f"Python's headers are not installed (no Python.h in {sysconfig.get_paths()['include']}; "
+                          "install python3-dev)")
+
+
+def failure(core: Path, s: NativeSettings) -> str | None:
+    """The reason a build of ``core`` failed before with this same compiler, if it did."""
+    try:
+        record = json.loads(core.with_name(core.name + ".failed.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record.get("reason") if record.get("compiler") == compiler(s) else None
+
+
+def record_failure(core: Path, s: NativeSettings, reason: str) -> None:
+    marker = core.with_name(core.name + ".failed.json")
+    tmp = marker.with_name(marker.name + f".{os.getpid()}")
+    tmp.write_text(json.dumps({"reason": reason, "compiler": compiler(s)}))
+    tmp.replace(marker)
+
+
+def clear_failure(core: Path) -> None:
+    core.with_name(core.name + ".failed.json").unlink(missing_ok=True)

@@ -1,0 +1,35 @@
+"""``zerofast build`` and ``zerofast doctor``: the command line's doors to the native core."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_native_commands(sub) -> None:
+    b = sub.add_parser("build", help="build the native core for the installed torch now (else its first use does)",
+                       description="Compile the native core against the installed torch into the cache (see "
+                                   "`zerofast doctor`), showing each step, unless it is built already; an earlier "
+                                   "failed build is retried.")
+    b.add_argument("--force", action="store_true", help="rebuild it even if it is built")
+    b.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    b.set_defaults(run=_build)
+    d = sub.add_parser("doctor", help="--version, with the native core loaded (built if need be), the toolchain "
+                                      "and the GPUs")
+    d.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    d.set_defaults(run=_doctor)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from . import loader
+
+    loaded = loader.build(force=args.force)
+    print(f"native core for torch {loaded.manifest.get('torch')} ({', '.join(loaded.module.built_devices())}): "
+          f"{loaded.path}")
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .. import __version__
+    from .report import doctor_lines
+
+    print("\n".join(doctor_lines(__version__)))
+    return 0
