@@ -43,8 +43,8 @@ LAYOUTS = ("s2_bf16_w2_frozen_tied", "s3_bf16_w2_frozen_tied", "s1_bf16_w2_froze
 CASES = int(os.environ.get("ZEROFAST_DIFF_CASES", "300"))
 SEED = int(os.environ.get("ZEROFAST_DIFF_SEED", "0"))
 CORE = reader.native_core()
-needs_core = pytest.mark.skipif(CORE is None, reason="the extension is not built with the native reader "
-                                                     "(pip install --no-build-isolation -e .)")
+needs_core = pytest.mark.skipif(CORE is None, reason="no native core to test: it could not be built here "
+                                                     "(`zerofast doctor` says why) or ZEROFAST_NATIVE=0")
 
 
 def _rank_files(layout: str) -> list[Path]:
