@@ -18,7 +18,7 @@ from zerofast import ops
 from zerofast.errors import NativeExtensionError
 from zerofast.native import cache, loader
 from zerofast.native.cache import Unavailable
-from zerofast.native.settings import settings
+from zerofast.settings import settings
 from tests.helpers import assert_bitwise_equal, expected_value, real_root, real_truth
 from tests.test_cli import needs_deepspeed
 

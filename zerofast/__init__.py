@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .optimizer_states import optimizer_state
     from .reconstruct import reconstruct
     from .results import LazyStateDict, TensorMeta
+    from .checks import Diff, Report, diff, verify
     from .writers.reshard import reshard
     from .writers.universal import to_universal, universal_module_state
 
@@ -61,6 +62,10 @@ _LAZY = {
     "reshard": ".writers.reshard",
     "to_universal": ".writers.universal",
     "universal_module_state": ".writers.universal",
+    "verify": ".checks",
+    "diff": ".checks",
+    "Report": ".checks",
+    "Diff": ".checks",
 }
 
 
@@ -120,6 +125,10 @@ __all__ = [
     "reshard",
     "to_universal",
     "universal_module_state",
+    "verify",
+    "diff",
+    "Report",
+    "Diff",
     "ReshardError",
     "ExportResult",
     "ExportError",

@@ -1,5 +1,6 @@
 """The ``zerofast`` command: ``export`` a checkpoint to Hugging Face-layout files, ``inspect`` one,
-``reshard`` it for another world size or write it ``to-universal``.
+``reshard`` it for another world size or write it ``to-universal``, ``verify`` it (or an output
+against it) and ``diff`` two of them.
 
 Errors about the input or the output folder (every :class:`~zerofast.errors.ZeroFastError`) are
 reported as one line on stderr with exit code 1; ``--debug`` adds the traceback.
@@ -23,6 +24,7 @@ from .cli_args import Later, Version, dtype_arg, positive, size_arg
 from .errors import ZeroFastError, short_repr, some
 from .native.commands import add_native_commands
 from .output.progress import ProgressBar, is_tty
+from .checks.commands import add_verify_commands
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.set_defaults(run=_inspect)
+    add_verify_commands(sub, common)
     add_native_commands(sub)
     return parser
 

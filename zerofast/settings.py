@@ -1,7 +1,9 @@
 """Every setting that changes what zerofast does, read from the environment in one place.
 
-:func:`settings` returns a frozen :class:`Settings` read from the environment; nothing else in the package reads ``os.environ`` for its own behaviour (the distributed team
-reads torchrun's ``RANK``/``WORLD_SIZE``, which are the launcher's, not zerofast's). The native
+:func:`settings` returns a frozen :class:`Settings` read from the environment; nothing else in
+the package reads ``os.environ`` for its own behaviour (the distributed team reads torchrun's
+``RANK``/``WORLD_SIZE``, which are the launcher's, not zerofast's). Nothing here imports torch,
+so ``zerofast --version`` can read it. The native
 kernels never read the environment either: their knobs are op arguments, filled from here by
 :mod:`zerofast.ops`, so an op is a function of its arguments.
 
@@ -12,9 +14,16 @@ lists the same variables.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping
 
+from .errors import NativeExtensionError
+
+NATIVE_ENV = "ZEROFAST_NATIVE"
+CACHE_DIR_ENV = "ZEROFAST_CACHE_DIR"
+# ZEROFAST_NATIVE's values -> the mode they select.
+NATIVE_MODES = {"auto": "auto", "": "auto", "1": "required", "0": "off"}
 FOLLOW_SYMLINKS_ENV = "ZEROFAST_FOLLOW_SYMLINKS"
 READERS_ENV = "ZEROFAST_READERS"
 HUGEPAGES_ENV = "ZEROFAST_HUGEPAGES"
@@ -29,8 +38,19 @@ DEFAULT_DIST_TIMEOUT_S = 1800
 class Settings:
     """What the environment asked for. Each field names its variable and default."""
 
-    # ZEROFAST_NATIVE, ZEROFAST_CACHE_DIR and the native core's build variables are read by
-    # zerofast.native.settings, with the machinery they steer.
+    # ZEROFAST_NATIVE: "auto" (default) runs the native core, or the pure-torch reference with one
+    # warning where it cannot be built; "1" makes that an error; "0" always runs the reference.
+    # As written; ``mode`` checks it where the native core is loaded.
+    native: str = "auto"
+    # ZEROFAST_CACHE_DIR (else $XDG_CACHE_HOME/zerofast, else ~/.cache/zerofast): built native
+    # cores live in cache_dir / "native", one folder per torch, Python, sources and devices.
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "zerofast")
+    # CXX: the compiler torch's builder calls (it reads CXX itself; this is for the checks).
+    cxx: str = "c++"
+    # FORCE_CUDA=1: compile the CUDA kernels even where torch has no CUDA or nvcc is not found.
+    force_cuda: bool = False
+    # TORCH_CUDA_ARCH_LIST: the GPUs the CUDA kernels are built for (default: the visible ones).
+    cuda_arch_list: str | None = None
     # ZEROFAST_FOLLOW_SYMLINKS=1: follow links that lead out of the checkpoint folder (default:
     # refused, see zerofast.discover.check_inside). The public follow_symlinks= keyword wins.
     follow_symlinks: bool = False
@@ -45,6 +65,16 @@ class Settings:
     # 1800), as written; dist_timeout_s() checks it where it is used.
     dist_timeout: str = str(DEFAULT_DIST_TIMEOUT_S)
 
+    @property
+    def mode(self) -> str:
+        """The native core's mode, "auto", "required" or "off"; a NativeExtensionError for any
+        other ZEROFAST_NATIVE."""
+        raw = self.native.strip().lower()
+        if raw not in NATIVE_MODES:
+            raise NativeExtensionError(f"ZEROFAST_NATIVE={raw!r}: expected 1 (native core required), 0 (pure-torch "
+                                       "reference) or auto (native, else the reference with a warning)")
+        return NATIVE_MODES[raw]
+
     def dist_timeout_s(self) -> float:
         try:
             value = float(self.dist_timeout)
@@ -57,7 +87,14 @@ class Settings:
 
 def from_environment(env: Mapping[str, str]) -> Settings:
     """The settings ``env`` asks for; a value that is not understood keeps the default."""
+    cache = env.get(CACHE_DIR_ENV) or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "zerofast")
     return Settings(
+        native=env.get(NATIVE_ENV, "auto"),
+        cache_dir=Path(cache),
+        cxx=env.get("CXX") or "c++",
+        force_cuda=env.get("FORCE_CUDA", "0") == "1",
+        cuda_arch_list=env.get("TORCH_CUDA_ARCH_LIST") or None,
         follow_symlinks=env.get(FOLLOW_SYMLINKS_ENV) == "1",
         readers=_count(env.get(READERS_ENV)),
         hugepages=env.get(HUGEPAGES_ENV, "1") != "0",
@@ -73,7 +110,8 @@ def _count(value: str | None) -> int:
         return 0
 
 
-_VARIABLES = (FOLLOW_SYMLINKS_ENV, READERS_ENV, HUGEPAGES_ENV, COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV)
+_VARIABLES = (NATIVE_ENV, CACHE_DIR_ENV, "XDG_CACHE_HOME", "HOME", "CXX", "FORCE_CUDA", "TORCH_CUDA_ARCH_LIST",
+              FOLLOW_SYMLINKS_ENV, READERS_ENV, HUGEPAGES_ENV, COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV)
 _cache: tuple[tuple, Settings] | None = None
 
 

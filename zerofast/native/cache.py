@@ -19,7 +19,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from .settings import NativeSettings
+from ..settings import Settings
 
 EXTENSION_NAME = "zerofast_C"  # the module name the core is compiled and imported as
 MANIFEST = "manifest.json"  # written last, so its presence means the core is complete
@@ -92,7 +92,7 @@ def device_tag(devices: tuple[str, ...], arch_list: str | None) -> str:
     return tag
 
 
-def tag_dir(s: NativeSettings, tag: str) -> Path:
+def tag_dir(s: Settings, tag: str) -> Path:
     return s.cache_dir / "native" / tag
 
 
@@ -107,7 +107,7 @@ def library(core: Path) -> Path:
     return core / f"{EXTENSION_NAME}.so"  # the name torch's builder gives it on Linux
 
 
-def built_cores(s: NativeSettings) -> list[tuple[Path, dict]]:
+def built_cores(s: Settings) -> list[tuple[Path, dict]]:
     """The complete cores in the cache for this torch, Python and sources, most devices first."""
     tag = core_tag(sources_dir(), torch_identity())
     found = [(d, m) for d in sorted(tag_dir(s, tag).glob("*")) if d.is_dir() and (m := read_manifest(d))]
@@ -120,13 +120,13 @@ def tool_path() -> str:
                             os.environ.get("PATH", "")])
 
 
-def compiler(s: NativeSettings) -> str | None:
+def compiler(s: Settings) -> str | None:
     import shutil  # shutil and subprocess are off the path of `zerofast --version` when a core is built
 
     return shutil.which(s.cxx.split()[0], path=tool_path()) if s.cxx.split() else None
 
 
-def preflight(s: NativeSettings) -> None:
+def preflight(s: Settings) -> None:
     """Raise :class:`Unavailable` for what can be known without compiling anything."""
     import shutil
     import subprocess
@@ -154,7 +154,7 @@ def preflight(s: NativeSettings) -> None:
                           "install python3-dev)")
 
 
-def failure(core: Path, s: NativeSettings) -> str | None:
+def failure(core: Path, s: Settings) -> str | None:
     """The reason a build of ``core`` failed before with this same compiler, if it did."""
     try:
         record = json.loads(core.with_name(core.name + ".failed.json").read_text())
@@ -163,7 +163,7 @@ def failure(core: Path, s: NativeSettings) -> str | None:
     return record.get("reason") if record.get("compiler") == compiler(s) else None
 
 
-def record_failure(core: Path, s: NativeSettings, reason: str) -> None:
+def record_failure(core: Path, s: Settings, reason: str) -> None:
     marker = core.with_name(core.name + ".failed.json")
     tmp = marker.with_name(marker.name + f".{os.getpid()}")
     tmp.write_text(json.dumps({"reason": reason, "compiler": compiler(s)}))

@@ -23,7 +23,7 @@ from typing import Iterator, NamedTuple
 from ..errors import NativeExtensionError, first_line
 from . import cache
 from .cache import Unavailable
-from .settings import NativeSettings, settings
+from ..settings import Settings, settings
 
 # Measured with benchmarks/startup.py (fresh processes, median of 5; see the README): an export
 # 3.4x slower on the reference, an eager reconstruct about as fast (0.7x) on 2 cores.
@@ -89,7 +89,7 @@ def build(force: bool = False) -> Loaded:
     return _state
 
 
-def find_or_build(s: NativeSettings, progress: bool, force: bool = False, retry: bool = False) -> Loaded:
+def find_or_build(s: Settings, progress: bool, force: bool = False, retry: bool = False) -> Loaded:
     tag_dir = cache.tag_dir(s, cache.core_tag(cache.sources_dir(), cache.torch_identity()))
     wanted = wanted_devices(s)
     candidates = [wanted] if wanted[0] == ("cpu",) else [wanted, (("cpu",), None)]
@@ -105,7 +105,7 @@ def find_or_build(s: NativeSettings, progress: bool, force: bool = False, retry:
     raise AssertionError("unreachable: the CPU-only candidate comes last")
 
 
-def _find_or_build_one(core: Path, devices: tuple[str, ...], archs: str | None, s: NativeSettings,
+def _find_or_build_one(core: Path, devices: tuple[str, ...], archs: str | None, s: Settings,
                        progress: bool, force: bool, retry: bool) -> Loaded:
     if not force and cache.read_manifest(core):
         return import_core(core)
@@ -119,7 +119,7 @@ def _find_or_build_one(core: Path, devices: tuple[str, ...], archs: str | None, 
     return import_core(core)
 
 
-def wanted_devices(s: NativeSettings) -> tuple[tuple[str, ...], str | None]:
+def wanted_devices(s: Settings) -> tuple[tuple[str, ...], str | None]:
     """The device kernels to compile, and the CUDA archs: CUDA only where torch has it and nvcc is
     found (or FORCE_CUDA=1), so a CPU-only torch never starts a CUDA build, nvcc or not."""
     import torch
@@ -134,7 +134,7 @@ def wanted_devices(s: NativeSettings) -> tuple[tuple[str, ...], str | None]:
     return ("cpu", "cuda"), cuda_archs(s)
 
 
-def cuda_archs(s: NativeSettings) -> str:
+def cuda_archs(s: Settings) -> str:
     """TORCH_CUDA_ARCH_LIST, else the visible GPUs' compute capabilities, else a default list (torch's
     builder alone raises an IndexError on a machine with nvcc and no GPU)."""
     if s.cuda_arch_list:
@@ -187,7 +187,7 @@ def _locked(core: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _run_build(core: Path, devices: tuple[str, ...], archs: str | None, s: NativeSettings, progress: bool) -> None:
+def _run_build(core: Path, devices: tuple[str, ...], archs: str | None, s: Settings, progress: bool) -> None:
     import torch
 
     for stale in core.parent.glob(f".{core.name}.*-*"):  # left by a killed build; we hold the lock

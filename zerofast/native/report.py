@@ -9,7 +9,7 @@ import sys
 from ..errors import NativeExtensionError
 from . import cache
 from .cache import Unavailable
-from .settings import settings
+from ..settings import settings
 
 
 def version_lines(zerofast_version: str) -> list[str]:
@@ -85,7 +85,7 @@ def doctor_lines(zerofast_version: str) -> list[str]:
         lines.append(f"native core: not available ({unavailable_reason()}); the ops run on the pure-torch reference")
     devices, archs = wanted_devices(s)
     lines += [f"threads: {torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op",
-              f"mode: ZEROFAST_NATIVE={os.environ.get('ZEROFAST_NATIVE', '')!r} -> {s.mode}",
+              f"mode: ZEROFAST_NATIVE={s.native!r} -> {s.mode}",
               f"cache: {s.cache_dir / 'native'}",
               f"compiler: {_tool_version(cache.compiler(s))}",
               f"ninja: {_tool_version(shutil.which('ninja', path=cache.tool_path()))}",

@@ -1,0 +1,227 @@
+"""Tensors read in bounded chunks, from a checkpoint's plan or from an export's files.
+
+Every check streams: a tensor is read ``CHUNK`` elements at a time (a checkpoint's through the
+native batch reader, ``pread`` of the rank files with the cast fused; an export's by ``pread`` of
+its safetensors data), so memory holds a few chunks whatever the model size. Both kinds cut a
+tensor at the same element offsets, so two sources can be walked in lockstep and compared chunk
+by chunk without holding either tensor.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
+
+import numpy as np
+import torch
+
+from ..execute import Executor
+from ..plan.model import TensorPlan
+
+CHUNK = 1 << 22  # elements per chunk: 16 MiB of fp32
+# At most this much output per native call. Two calls are in flight per source and two sources
+# are compared at a time, and the allocator keeps some freed chunks: at 16 MiB a 500M-parameter
+# verify stays near 200 MiB above the interpreter (``benchmarks/verify_bench.py``).
+BATCH_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What a tensor is, known without reading it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str  # "trainable", "frozen", "buffer", "optimizer_state", or "stored" for an export's tensor
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+Chunk = tuple[str, int, torch.Tensor]  # (tensor name, first element, the 1-D chunk)
+T = TypeVar("T")
+
+
+class TensorSource(Protocol):
+    """Anything whose tensors the checks read: ``order`` lists the stored names (no aliases)."""
+
+    order: tuple[str, ...]
+    aliases: dict[str, str]
+
+    def meta(self, name: str) -> Meta: ...
+
+    def chunks(self, names: Sequence[str]) -> Iterator[Chunk]: ...
+
+
+def cuts(numel: int) -> list[tuple[int, int]]:
+    """The element ranges a tensor is read in; a zero-element tensor is one empty chunk."""
+    return [(lo, min(lo + CHUNK, numel)) for lo in range(0, numel, CHUNK)] or [(0, 0)]
+
+
+class PlanSource:
+    """Tensors of a plan (a checkpoint's weights, optimizer states or stored model-dtype
+    weights), read through ``executor``'s batch reader."""
+
+    def __init__(self, plans: dict[str, TensorPlan], executor: Executor, aliases: dict[str, str] | None = None,
+                 order: Iterable[str] | None = None):
+        self.plans = plans
+        self.executor = executor
+        self.aliases = dict(aliases or {})
+        self.order = tuple(order if order is not None else plans)
+
+    def meta(self, name: str) -> Meta:
+        tp = self.plans[name]
+        return Meta(name, tuple(tp.shape), tp.out_dtype, tp.kind)
+
+    def chunks(self, names: Sequence[str]) -> Iterator[Chunk]:
+        return ahead(self._run, self._batches(names))
+
+    def _batches(self, names: Sequence[str]) -> Iterator[list[tuple[str, int, TensorPlan]]]:
+        batch: list[tuple[str, int, TensorPlan]] = []
+        size = 0
+        for name in names:
+            tp = self.plans[name]
+            for lo, hi in cuts(tp.numel):
+                piece = tp if (lo, hi) == (0, tp.numel) else tp.slice(lo, hi)
+                batch.append((name, lo, piece))
+                size += (hi - lo) * tp.out_dtype.itemsize
+                if size >= BATCH_BYTES:
+                    yield batch
+                    batch, size = [], 0
+        if batch:
+            yield batch
+
+    def _run(self, batch: list[tuple[str, int, TensorPlan]]) -> list[Chunk]:
+        todo = [tp for _, _, tp in batch if tp.numel and tp.segments]
+        made = iter(self.executor.run_all(todo)) if todo else iter(())
+        out = []
+        for name, lo, tp in batch:
+            if tp.numel and tp.segments:
+                out.append((name, lo, next(made).reshape(-1)))
+            else:  # nothing stored for it (zero elements): zeros, as the executor would leave them
+                out.append((name, lo, torch.zeros(tp.numel, dtype=tp.out_dtype)))
+        return out
+
+
+def ahead(read: Callable[[T], list[Chunk]], batches: Iterable[T]) -> Iterator[Chunk]:
+    """``read`` of each batch, the next one read on a thread while the caller checks this one: the
+    native reader and torch's reductions release the GIL, so reading and checking overlap. At most
+    two batches are in memory."""
+    with ThreadPoolExecutor(1, thread_name_prefix="zerofast-verify") as pool:
+        pending = None
+        for batch in batches:
+            nxt = pool.submit(read, batch)
+            if pending is not None:
+                yield from pending.result()
+            pending = nxt
+        if pending is not None:
+            yield from pending.result()
+
+
+def paired(a: TensorSource, b: TensorSource, pairs: Sequence[tuple[str, str]]) -> Iterator[
+        tuple[str, str, int, torch.Tensor, torch.Tensor]]:
+    """Tensors of two sources (``(name in a, name in b)``, equal shapes), chunk by chunk in lockstep."""
+    chunks_b = b.chunks([nb for _, nb in pairs])
+    for na, lo, ca in a.chunks([na for na, _ in pairs]):
+        nb, lob, cb = next(chunks_b)
+        assert lo == lob and ca.numel() == cb.numel(), (na, nb, lo, lob)  # both cut at the same offsets
+        yield na, nb, lo, ca, cb
+
+
+def compare(a: TensorSource, b: TensorSource, pairs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], "Difference"]:
+    """How each pair's values differ (a :class:`Difference` per pair, zero counts when equal)."""
+    out = {pair: Difference() for pair in pairs}
+    for na, nb, _, ca, cb in paired(a, b, pairs):
+        out[(na, nb)].add(ca, cb)
+    return out
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous tensor as a numpy array (no copy). The checks reduce and compare
+    with numpy: on this project's 2-core machine its single-pass reductions over a 1-D chunk were
+    several times faster than torch's; numpy has no bfloat16, so it is handed bytes."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    x, y = _raw(a.contiguous()), _raw(b.contiguous())
+    if x.nbytes % 8 == 0:  # eight bytes per comparison
+        x, y = x.view(np.int64), y.view(np.int64)
+    return bool(np.array_equal(x, y))
+
+
+@dataclass
+class Difference:
+    """Running comparison of two tensors' values, chunk by chunk."""
+
+    changed: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    differs: bool = False  # any bit differs (a signed zero or a NaN payload counts, though not in ``changed``)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        if same_bits(a, b):
+            return
+        self.differs = True
+        if a.dtype == torch.bool or b.dtype == torch.bool:
+            a, b = a.to(torch.int64), b.to(torch.int64)
+        x, y = a.to(torch.float64), b.to(torch.float64)
+        same = (x == y) | (x.isnan() & y.isnan())
+        self.changed += int(same.numel() - same.sum())
+        gap = (x - y).abs().masked_fill(same, 0)
+        if gap.numel():
+            self.max_abs = max(self.max_abs, float(gap.max()))
+            rel = gap / x.abs().clamp_min(torch.finfo(torch.float64).tiny)
+            self.max_rel = max(self.max_rel, float(rel.max()))
+
+
+# 16-bit floats: the bits of |x| are at least these exactly when x is an infinity or a NaN.
+_SPECIAL_16 = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
+_LOCAL = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A reused uint16 buffer of ``n`` elements (per thread): one chunk's worth, not one per chunk."""
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _LOCAL.buf = np.empty(max(n, CHUNK), dtype=np.uint16)
+    return buf[:n]
+
+
+def extremes(t: torch.Tensor) -> tuple[bool, bool]:
+    """(all elements finite, all elements zero) of a 1-D chunk, in one pass over it: float32's
+    min and max propagate NaN and show an infinity; a 16-bit float's largest magnitude bits
+    (sign dropped) reach the all-ones exponent exactly for an infinity or a NaN."""
+    if t.numel() == 0:
+        return True, True
+    if t.dtype in _SPECIAL_16:
+        raw = _raw(t).view(np.uint16)
+        high = int(np.bitwise_and(raw, 0x7FFF, out=_scratch(raw.size)).max())
+        return high < _SPECIAL_16[t.dtype], high == 0
+    if t.dtype in (torch.float32, torch.float64):
+        values = t.numpy()
+        low, high = float(values.min()), float(values.max())
+        return math.isfinite(low) and math.isfinite(high), low == 0 and high == 0
+    if t.is_floating_point():  # other float formats: torch's own reduction
+        low, high = (float(v) for v in torch.aminmax(t))
+        return math.isfinite(low) and math.isfinite(high), low == 0 and high == 0
+    return True, not bool(t.any())
+
+
+def nonfinite(t: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, infinity count) of a chunk."""
+    return int(t.isnan().sum()), int(t.isinf().sum())
