@@ -189,13 +189,44 @@ def ds_to_universal(ckpt, out):
     return seconds, _dir_bytes(out)
 
 
+def zf_to_dcp(ckpt, out):
+    """A ZeRO save written as a PyTorch DCP folder: fp32 weights and Adam's moments and steps."""
+    import torch.distributed.checkpoint  # noqa: F401 -- imports are not timed (torch's DCP takes seconds)
+
+    import zerofast
+
+    zerofast.to_dcp  # noqa: B018
+    t0 = time.perf_counter()
+    zerofast.to_dcp(ckpt, out / "dcp")
+    return time.perf_counter() - t0, _dir_bytes(out)
+
+
+def zf_export_dcp(ckpt, out):
+    """A DCP folder (``ckpt``) exported as safetensors, kept in its dtype as torch's converter does."""
+    import zerofast
+
+    zerofast.export  # noqa: B018
+    t0 = time.perf_counter()
+    zerofast.export(ckpt, out, dtype=None, max_shard_size="1GB")
+    return time.perf_counter() - t0, _dir_bytes(out)
+
+
+def torch_dcp_to_torch_save(ckpt, out):
+    """torch's own converter of a DCP folder: the whole state dict in memory, then one torch.save."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    t0 = time.perf_counter()
+    dcp_to_torch_save(ckpt, out / "model.pt")
+    return time.perf_counter() - t0, _dir_bytes(out)
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 CASES = {f.__name__: f for f in (zf_eager, zf_prepare, zf_lazy, ds_eager, zf_export, zf_export_bf16,
-                                  zf_export_2workers, ds_export, floor, disk_write, zf_reshard, copy_files, zf_to_universal,
-                                  ds_to_universal)}
+                                  zf_export_2workers, ds_export, floor, disk_write, zf_reshard, copy_files,
+                                  zf_to_universal, ds_to_universal, zf_to_dcp, zf_export_dcp, torch_dcp_to_torch_save)}
 
 
 def main() -> None:

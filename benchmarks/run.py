@@ -21,11 +21,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from benchmarks.dcp_workload import ensure_dcp_workload  # noqa: E402
 from benchmarks.generate import REAL, ensure  # noqa: E402
 
 EAGER = ["floor", "zf_prepare", "zf_eager", "ds_eager", "zf_lazy"]
 EXPORT = ["zf_export", "ds_export", "zf_export_bf16", "zf_export_2workers", "disk_write"]
 RESUME = ["copy_files", "zf_reshard", "zf_to_universal", "ds_to_universal"]
+# With --dcp: to-dcp against copying the save's files, and a DCP folder's export against torch's.
+TO_DCP = ["copy_files", "zf_to_dcp"]
+FROM_DCP = ["zf_export_dcp", "torch_dcp_to_torch_save"]
 # With --baseline: the same zerofast cases run on another checkout, in the same rounds.
 BASELINE = {"base_eager": "zf_eager", "base_export": "zf_export"}
 
@@ -42,7 +46,7 @@ def drop_caches() -> bool:
 
 def warm(ckpt: Path) -> None:
     # Every file read once, as right after the training run that wrote them.
-    for p in ckpt.rglob("*.pt"):
+    for p in [*ckpt.rglob("*.pt"), *ckpt.rglob("*.distcp")]:
         with open(p, "rb") as f:
             while f.read(1 << 24):
                 pass
@@ -132,6 +136,9 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true",
                     help="also measure reshard (against copying the files) and to-universal (against DeepSpeed's "
                          "ds_to_universal)")
+    ap.add_argument("--dcp", action="store_true",
+                    help="only the DCP cases: to-dcp of zero3 against copy_files, and the export of a 4-rank DCP "
+                         "folder of --params against dcp_to_torch_save")
     ap.add_argument("--workloads", default="zero3,zero2_frozen,many_small,ds_zero2_20k",
                     help="comma-separated workloads to run (default: all)")
     ap.add_argument("--baseline", type=Path, help="another zerofast checkout (built) to time in the same rounds")
@@ -150,6 +157,8 @@ def main() -> None:
         print("cannot drop the page cache (needs root): cold runs skipped")
         modes = [False]
     results, notes = {}, []
+    if args.dcp:
+        return _dcp_main(args, modes)
     with tempfile.TemporaryDirectory(dir=args.data.parent if args.data.parent.exists() else None) as scratch:
         for workload in args.workloads.split(","):
             size = 50_000_000 if workload == "many_small" else int(args.params)
@@ -169,6 +178,33 @@ def main() -> None:
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(table(results))
+    print(f"wrote {out}")
+
+
+def _dcp_main(args, modes) -> None:
+    results = {}
+    with tempfile.TemporaryDirectory(dir=args.data.parent if args.data.parent.exists() else None) as scratch:
+        runs = [("zero3", ensure(args.data, "zero3", int(args.params), args.world_size), TO_DCP),
+                ("dcp_w4", ensure_dcp_workload(args.data, int(args.params)), FROM_DCP)]
+        for workload, ckpt, cases in runs:
+            for cold in modes:
+                print(f"{workload} ({'cold' if cold else 'warm'} cache)", flush=True)
+                results[(workload, "cold" if cold else "warm")] = summarize(
+                    run_rounds(cases, ckpt, Path(scratch), args.rounds, cold))
+    report = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+              "params": args.params, "world_size": args.world_size, "rounds": args.rounds,
+              "results": {f"{w}/{c}": v for (w, c), v in results.items()}}
+    out = HERE / "results" / time.strftime("dcp-%Y%m%d-%H%M%S.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    lines = [table(results), "", "| workload | cache | case | s | peak RSS MiB | ratio |", "|---|---|---|---|---|---|"]
+    for (workload, cache), m in results.items():
+        for case, rival in (("zf_to_dcp", "copy_files"), ("zf_export_dcp", "torch_dcp_to_torch_save")):
+            if case in m and rival in m:
+                lines.append(f"| {workload} | {cache} | {case} vs {rival} | {m[case]['seconds']:.2f} vs "
+                             f"{m[rival]['seconds']:.2f} | {m[case]['peak_rss'] / 2**20:.0f} vs "
+                             f"{m[rival]['peak_rss'] / 2**20:.0f} | {m[case]['seconds'] / m[rival]['seconds']:.2f}x |")
+    print("\n".join(lines))
     print(f"wrote {out}")
 
 

@@ -242,11 +242,13 @@ def test_folder_of_other_files_is_not_a_checkpoint(tmp_path):
 def test_a_file_is_not_a_checkpoint_folder(ckpt):
     root, tag_dir = ckpt(S2)
     _raises(zerofast.CheckpointNotFoundError, tag_dir / MODEL,
-            r"^expected a DeepSpeed checkpoint folder, found a file$", tag_dir / MODEL)
+            r"^expected a DeepSpeed checkpoint folder, found a file; pass the folder that holds it, .*global_step\d+$",
+            tag_dir / MODEL)
 
 
 @pytest.mark.parametrize("content, expected", [
-    (b"global_step99\n", r"^tag 'global_step99' has no folder 'global_step99' here$"),
+    (b"global_step99\n", r"^'latest' names tag 'global_step99', which has no folder here; the tags here: "
+                         r"\['global_step\d+'\]$"),
     (b"  \n", r"^expected a tag name in 'latest', found an empty file$"),
     (b"\xff\xfe\x00global", r"^expected a tag name in 'latest', found binary data b'\\xff\\xfe\\x00global'$"),
     (b"../elsewhere\n", r"^expected a tag name in 'latest' \(a folder under .*\), found '../elsewhere'$"),

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .checks import Diff, Report, diff, verify
     from .writers.reshard import reshard
     from .writers.universal import to_universal, universal_module_state
+    from .writers.dcp import to_dcp
 
 # public name -> the module that defines it
 _LAZY = {
@@ -62,6 +63,7 @@ _LAZY = {
     "reshard": ".writers.reshard",
     "to_universal": ".writers.universal",
     "universal_module_state": ".writers.universal",
+    "to_dcp": ".writers.dcp",
     "verify": ".checks",
     "diff": ".checks",
     "Report": ".checks",
@@ -125,6 +127,7 @@ __all__ = [
     "reshard",
     "to_universal",
     "universal_module_state",
+    "to_dcp",
     "verify",
     "diff",
     "Report",

@@ -21,6 +21,7 @@ from collections import Counter
 from typing import Sequence
 
 from .cli_args import Later, Version, dtype_arg, positive, size_arg
+from .cli_dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines
 from .errors import ZeroFastError, short_repr, some
 from .native.commands import add_native_commands
 from .output.progress import ProgressBar, is_tty
@@ -114,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.set_defaults(run=_export)
     _add_zero_to_fp32(sub)
     _add_resume(sub, common)
+    add_to_dcp(sub, common)
 
     ins = sub.add_parser("inspect", parents=[common], help="describe a checkpoint without converting it")
     ins.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
@@ -320,6 +322,9 @@ def describe(ckpt_dir, tag: str | None = None) -> dict:
         row["dtypes"] = sorted(row["dtypes"])
     output = {label: sum(tp.numel * out_dtype_for(tp.stored_dtype, d).itemsize for tp in plan.tensors.values())
               for label, d in dtypes.CLI_NAMES.items()}
+    own = ckpt.layout.report(ckpt, plan)  # a save that is not DeepSpeed's says what it is itself
+    if own is not None:
+        return {**own, "tensors": tensors, "output_bytes": output}
     return {
         "checkpoint": str(ckpt.files.root), "tag": ckpt.files.tag, "stage": plan.stage,
         "layout": ckpt.layout.name, "universal": ckpt.layout.name == "universal",
@@ -400,7 +405,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def format_report(r: dict) -> str:
-    lines = [
+    lines = dcp_header_lines(r) if r.get("format") == DCP_FORMAT else [
         f"checkpoint    {r['checkpoint']}",
         f"tag           {r['tag']}" + (f"  (global step {r['global_steps']})" if r["global_steps"] is not None else ""),
         f"stage         ZeRO-{r['stage']}" + ("  (universal checkpoint, from ds_to_universal)" if r.get("universal") else ""),

@@ -35,6 +35,7 @@ _MODEL_PARALLEL_RANK = re.compile(r"mp_rank_(\d+)_")
 LATEST_FILES = ("latest", "latest_universal")  # the second is what ds_to_universal writes
 # Remote locations people paste for a folder; pathlib would fold "s3://b/c" into the local "s3:/b/c".
 _REMOTE = re.compile(r"^(s3|s3a|gs|gcs|hf|az|abfss?|https?)://?", re.IGNORECASE)
+DCP_METADATA = ".metadata"  # the file that makes a folder a torch.distributed.checkpoint (zerofast.layouts.dcp)
 
 
 def optim_file_name(rank: int, bf16: bool) -> str:
@@ -175,7 +176,8 @@ def plain_files(found: Found) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
 
 
 def _holds_model_states(folder: Path) -> bool:
-    return any(name.endswith("_model_states.pt") for name in os.listdir(folder))
+    """A save's own folder: DeepSpeed's model states, or a PyTorch DCP ``.metadata``."""
+    return any(name.endswith("_model_states.pt") or name == DCP_METADATA for name in os.listdir(folder))
 
 
 def _tag_folders(root: Path) -> list[str]:

@@ -85,6 +85,8 @@ def verify_checkpoint(path: str | os.PathLike, *, tag: str | None = None, strict
 def _rank_metadata(ckpt: LoadedCheckpoint, report: Report) -> None:
     """Per-rank model-states files (ZeRO-3) repeat rank 0's metadata; a file from another save
     shows here first."""
+    if not ckpt.model_states:  # a save that is not DeepSpeed's (a PyTorch DCP folder) has none
+        return
     first = ckpt.model_states[0]
     # Only ZeRO-3's per-rank files repeat one param_shapes; pipeline stages and tp ranks hold their own.
     per_rank = all(m.path.name.startswith("zero_pp_rank_") and "_mp_rank_00_" in m.path.name for m in ckpt.model_states)

@@ -8,7 +8,8 @@ here plus its line in :data:`LAYOUTS`; nothing else in the package branches on t
 - :mod:`.universal`: ds_to_universal folders;
 - :mod:`.moe`: mixture-of-experts saves with their expert files;
 - :mod:`.pipeline`: pipeline-parallel saves with their layer files;
-- :mod:`.autotp`: AutoTP tensor-parallel saves.
+- :mod:`.autotp`: AutoTP tensor-parallel saves;
+- :mod:`.dcp`: PyTorch Distributed Checkpoint folders (FSDP2, torchtitan), not DeepSpeed's.
 """
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ import os
 from ..discover import CheckpointFiles, Found, check_inside, locate
 from ..errors import UnsupportedCheckpointError
 from ..load import LoadedCheckpoint
-from . import autotp, moe, pipeline, universal, zero
+from . import autotp, dcp, moe, pipeline, universal, zero
 from .base import Layout
 
 # Every layout, in the order their claims are asked; FALLBACK reads what none claims.
-LAYOUTS: tuple[Layout, ...] = (universal.LAYOUT, moe.LAYOUT, pipeline.LAYOUT, autotp.LAYOUT)
+LAYOUTS: tuple[Layout, ...] = (dcp.LAYOUT, universal.LAYOUT, moe.LAYOUT, pipeline.LAYOUT, autotp.LAYOUT)
 FALLBACK: Layout = zero.LAYOUT
 
 

@@ -79,6 +79,10 @@ class Layout:
     def scalar_states(self, ckpt: LoadedCheckpoint) -> dict:
         return optimizer.flat_scalar_states(ckpt)
 
+    def report(self, ckpt: LoadedCheckpoint, plan: Plan) -> dict | None:
+        """``inspect``'s header of a save that is not DeepSpeed's (its own fields); None: the ZeRO one."""
+        return None
+
     def __repr__(self) -> str:
         return f"<zerofast layout {self.name!r}>"
 

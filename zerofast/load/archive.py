@@ -57,12 +57,17 @@ class ArchiveIndex:
         return entry.data_offset
 
 
-def index_archive(path: Path) -> ArchiveIndex:
-    """Read and check the zip directory of ``path`` and the pickle it holds."""
+def index_archive(path: Path, start: int = 0, length: int | None = None) -> ArchiveIndex:
+    """Read and check the zip directory of ``path`` and the pickle it holds. With ``start`` and
+    ``length``, the archive is the bytes ``[start, start + length)`` of the file (a DCP ``.distcp``
+    file holds one ``torch.save`` archive per item back to back); offsets stay the file's."""
     size = _regular_file_size(path)
+    end = size if length is None else start + length
     try:
+        if not 0 <= start <= end <= size:
+            raise _BadZip(f"the archive's bytes [{start}, {end}) are not inside the file ({size} bytes)")
         with open(path, "rb") as f:
-            entries = _entries(path, f, _central_directory(f, size), size)
+            entries = _entries(path, f, _central_directory(f, start, end), start, end)
             prefix = next(iter(entries.values())).name.split("/", 1)[0]
             pkl = _find(path, entries, f"{prefix}/data.pkl")
             if pkl.compressed:
@@ -88,11 +93,12 @@ _CENTRAL = struct.Struct("<4s4H2H3L5H2L")  # one directory entry's fixed part (4
 _MAX_COMMENT = 0xFFFF
 
 
-def _central_directory(f, file_size: int) -> list[tuple[str, int, int, int, bool]]:
+def _central_directory(f, start: int, file_size: int) -> list[tuple[str, int, int, int, bool]]:
     """The zip's central directory, read in one go: ``(name, local header offset, stored size,
     size, compressed)`` per entry. (zipfile parses it entry by entry in Python, which is most of
-    the metadata time of a checkpoint with 50k tensors.)"""
-    tail_size = min(file_size, _EOCD.size + _MAX_COMMENT)
+    the metadata time of a checkpoint with 50k tensors.) Offsets come back relative to ``start``,
+    where the archive begins; ``file_size`` is where it ends."""
+    tail_size = min(file_size - start, _EOCD.size + _MAX_COMMENT)
     tail = os.pread(f.fileno(), tail_size, file_size - tail_size)
     at = tail.rfind(b"PK\x05\x06")
     if at < 0 or at + _EOCD.size > len(tail):
@@ -101,12 +107,13 @@ def _central_directory(f, file_size: int) -> list[tuple[str, int, int, int, bool
     _, _, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
     end = eocd_pos
     # torch.save always writes the zip64 records; a saturated field needs them.
-    if _has_zip64_locator(f, eocd_pos) or count == 0xFFFF or 0xFFFFFFFF in (cd_size, cd_offset):
-        count, cd_size, cd_offset, end = _zip64_end(f, eocd_pos)
+    if _has_zip64_locator(f, start, eocd_pos) or count == 0xFFFF or 0xFFFFFFFF in (cd_size, cd_offset):
+        count, cd_size, cd_offset, end = _zip64_end(f, start, eocd_pos)
+    end -= start
     if cd_offset + cd_size != end:
         raise _BadZip(f"the central directory ({cd_size} bytes at {cd_offset}) does not end where its end record "
                       f"starts ({end})")
-    directory = os.pread(f.fileno(), cd_size, cd_offset)
+    directory = os.pread(f.fileno(), cd_size, start + cd_offset)
     if len(directory) != cd_size:
         raise EOFError("the central directory is cut short")
     out, pos = [], 0
@@ -127,17 +134,18 @@ def _central_directory(f, file_size: int) -> list[tuple[str, int, int, int, bool
     return out
 
 
-def _has_zip64_locator(f, eocd_pos: int) -> bool:
+def _has_zip64_locator(f, start: int, eocd_pos: int) -> bool:
     at = eocd_pos - _ZIP64_LOCATOR.size
-    return at >= 0 and os.pread(f.fileno(), 4, at) == b"PK\x06\x07"
+    return at >= start and os.pread(f.fileno(), 4, at) == b"PK\x06\x07"
 
 
-def _zip64_end(f, eocd_pos: int) -> tuple[int, int, int, int]:
+def _zip64_end(f, start: int, eocd_pos: int) -> tuple[int, int, int, int]:
     at = eocd_pos - _ZIP64_LOCATOR.size
-    locator = os.pread(f.fileno(), _ZIP64_LOCATOR.size, at) if at >= 0 else b""
+    locator = os.pread(f.fileno(), _ZIP64_LOCATOR.size, at) if at >= start else b""
     if len(locator) != _ZIP64_LOCATOR.size or locator[:4] != b"PK\x06\x07":
         raise _BadZip("the end record asks for zip64 but there is no zip64 locator")
     _, _, record_at, _ = _ZIP64_LOCATOR.unpack(locator)
+    record_at += start
     record = os.pread(f.fileno(), _ZIP64_EOCD.size, record_at)
     if len(record) != _ZIP64_EOCD.size or record[:4] != b"PK\x06\x06" or record_at + _ZIP64_EOCD.size > at:
         raise _BadZip("expected a zip64 end of central directory record where the locator points")
@@ -175,7 +183,7 @@ def _regular_file_size(path: Path) -> int:
     return st.st_size
 
 
-def _entries(path: Path, f, directory: list[tuple[str, int, int, int, bool]],
+def _entries(path: Path, f, directory: list[tuple[str, int, int, int, bool]], start: int,
              file_size: int) -> dict[str, _Entry]:
     """Entries by lower-cased name, each checked to lie inside the file."""
     if not directory or "/" not in directory[0][0]:
@@ -186,6 +194,7 @@ def _entries(path: Path, f, directory: list[tuple[str, int, int, int, bool]],
     # without a system call each.
     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
         for name, header_offset, stored_size, size, compressed in directory:
+            header_offset += start
             key = name.lower()
             if key in entries:
                 raise CorruptCheckpointError(f"expected unique zip entry names, found {name!r} twice", path)

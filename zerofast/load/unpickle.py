@@ -182,7 +182,7 @@ ALLOWED: dict[str, Any] = {
 }
 
 
-def resolve_global(module: str, name: str) -> Any:
+def resolve_global(module: str, name: str, allowed: dict[str, Any] = ALLOWED) -> Any:
     """The allowlisted object a pickle's global ``module.name`` stands for, or :class:`Refused`.
     Shared by this reader and the native one (``reader.py``)."""
     # Protocol-2 pickles spell Python 3 names the Python 2 way (``__builtin__.eval``);
@@ -192,36 +192,30 @@ def resolve_global(module: str, name: str) -> Any:
     elif module in _compat_pickle.IMPORT_MAPPING:
         module = _compat_pickle.IMPORT_MAPPING[module]
     full = f"{module}.{name}"
-    if full not in ALLOWED:
+    if full not in allowed:
         raise Refused(full)
-    return ALLOWED[full]
+    return allowed[full]
 
 
-def tensor_byte_limit(index: ArchiveIndex) -> int:
-    """The bytes all of one file's tensors may hold together. Tied weights make two names for
-    one tensor; the limit leaves room for that and more."""
-    return 4 * index.file_size + (1 << 20)
-
-
-def map_file(path: Path, index: ArchiveIndex) -> torch.UntypedStorage:
-    """One private mapping of the whole file, remembered for :func:`file_location`."""
-    mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=index.file_size) \
-        if index.file_size else torch.UntypedStorage(0)
-    _remember_mapping(path, mapping)
-    return mapping
+def tensor_byte_limit(index: ArchiveIndex, span: int | None = None) -> int:
+    """The bytes all of one archive's tensors may hold together (``span``: the archive's length
+    inside a larger file). Tied weights make two names for one tensor; the limit leaves room for
+    that and more."""
+    return 4 * (index.file_size if span is None else span) + (1 << 20)
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, load_storage: Callable[[object], _StorageRef]):
+    def __init__(self, data: bytes, load_storage: Callable[[object], _StorageRef], allowed: dict[str, Any] = ALLOWED):
         self._stream = io.BytesIO(data)
         super().__init__(self._stream)
         self._load_storage = load_storage
+        self._allowed = allowed
 
     def consumed(self) -> int:
         return self._stream.tell()
 
     def find_class(self, module: str, name: str) -> Any:
-        return resolve_global(module, name)
+        return resolve_global(module, name, self._allowed)
 
     def persistent_load(self, pid: object) -> _StorageRef:
         return self._load_storage(pid)
@@ -230,13 +224,18 @@ class _Unpickler(pickle.Unpickler):
 class _Storages:
     """Resolves the pickle's storage references against one private mapping of the file."""
 
-    def __init__(self, path: Path, index: ArchiveIndex):
+    def __init__(self, path: Path, index: ArchiveIndex, mapping: torch.UntypedStorage | None = None,
+                 span: int | None = None):
         self.path = path
         self.index = index
-        self.mapping = map_file(path, index)
+        if mapping is None:
+            mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=index.file_size) \
+                if index.file_size else torch.UntypedStorage(0)
+            _remember_mapping(path, mapping)
+        self.mapping = mapping
         self.made: dict[str, _StorageRef] = {}
         self.declared: dict[str, int] = {}
-        self.built = _Built(tensor_byte_limit(index))
+        self.built = _Built(tensor_byte_limit(index, span))
 
     def __call__(self, pid: object) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
@@ -305,8 +304,44 @@ def load_archive(path: Path) -> Any:
 
 def load_indexed(path: Path, index: ArchiveIndex) -> Any:
     """:func:`load_archive` of a file whose zip directory is already read and checked."""
+    return _load(path, index, _Storages(path, index))
+
+
+def map_file(path: Path) -> torch.UntypedStorage:
+    """One private mapping of ``path``, for :func:`load_embedded_archive` (remembered, so that the
+    executor may read the file by offset instead)."""
+    size = os.stat(path).st_size
+    mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size) if size else torch.UntypedStorage(0)
+    _remember_mapping(path, mapping)
+    return mapping
+
+
+def load_embedded_archive(path: Path, start: int, length: int, mapping: torch.UntypedStorage) -> Any:
+    """Unpickle the ``torch.save`` archive stored in bytes ``[start, start + length)`` of ``path``
+    (``mapping``: :func:`map_file` of it), like :func:`load_archive`: its tensors are views of
+    the mapping; nothing else of the file is read."""
+    index = index_archive(path, start, length)
+    return _load(path, index, _Storages(path, index, mapping, length))
+
+
+def load_pickle(data: bytes, allowed: dict[str, Any]) -> Any:
+    """Unpickle ``data`` (a pickle without tensors) resolving globals only through ``allowed``,
+    after the same bounds pre-pass: for metadata files that are plain pickles."""
+    check_pickle(data)
+
+    def no_storages(pid: object):
+        raise pickle.UnpicklingError(f"expected no tensor storages in this pickle, found {short_repr(pid)}")
+
+    unpickler = _Unpickler(data, no_storages, allowed)
+    result = unpickler.load()
+    if unpickler.consumed() != len(data):
+        raise pickle.UnpicklingError(f"expected the file to end with its pickle, found "
+                                     f"{len(data) - unpickler.consumed()} more bytes")
+    return result
+
+
+def _load(path: Path, index: ArchiveIndex, storages: _Storages) -> Any:
     check_pickle(index.pickle_bytes)
-    storages = _Storages(path, index)
     unpickler = _Unpickler(index.pickle_bytes, storages)
     result = unpickler.load()
     _check_tensors(path, result, storages.built.tensors)

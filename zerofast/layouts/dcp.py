@@ -1,0 +1,116 @@
+"""PyTorch Distributed Checkpoint folders (``torch.distributed.checkpoint.save``: FSDP2, torchtitan).
+
+Claimed by the ``.metadata`` file and the ``__<rank>_<n>.distcp`` files in the folder. The folder is its own tag (a root holding one
+such folder per step, as torchtitan keeps them, picks one like a DeepSpeed root picks a tag).
+The records are read by :mod:`zerofast.load.dcp` (``.metadata`` through the restricted
+unpickler, chunks by offset) and the model's tensors planned by :mod:`zerofast.plan.dcp`.
+
+DCP records no ``requires_grad`` and keeps the optimizer state as plain DTensors, not ZeRO
+partitions: ``exclude_frozen`` and the optimizer-state readers are refused, and so are the
+writers that write a ZeRO save back (``writable`` is False).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..discover import CheckpointFiles, Found
+from ..errors import UnsupportedCheckpointError
+from ..load import LoadedCheckpoint
+from ..load.dcp import METADATA, DcpRecords, read_dcp
+from ..plan.dcp import build_dcp_plan, model_tensors
+from ..plan.model import Plan, SourceTable
+from .base import Layout
+
+_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+FORMAT = "PyTorch DCP"
+
+
+@dataclass(frozen=True)
+class DcpFiles(CheckpointFiles):
+    data_files: tuple[Path, ...] = ()
+
+    def paths(self) -> tuple[Path, ...]:
+        return (self.tag_dir / METADATA, *self.data_files)
+
+
+@dataclass
+class DcpCheckpoint(LoadedCheckpoint):
+    records: DcpRecords | None = None
+    # No model-dtype weights stored beside the tensors (verify compares none; it reads each whole).
+    stored: dict = field(default_factory=dict)
+
+    @property
+    def meta(self):
+        raise UnsupportedCheckpointError("a PyTorch DCP folder has no DeepSpeed model states", self.files.tag_dir)
+
+    @property
+    def ds_version(self) -> str | None:
+        return None
+
+    @property
+    def parallelism(self) -> dict:
+        return {"family": FORMAT, "dp": self.world_size}
+
+
+class DcpLayout(Layout):
+    name = "dcp"
+    title = "a PyTorch Distributed Checkpoint"
+    subsumes = ("universal", "moe", "pipeline", "autotp")  # its own names say nothing of those
+
+    def claims(self, found: Found) -> str | None:
+        # Both: a stray .metadata next to DeepSpeed's files (another tool's) claims nothing.
+        if METADATA in found.names and any(_DATA_FILE.match(n) for n in found.names):
+            return METADATA
+        return None
+
+    def list_files(self, found: Found) -> DcpFiles:
+        data = tuple(found.tag_dir / n for n in found.names if _DATA_FILE.match(n))
+        return DcpFiles(found.root, found.tag, found.tag_dir, (), (), layout=self, data_files=data)
+
+    def load(self, files: CheckpointFiles) -> DcpCheckpoint:
+        records = read_dcp(files.tag_dir)
+        return DcpCheckpoint(files, 0, records.ranks, [], [], records=records)
+
+    def plan(self, ckpt: DcpCheckpoint, table: SourceTable, dtype: torch.dtype | None,
+             exclude_frozen: bool) -> Plan:
+        if exclude_frozen:
+            raise UnsupportedCheckpointError("a PyTorch DCP folder records no requires_grad; read it without "
+                                             "exclude_frozen", ckpt.files.tag_dir)
+        return build_dcp_plan(ckpt.records, table, dtype)
+
+    def optimizer_keys(self, ckpt: LoadedCheckpoint) -> list[str]:
+        raise UnsupportedCheckpointError("the optimizer state of a PyTorch DCP folder is not read (only ZeRO "
+                                         "optimizer partitions are)", ckpt.files.tag_dir)
+
+    def optimizer_entries(self, ckpt, table, keys):
+        return self.optimizer_keys(ckpt)
+
+    def scalar_states(self, ckpt: LoadedCheckpoint) -> dict:
+        return self.optimizer_keys(ckpt)
+
+    def report(self, ckpt: DcpCheckpoint, plan: Plan) -> dict:
+        """What ``inspect`` says besides the tensor table: format, ranks, how the model is cut."""
+        records = ckpt.records
+        model = list(model_tensors(records).values())
+        return {"format": FORMAT, "checkpoint": str(records.folder), "ranks": records.ranks,
+                "sharding": sharding(model), "dcp_version": records.version,
+                "other_tensors": len(records.tensors) - len(model), "other_items": len(records.others),
+                "tied": {}, "frozen_excluded": False, "absent_frozen": []}
+
+
+def sharding(tensors) -> str:
+    """How the model's tensors are cut: FSDP2 (and FSDP1's sharded state dict) cut along dim 0."""
+    split = [t for t in tensors if sum(1 for c in t.chunks if c.numel) > 1]
+    if not split:
+        return "unsharded (one chunk per tensor)"
+    if all(all(o == 0 for c in t.chunks for o in c.offsets[1:]) and all(c.sizes[1:] == t.size[1:] for c in t.chunks)
+           for t in split):
+        return "FSDP2 shards (dim 0)"
+    return "DTensor shards (chunked on several dims)"
+
+
+LAYOUT = DcpLayout()
