@@ -13,7 +13,6 @@ messages are the reference's by construction. ``ZEROFAST_NATIVE=0`` selects the 
 from __future__ import annotations
 
 import gc
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -28,20 +27,14 @@ from .unpickle import ALLOWED, REBUILD_PARAMETER, REBUILD_TENSOR, load_indexed, 
     tensor_byte_limit
 
 
-# Files are read on a pool's threads (parallel.py), and the first to ask loads the core: the
-# loader is not safe to enter from two threads at once (both would load the library).
-_CORE_LOCK = threading.Lock()
-
-
 def native_core() -> Callable | None:
     """The native core's reader, or None: ``ZEROFAST_NATIVE=0``, no core, or one built without it."""
-    with _CORE_LOCK:
-        try:
-            if not ops.native_enabled():
-                return None
-            return getattr(ops.load_native(), "unpickle", None)
-        except NativeExtensionError:
-            return None  # the first reconstruct says what is missing; reading needs no core
+    try:
+        if not ops.native_enabled():
+            return None
+        return getattr(ops.load_native(), "unpickle", None)
+    except NativeExtensionError:
+        return None  # the first reconstruct says what is missing; reading needs no core
 
 
 def _hooks(index: ArchiveIndex) -> tuple:
