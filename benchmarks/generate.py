@@ -6,11 +6,19 @@ Two shapes, sized by --params (default about 500M) at world size 4, bf16 trainin
 A third, ``many_small`` (ZeRO-3, 50k tensors, 50M parameters), measures per-tensor overhead.
 They are written by zerofast's synthesizer, which writes what the engine writes (Adam moments
 included), so both tools read the same bytes they would read after real training.
+
+``ds_zero2_20k`` is a real DeepSpeed 0.19.8 save instead (one training step on the CPU, through
+tests/dsgen/train.py under torchrun): ZeRO-2, world size 2, 3250 tiny blocks, about 19.5k
+tensors in one model-states file, the metadata-bound shape of a many-expert model.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,8 +61,38 @@ def workload(name: str, n_params: int, world_size: int) -> LayoutSpec:
     raise ValueError(f"unknown workload {name!r}")
 
 
+# Real DeepSpeed saves: name -> the tests/dsgen/train.py spec that makes it.
+REAL = {
+    "ds_zero2_20k": {"stage": 2, "world_size": 2, "dtype": "bf16", "n_groups": 1, "steps": 1, "tag": "global_step1",
+                     "model": {"n_blocks": 3250, "dim": 4, "hidden": 4, "vocab": 11, "lora_rank": 1}},
+}
+
+
+def ensure_real(root: Path, name: str) -> Path:
+    """Train and save workload ``name`` of :data:`REAL` with DeepSpeed unless it is already there."""
+    target, spec = root / name, REAL[name]
+    stamp = target / "workload.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == spec:
+        return target
+    tmp = root / f".tmp-{name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.perf_counter()
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    script = Path(__file__).resolve().parent.parent / "tests" / "dsgen" / "train.py"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec["world_size"]),
+                    "--master_addr", "127.0.0.1", "--master_port", "29613", str(script), json.dumps(spec), str(tmp)],
+                   check=True, env=env, capture_output=True)
+    (tmp / "workload.json").write_text(json.dumps(spec))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    print(f"trained and saved {target} with DeepSpeed in {time.perf_counter() - t0:.1f}s", flush=True)
+    return target
+
+
 def ensure(root: Path, name: str, n_params: int, world_size: int) -> Path:
     """Write workload ``name`` under ``root`` unless an identical one is already there."""
+    if name in REAL:
+        return ensure_real(root, name)
     target = root / f"{name}-{n_params // 10**6}M-w{world_size}"
     stamp = target / "workload.json"
     want = {"name": name, "params": n_params, "world_size": world_size}

@@ -22,9 +22,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.dcp_workload import ensure_dcp_workload  # noqa: E402
-from benchmarks.generate import ensure  # noqa: E402
+from benchmarks.generate import REAL, ensure  # noqa: E402
 
-EAGER = ["floor", "zf_eager", "ds_eager", "zf_lazy"]
+EAGER = ["floor", "zf_prepare", "zf_eager", "ds_eager", "zf_lazy"]
 EXPORT = ["zf_export", "ds_export", "zf_export_bf16", "zf_export_2workers", "disk_write"]
 RESUME = ["copy_files", "zf_reshard", "zf_to_universal", "ds_to_universal"]
 # With --dcp: to-dcp against copying the save's files, and a DCP folder's export against torch's.
@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--dcp", action="store_true",
                     help="only the DCP cases: to-dcp of zero3 against copy_files, and the export of a 4-rank DCP "
                          "folder of --params against dcp_to_torch_save")
-    ap.add_argument("--workloads", default="zero3,zero2_frozen,many_small",
+    ap.add_argument("--workloads", default="zero3,zero2_frozen,many_small,ds_zero2_20k",
                     help="comma-separated workloads to run (default: all)")
     ap.add_argument("--baseline", type=Path, help="another zerofast checkout (built) to time in the same rounds")
     ap.add_argument("--skip", default="", help="cases to leave out, comma-separated")
@@ -163,9 +163,10 @@ def main() -> None:
         for workload in args.workloads.split(","):
             size = 50_000_000 if workload == "many_small" else int(args.params)
             ckpt = ensure(args.data, workload, size, args.world_size)
-            for cold in modes if workload != "many_small" else [False]:
+            small = workload == "many_small" or workload in REAL  # metadata-bound: eager cases, warm only
+            for cold in modes if not small else [False]:
                 print(f"{workload} ({'cold' if cold else 'warm'} cache)", flush=True)
-                wanted = cases if workload != "many_small" else [c for c in cases if c in EAGER or c == "base_eager"]
+                wanted = cases if not small else [c for c in cases if c in EAGER or c == "base_eager"]
                 samples = run_rounds(wanted, ckpt, Path(scratch), args.rounds, cold, args.baseline)
                 results[(workload, "cold" if cold else "warm")] = summarize(samples)
     notes.append(startup(args.rounds + 2))

@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "load/unpickle.h"
+
 #ifndef ZEROFAST_TORCH_VERSION
 #define ZEROFAST_TORCH_VERSION "unknown"
 #endif
@@ -72,4 +74,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("torch_version", [] { return std::string(ZEROFAST_TORCH_VERSION); },
         "torch version this extension was compiled against");
   m.def("built_devices", &built_devices, "device types with compiled gather_cast kernels, e.g. ['cpu', 'cuda']");
+  zerofast::load::register_unpickle(m);
 }

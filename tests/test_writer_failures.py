@@ -288,9 +288,14 @@ BIG = LayoutSpec(stage=2, world_size=2, model_dtype=torch.bfloat16,
 LATENCY_S = float(os.environ.get("ZEROFAST_TEST_SIGNAL_LATENCY", "0.5"))
 
 
+# The latency child writes through pread/pwrite and casts every tensor, so that a quiet machine
+# (CI's) cannot finish the write before the signal: copy_file_range moves 100 MB in tens of ms.
+SLOW_ENV = dict(CHILD_ENV, ZEROFAST_COPY_FILE_RANGE="0")
+
+
 def _stop_latency(command: list[str], out: Path, signum: int, delay: float) -> float | None:
     """Seconds from the signal to the child's ``interrupted`` line; None if it finished first."""
-    proc = subprocess.Popen([sys.executable, "-m", "zerofast", *command], cwd=REPO, env=CHILD_ENV,
+    proc = subprocess.Popen([sys.executable, "-m", "zerofast", *command], cwd=REPO, env=SLOW_ENV,
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -322,10 +327,10 @@ def test_a_signal_stops_a_long_write_within_half_a_second(tmp_path, writer):
     synthesize(root, BIG)
     out = tmp_path / "out"
     command = {"reshard": ["reshard", root, out, "--world-size", "1"],
-               "export-torch": ["export", root, out, "--format", "torch", "--max-shard-size", "20MB"],
-               "export-safetensors": ["export", root, out, "--max-shard-size", "20MB"]}[writer]
+               "export-torch": ["export", root, out, "--format", "torch", "--max-shard-size", "20MB", "--dtype", "fp16"],
+               "export-safetensors": ["export", root, out, "--max-shard-size", "20MB", "--dtype", "fp16"]}[writer]
     seconds = []
-    for signum, delay in ((signal.SIGINT, 0.05), (signal.SIGTERM, 0.15)):
+    for signum, delay in ((signal.SIGINT, 0.0), (signal.SIGTERM, 0.05)):
         got = _stop_latency([str(a) for a in command], out, signum, delay)
         if got is not None:
             seconds.append(got)

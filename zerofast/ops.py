@@ -13,6 +13,7 @@ error instead, and ``ZEROFAST_NATIVE=0`` selects the reference.
 from __future__ import annotations
 
 import re
+import threading
 from contextlib import contextmanager
 from typing import Sequence
 
@@ -25,6 +26,7 @@ from .native import loader
 from .settings import settings
 
 _loaded = False
+_FAKES_LOCK = threading.Lock()  # files are read on a pool's threads; fakes are registered once
 
 
 def native_enabled() -> bool:
@@ -40,9 +42,10 @@ def load_native():
     :class:`NativeExtensionError` that says why if it cannot be had."""
     global _loaded
     module = loader.load(required=True).module
-    if not _loaded:
-        _register_fakes()
-        _loaded = True
+    with _FAKES_LOCK:
+        if not _loaded:
+            _register_fakes()
+            _loaded = True
     return module
 
 

@@ -28,6 +28,7 @@ from ..discover import MODEL_FILE_STAGE012, OPTIM, CheckpointFiles, Found, ranke
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
 from ..load import LoadedCheckpoint, PartitionedCheckpoint, Partition, Stored, load_file
 from ..load.checkpoint import check_partitions, merged_meta
+from ..load.parallel import read_all
 from ..load.records import (expect_dict, expect_int, expect_list, expect_mapping, read_model_states, read_optim_states,
                             settle_stage, settle_world_size)
 from ..plan.builders import stage0
@@ -118,14 +119,17 @@ def load(files: CheckpointFiles) -> PartitionedCheckpoint:
     return ckpt
 
 
+def _expert_file(path: Path) -> tuple[int, int, Path, dict]:
+    m = MOE_EXPERT.match(path.name)
+    tensors = expect_mapping(path, expect_dict(path, load_file(path), "an expert file"), "an expert file",
+                             torch.Tensor, "tensors")
+    return int(m.group(1)), int(m.group(2)), path, tensors
+
+
 def _expert_layers(files: CheckpointFiles, num_experts: list[int]) -> dict[str, tuple[list, int]]:
     """``{name prefix up to the expert id: ([(global id, file, {name: tensor})...], experts in layer)}``."""
     by_layer: dict[int, list] = {}
-    for path in files.expert_files:
-        m = MOE_EXPERT.match(path.name)
-        layer, expert = int(m.group(1)), int(m.group(2))
-        tensors = expect_mapping(path, expect_dict(path, load_file(path), "an expert file"), "an expert file",
-                                  torch.Tensor, "tensors")
+    for layer, expert, path, tensors in read_all(_expert_file, files.expert_files):
         by_layer.setdefault(layer, []).append((expert, path, tensors))
     if sorted(by_layer) != list(range(len(num_experts))):
         raise InconsistentCheckpointError(

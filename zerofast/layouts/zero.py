@@ -13,6 +13,7 @@ import torch
 
 from ..discover import CheckpointFiles, Found, plain_files
 from ..load import LoadedCheckpoint
+from ..load.parallel import read_all
 from ..load.records import (agree_with_config, check_flat_groups, check_parallelism, read_model_states,
                             read_optim_states, settle_stage, settle_world_size)
 from ..plan.build import plain_plan
@@ -34,9 +35,9 @@ class ZeroLayout(Layout):
         return CheckpointFiles(found.root, found.tag, found.tag_dir, model_files, optim_files, layout=self)
 
     def load(self, files: CheckpointFiles) -> LoadedCheckpoint:
-        model_states = [read_model_states(p) for p in files.model_files]
+        model_states = read_all(read_model_states, files.model_files)
         check_parallelism(model_states[0], universal=False)
-        optim_states = [read_optim_states(p) for p in files.optim_files]
+        optim_states = read_all(read_optim_states, files.optim_files)
         stage = settle_stage(files, model_states, optim_states)
         agree_with_config(files, model_states[0], stage, "the optimizer files")
         world_size = settle_world_size(files, stage, model_states, optim_states)

@@ -10,7 +10,6 @@ type-checked here, with the file in hand.
 from __future__ import annotations
 
 import itertools
-import math
 import pickle
 import struct
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ from ..errors import (
 )
 from .pickle_bounds import BoundsExceeded
 from .stand_ins import RefusedState
-from .unpickle import Refused, load_archive
+from .reader import load_archive
+from .unpickle import Refused
 
 def load_file(path: Path) -> Any:
     """Unpickle one ``torch.save`` file with memory-mapped tensors and only allowlisted globals."""
@@ -143,13 +143,19 @@ INT64_MAX = 2 ** 63 - 1
 def _shape(path: Path, name: str, value: Any) -> tuple[int, ...]:
     # Dims and their product must fit int64, as in torch: a zero-element shape could otherwise
     # carry a dim of 2**64 into an output file's header.
-    if not isinstance(value, (tuple, list)) or len(value) > 64 \
-            or not all(type(d) is int and 0 <= d <= INT64_MAX for d in value) \
-            or math.prod(d or 1 for d in value) > INT64_MAX:
-        raise InconsistentCheckpointError(
-            f"expected a shape (at most 64 non-negative ints, product below 2**63) for {short_repr(name)}, found "
-            f"{short_repr(value)}", path)
-    return tuple(value)
+    # A plain loop, no generators: this runs once per parameter of files with tens of thousands.
+    if isinstance(value, (tuple, list)) and len(value) <= 64:
+        product = 1
+        for d in value:
+            if type(d) is not int or not 0 <= d <= INT64_MAX:
+                break
+            product *= d or 1
+        else:
+            if product <= INT64_MAX:
+                return tuple(value)
+    raise InconsistentCheckpointError(
+        f"expected a shape (at most 64 non-negative ints, product below 2**63) for {short_repr(name)}, found "
+        f"{short_repr(value)}", path)
 
 
 def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:

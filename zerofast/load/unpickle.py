@@ -182,6 +182,28 @@ ALLOWED: dict[str, Any] = {
 }
 
 
+def resolve_global(module: str, name: str, allowed: dict[str, Any] = ALLOWED) -> Any:
+    """The allowlisted object a pickle's global ``module.name`` stands for, or :class:`Refused`.
+    Shared by this reader and the native one (``reader.py``)."""
+    # Protocol-2 pickles spell Python 3 names the Python 2 way (``__builtin__.eval``);
+    # translate as the stock unpickler does, so refusals quote the name that would run.
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    full = f"{module}.{name}"
+    if full not in allowed:
+        raise Refused(full)
+    return allowed[full]
+
+
+def tensor_byte_limit(index: ArchiveIndex, span: int | None = None) -> int:
+    """The bytes all of one archive's tensors may hold together (``span``: the archive's length
+    inside a larger file). Tied weights make two names for one tensor; the limit leaves room for
+    that and more."""
+    return 4 * (index.file_size if span is None else span) + (1 << 20)
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, load_storage: Callable[[object], _StorageRef], allowed: dict[str, Any] = ALLOWED):
         self._stream = io.BytesIO(data)
@@ -193,16 +215,7 @@ class _Unpickler(pickle.Unpickler):
         return self._stream.tell()
 
     def find_class(self, module: str, name: str) -> Any:
-        # Protocol-2 pickles spell Python 3 names the Python 2 way (``__builtin__.eval``);
-        # translate as the stock unpickler does, so refusals quote the name that would run.
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        elif module in _compat_pickle.IMPORT_MAPPING:
-            module = _compat_pickle.IMPORT_MAPPING[module]
-        full = f"{module}.{name}"
-        if full not in self._allowed:
-            raise Refused(full)
-        return self._allowed[full]
+        return resolve_global(module, name, self._allowed)
 
     def persistent_load(self, pid: object) -> _StorageRef:
         return self._load_storage(pid)
@@ -222,8 +235,7 @@ class _Storages:
         self.mapping = mapping
         self.made: dict[str, _StorageRef] = {}
         self.declared: dict[str, int] = {}
-        # Tied weights make two names for one tensor; the limit leaves room for that and more.
-        self.built = _Built(4 * (index.file_size if span is None else span) + (1 << 20))
+        self.built = _Built(tensor_byte_limit(index, span))
 
     def __call__(self, pid: object) -> _StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
@@ -287,7 +299,11 @@ def file_location(path: str, tensor: torch.Tensor) -> tuple[int, tuple[int, int,
 
 def load_archive(path: Path) -> Any:
     """Unpickle one ``torch.save`` archive with only allowlisted globals and mapped storages."""
-    index = index_archive(path)
+    return load_indexed(path, index_archive(path))
+
+
+def load_indexed(path: Path, index: ArchiveIndex) -> Any:
+    """:func:`load_archive` of a file whose zip directory is already read and checked."""
     return _load(path, index, _Storages(path, index))
 
 

@@ -41,8 +41,9 @@ def sources_dir() -> Path:
 
 
 def source_files(src: Path, devices: tuple[str, ...]) -> list[Path]:
-    """What gets compiled: the op schema (csrc/*.cpp) and each device directory's kernels."""
-    files = sorted(src.glob("*.cpp"))
+    """What gets compiled: the op schema (csrc/*.cpp), the host code of csrc/load/ (the native
+    pickle reader) and each device directory's kernels."""
+    files = sorted(src.glob("*.cpp")) + sorted((src / "load").glob("*.cpp"))
     for device in devices:
         files += sorted((src / device).glob("*.cpp")) + sorted((src / device).glob("*.cu"))
     return files

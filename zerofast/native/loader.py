@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,6 +46,9 @@ class Loaded(NamedTuple):
 
 _state: Loaded | str | None = None  # the loaded core, or why it is unavailable; None: not tried yet
 _warned = False
+# Loading the library twice registers its ops twice, which aborts the process: threads that ask
+# for the core at once (the rank-file reading pool) wait for the first to load it.
+_LOCK = threading.RLock()
 
 
 def load(required: bool = False, progress: bool | None = None) -> Loaded | None:
@@ -52,6 +56,11 @@ def load(required: bool = False, progress: bool | None = None) -> Loaded | None:
 
     ``required`` (and ``ZEROFAST_NATIVE=1``) turns an unavailable core into a
     :class:`NativeExtensionError`; otherwise it is said once on stderr."""
+    with _LOCK:
+        return _load(required, progress)
+
+
+def _load(required: bool, progress: bool | None) -> Loaded | None:
     global _state
     s = settings()
     if s.mode == "off" and not required:
@@ -78,6 +87,11 @@ def unavailable_reason() -> str | None:
 def build(force: bool = False) -> Loaded:
     """``zerofast build``: build the core for this torch now unless it is built, showing each step,
     and load it. An earlier failure is retried; ``force`` rebuilds a core that is there."""
+    with _LOCK:
+        return _build(force)
+
+
+def _build(force: bool) -> Loaded:
     global _state
     if isinstance(_state, Loaded) and not force:
         return _state

@@ -6,6 +6,7 @@ executing it (``zerofast.execute``) is the only step that moves bytes.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -106,11 +107,15 @@ class VirtualBuffer:
 
     def pieces(self, offset: int, length: int, dst: int) -> Segments:
         """Segments that copy ``[offset, offset+length)`` of the buffer to output offset ``dst``."""
-        out = []
-        for i, src in enumerate(self.sources):
-            lo, hi = max(offset, self.starts[i]), min(offset + length, self.starts[i + 1])
+        # Called once per parameter: start at the source holding ``offset``, not at the first.
+        starts, end, out = self.starts, offset + length, []
+        i = bisect.bisect_right(starts, offset) - 1
+        while 0 <= i < len(self.sources) and starts[i] < end:
+            lo = offset if offset > starts[i] else starts[i]
+            hi = end if end < starts[i + 1] else starts[i + 1]
             if lo < hi:
-                out.append((src, lo - self.starts[i], dst + lo - offset, hi - lo))
+                out.append((self.sources[i], lo - starts[i], dst + lo - offset, hi - lo))
+            i += 1
         return out
 
 

@@ -1,0 +1,26 @@
+// The native reader's bounds pass over data.pkl: a port of zerofast/load/pickle_bounds.py.
+//
+// It walks the opcodes once, keeping a few integers per simulated object, and declines a
+// pickle whose containers nest deeper than 100 levels, whose memo indices run ahead of the
+// values stored so far, or whose dict keys, set members and call arguments would take more
+// than 8 steps per byte of the file to hash. It knows only the opcodes the native unpickler
+// (unpickle.cpp) builds; any other opcode declines too. Declining is always safe: the Python
+// reader then reads the file and words the verdict.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace zerofast::load {
+
+// The native reader will not read this pickle; the Python reader decides. Never shown to users.
+struct Declined : std::runtime_error {
+  explicit Declined(const std::string& why) : std::runtime_error(why) {}
+};
+
+// Throws Declined unless `data` is a pickle the native unpickler may build. Needs no Python.
+void scan_pickle(const uint8_t* data, size_t size);
+
+}  // namespace zerofast::load

@@ -1,0 +1,565 @@
+// See unpickle.h. Each opcode does what CPython's C unpickler (Modules/_pickle.c) does for it,
+// with the reference's hooks (zerofast/load/unpickle.py) in place: globals resolve through the
+// reference's own resolver, storages are checked and cut out of the mapping as
+// _Storages.__call__ does, and tensors are rebuilt as _rebuild_tensor does. Where an opcode or
+// a callee could do something the reference would do differently, or anything fails, the
+// reader declines rather than guess.
+#include "unpickle.h"
+
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "pickle_scan.h"
+
+namespace py = pybind11;
+
+namespace zerofast::load {
+namespace {
+
+constexpr int64_t kInt64Max = INT64_MAX;
+constexpr size_t kMaxDims = 64;
+
+// The reference's objects, by identity, and its two callbacks (see native_reader.py).
+struct Hooks {
+  PyObject* resolve;         // (module, name) -> the allowlisted object, or raises
+  PyObject* storage_offset;  // (key, nbytes) -> file offset of that storage, or raises
+  PyObject* rebuild_tensor;
+  PyObject* rebuild_parameter;
+  PyObject* from_type_v2;
+  PyObject* tensor_type;   // what the name torch.Tensor resolves to
+  PyObject* storage_type;  // the class of what torch.FloatStorage & co resolve to
+  PyObject* record_type;   // stand_ins.DeepSpeedRecord
+  PyObject* ordered_dict;
+  int64_t byte_limit;      // bytes all the file's tensors may hold together
+};
+
+// One stack or memo slot: a Python object, or a value that stays native (a storage
+// reference, or a tuple holding one: the argument tuples of the rebuild functions).
+struct Val {
+  py::object obj;
+  int32_t storage = -1;
+  int32_t tuple = -1;
+};
+
+[[noreturn]] void decline_py(const char* what) {
+  PyErr_Clear();
+  throw Declined(what);
+}
+
+py::object own(PyObject* p, const char* what) {
+  if (!p) decline_py(what);
+  return py::reinterpret_steal<py::object>(p);
+}
+
+Val py_val(PyObject* p, const char* what) { return Val{own(p, what)}; }
+
+Val borrowed(PyObject* p) { return Val{py::reinterpret_borrow<py::object>(p)}; }
+
+uint64_t little(const uint8_t* p, int width) {
+  uint64_t v = 0;
+  for (int i = width - 1; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+void release_base(void* impl) { c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(impl)); }
+
+// `nbytes` of `base` from `offset`, sharing its memory and keeping it alive.
+at::Storage view_of(const at::Storage& base, int64_t offset, int64_t nbytes) {
+  c10::StorageImpl* impl = base.unsafeGetStorageImpl();
+  c10::raw::intrusive_ptr::incref(impl);
+  void* data = const_cast<char*>(static_cast<const char*>(base.data())) + offset;
+  at::DataPtr ptr(data, impl, &release_base, base.device());
+  return at::Storage(c10::Storage::use_byte_size_t(), nbytes, std::move(ptr), nullptr, false);
+}
+
+// An exact int in [0, 2**63), as the reference's type checks want it.
+bool index_value(const Val& v, int64_t* out) {
+  if (!v.obj || !PyLong_CheckExact(v.obj.ptr())) return false;
+  int overflow = 0;
+  long long x = PyLong_AsLongLongAndOverflow(v.obj.ptr(), &overflow);
+  if (overflow || x < 0) {
+    PyErr_Clear();
+    return false;
+  }
+  *out = x;
+  return true;
+}
+
+enum Op : uint8_t {
+  MARK = 0x28, EMPTY_TUPLE = 0x29, STOP = 0x2E, POP = 0x30, POP_MARK = 0x31, DUP = 0x32,
+  BINBYTES = 0x42, SHORT_BINBYTES = 0x43, BINFLOAT = 0x47, BININT = 0x4A, BININT1 = 0x4B,
+  BININT2 = 0x4D, NONE = 0x4E, BINPERSID = 0x51, REDUCE = 0x52, BINUNICODE = 0x58,
+  EMPTY_LIST = 0x5D, APPEND = 0x61, BUILD = 0x62, GLOBAL = 0x63, DICT = 0x64, APPENDS = 0x65,
+  BINGET = 0x68, LONG_BINGET = 0x6A, LIST = 0x6C, BINPUT = 0x71, LONG_BINPUT = 0x72,
+  SETITEM = 0x73, TUPLE = 0x74, SETITEMS = 0x75, EMPTY_DICT = 0x7D, PROTO = 0x80,
+  NEWOBJ = 0x81, TUPLE1 = 0x85, TUPLE2 = 0x86, TUPLE3 = 0x87, NEWTRUE = 0x88, NEWFALSE = 0x89,
+  LONG1 = 0x8A, SHORT_BINUNICODE = 0x8C, BINUNICODE8 = 0x8D, BINBYTES8 = 0x8E, EMPTY_SET = 0x8F,
+  ADDITEMS = 0x90, FROZENSET = 0x91, STACK_GLOBAL = 0x93, MEMOIZE = 0x94,
+};
+
+class Reader {
+ public:
+  Reader(const uint8_t* data, size_t n, at::Storage base, const Hooks& hooks)
+      : data_(data), n_(n), base_(std::move(base)), hooks_(hooks) {}
+
+  py::object run() {
+    for (;;) {
+      uint8_t op = *take(1);
+      if (op == STOP) {
+        Val result = pop();
+        if (pos_ != n_) throw Declined("bytes after STOP");
+        to_py(result);
+        return result.obj;
+      }
+      step(op);
+    }
+  }
+
+ private:
+  struct Stored {
+    at::ScalarType dtype;
+    int64_t numel;
+    int64_t nbytes;
+    at::Storage storage;
+  };
+
+  const uint8_t* data_;
+  size_t n_;
+  size_t pos_ = 0;
+  at::Storage base_;
+  const Hooks& hooks_;
+  std::vector<Val> stack_, memo_;
+  std::vector<size_t> marks_;
+  std::vector<std::vector<Val>> tuples_;
+  std::vector<Stored> storages_;
+  std::unordered_map<std::string, int32_t> by_key_;
+  int64_t built_bytes_ = 0;
+
+  // -- input and stack, with CPython's underflow rules -------------------------------------
+  const uint8_t* take(size_t width) {
+    if (width > n_ - pos_) throw Declined("truncated");
+    const uint8_t* at = data_ + pos_;
+    pos_ += width;
+    return at;
+  }
+  size_t fence() const { return marks_.empty() ? 0 : marks_.back(); }
+  Val pop() {
+    if (stack_.size() <= fence()) throw Declined("stack underflow");
+    Val v = std::move(stack_.back());
+    stack_.pop_back();
+    return v;
+  }
+  Val& top() {
+    if (stack_.size() <= fence()) throw Declined("stack underflow");
+    return stack_.back();
+  }
+  size_t marker() {
+    if (marks_.empty()) throw Declined("no MARK");
+    size_t m = marks_.back();
+    marks_.pop_back();
+    return m;
+  }
+  std::vector<Val> pop_from(size_t start) {
+    std::vector<Val> items(std::make_move_iterator(stack_.begin() + start), std::make_move_iterator(stack_.end()));
+    stack_.resize(start);
+    return items;
+  }
+  PyObject* to_py(const Val& v) const {
+    if (!v.obj) throw Declined("a storage reference where a Python object is expected");
+    return v.obj.ptr();
+  }
+  Val make_tuple(std::vector<Val> items) {
+    for (const Val& v : items)
+      if (!v.obj) {
+        tuples_.push_back(std::move(items));
+        return Val{py::object(), -1, int32_t(tuples_.size() - 1)};
+      }
+    py::object t = own(PyTuple_New(Py_ssize_t(items.size())), "tuple");
+    for (size_t i = 0; i < items.size(); ++i) PyTuple_SET_ITEM(t.ptr(), i, items[i].obj.release().ptr());
+    return Val{std::move(t)};
+  }
+  std::vector<Val> items_of(const Val& v) const {  // a call's argument tuple
+    if (v.tuple >= 0) return tuples_[v.tuple];
+    if (!v.obj || !PyTuple_Check(v.obj.ptr())) throw Declined("call arguments are not a tuple");
+    std::vector<Val> out;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v.obj.ptr()); ++i) out.push_back(borrowed(PyTuple_GET_ITEM(v.obj.ptr(), i)));
+    return out;
+  }
+
+  void step(uint8_t op);
+  void step_containers(uint8_t op);
+  void push_sized(uint8_t op);
+  void memo_put(uint64_t index);
+  void memo_get(uint64_t index);
+  py::object line();
+  Val resolve(PyObject* module, PyObject* name);
+  void append_items(ptrdiff_t x);
+  void set_items(ptrdiff_t x);
+  void add_items(size_t mark);
+  Val reduce(const Val& callee, const Val& args);
+  Val newobj(const Val& cls, const Val& args);
+  void build(const Val& state);
+  Val persistent(const Val& pid);
+  Val rebuild_tensor(const std::vector<Val>& args);
+  Val rebuild_parameter(const std::vector<Val>& args);
+  Val rebuild_from_type(const std::vector<Val>& args);
+  void dims(const Val& v, std::vector<int64_t>* out) const;
+};
+
+void Reader::step(uint8_t op) {
+  switch (op) {
+    case PROTO: if (*take(1) > 5) throw Declined("unsupported protocol"); return;
+    case NONE: stack_.push_back(borrowed(Py_None)); return;
+    case NEWTRUE: stack_.push_back(borrowed(Py_True)); return;
+    case NEWFALSE: stack_.push_back(borrowed(Py_False)); return;
+    case BININT: stack_.push_back(py_val(PyLong_FromLong(int32_t(little(take(4), 4))), "int")); return;
+    case BININT1: stack_.push_back(py_val(PyLong_FromLong(long(*take(1))), "int")); return;
+    case BININT2: stack_.push_back(py_val(PyLong_FromLong(long(little(take(2), 2))), "int")); return;
+    case BINFLOAT: {
+      double x = PyFloat_Unpack8(reinterpret_cast<const char*>(take(8)), 0);
+      if (x == -1.0 && PyErr_Occurred()) decline_py("float");
+      stack_.push_back(py_val(PyFloat_FromDouble(x), "float"));
+      return;
+    }
+    case BINUNICODE: case SHORT_BINUNICODE: case BINUNICODE8:
+    case BINBYTES: case SHORT_BINBYTES: case BINBYTES8: case LONG1: push_sized(op); return;
+    case MARK: marks_.push_back(stack_.size()); return;
+    case BINPUT: memo_put(little(take(1), 1)); return;
+    case LONG_BINPUT: memo_put(little(take(4), 4)); return;
+    case MEMOIZE: memo_put(memo_.size()); return;
+    case BINGET: memo_get(little(take(1), 1)); return;
+    case LONG_BINGET: memo_get(little(take(4), 4)); return;
+    case EMPTY_TUPLE: stack_.push_back(py_val(PyTuple_New(0), "tuple")); return;
+    case TUPLE: { size_t m = marker(); stack_.push_back(make_tuple(pop_from(m))); return; }
+    case TUPLE1: case TUPLE2: case TUPLE3: {
+      size_t k = op - TUPLE1 + 1;
+      if (stack_.size() < fence() + k) throw Declined("stack underflow");
+      stack_.push_back(make_tuple(pop_from(stack_.size() - k)));
+      return;
+    }
+    case BINPERSID: { Val pid = pop(); stack_.push_back(persistent(pid)); return; }
+    case REDUCE: { Val args = pop(); Val callee = pop(); stack_.push_back(reduce(callee, args)); return; }
+    case NEWOBJ: { Val args = pop(); Val cls = pop(); stack_.push_back(newobj(cls, args)); return; }
+    case BUILD: { Val state = pop(); build(state); return; }
+    case GLOBAL: {
+      py::object module = line();
+      py::object name = line();
+      stack_.push_back(resolve(module.ptr(), name.ptr()));
+      return;
+    }
+    case STACK_GLOBAL: {
+      Val name = pop(), module = pop();
+      if (!name.obj || !module.obj || !PyUnicode_CheckExact(name.obj.ptr()) || !PyUnicode_CheckExact(module.obj.ptr()))
+        throw Declined("STACK_GLOBAL needs two str");
+      stack_.push_back(resolve(module.obj.ptr(), name.obj.ptr()));
+      return;
+    }
+    default: step_containers(op);
+  }
+}
+
+void Reader::step_containers(uint8_t op) {
+  switch (op) {
+    case EMPTY_LIST: stack_.push_back(py_val(PyList_New(0), "list")); return;
+    case EMPTY_DICT: stack_.push_back(py_val(PyDict_New(), "dict")); return;
+    case EMPTY_SET: stack_.push_back(py_val(PySet_New(nullptr), "set")); return;
+    case LIST: {
+      auto items = pop_from(marker());
+      py::object list = own(PyList_New(Py_ssize_t(items.size())), "list");
+      for (size_t i = 0; i < items.size(); ++i) {
+        to_py(items[i]);
+        PyList_SET_ITEM(list.ptr(), i, items[i].obj.release().ptr());
+      }
+      stack_.push_back(Val{std::move(list)});
+      return;
+    }
+    case DICT: {
+      auto items = pop_from(marker());
+      if (items.size() % 2) throw Declined("odd number of items for DICT");
+      py::object dict = own(PyDict_New(), "dict");
+      for (size_t i = 0; i < items.size(); i += 2)
+        if (PyDict_SetItem(dict.ptr(), to_py(items[i]), to_py(items[i + 1])) < 0) decline_py("dict item");
+      stack_.push_back(Val{std::move(dict)});
+      return;
+    }
+    case FROZENSET: {
+      Val items = make_tuple(pop_from(marker()));
+      stack_.push_back(py_val(PyFrozenSet_New(to_py(items)), "frozenset"));
+      return;
+    }
+    case APPEND: append_items(ptrdiff_t(stack_.size()) - 1); return;
+    case APPENDS: append_items(ptrdiff_t(marker())); return;
+    case SETITEM: set_items(ptrdiff_t(stack_.size()) - 2); return;
+    case SETITEMS: set_items(ptrdiff_t(marker())); return;
+    case ADDITEMS: add_items(marker()); return;
+    case POP:
+      if (!marks_.empty() && marks_.back() == stack_.size()) marks_.pop_back();
+      else pop();
+      return;
+    case POP_MARK: pop_from(marker()); return;
+    case DUP: { Val v = top(); stack_.push_back(std::move(v)); return; }
+    default: throw Declined("opcode outside the native subset");
+  }
+}
+
+void Reader::push_sized(uint8_t op) {
+  int width = (op == BINUNICODE || op == BINBYTES) ? 4 : (op == BINUNICODE8 || op == BINBYTES8) ? 8 : 1;
+  uint64_t size = little(take(width), width);
+  if (size > uint64_t(PY_SSIZE_T_MAX)) throw Declined("length too large");
+  const char* s = reinterpret_cast<const char*>(take(size_t(size)));
+  Py_ssize_t len = Py_ssize_t(size);
+  if (op == LONG1) {
+    PyObject* v = len ? _PyLong_FromByteArray(reinterpret_cast<const unsigned char*>(s), size_t(len), 1, 1)
+                      : PyLong_FromLong(0);
+    stack_.push_back(py_val(v, "int"));
+  } else if (op == BINBYTES || op == SHORT_BINBYTES || op == BINBYTES8) {
+    stack_.push_back(py_val(PyBytes_FromStringAndSize(s, len), "bytes"));
+  } else {
+    stack_.push_back(py_val(PyUnicode_DecodeUTF8(s, len, "surrogatepass"), "str"));
+  }
+}
+
+void Reader::memo_put(uint64_t index) {
+  const Val& value = top();
+  if (index > memo_.size()) throw Declined("memo index runs ahead");
+  if (index == memo_.size()) memo_.push_back(value);
+  else memo_[index] = value;
+}
+
+void Reader::memo_get(uint64_t index) {
+  if (index >= memo_.size()) throw Declined("memo value not found");
+  stack_.push_back(memo_[index]);
+}
+
+py::object Reader::line() {  // one text argument of GLOBAL, decoded as CPython does
+  const void* nl = std::memchr(data_ + pos_, '\n', n_ - pos_);
+  if (!nl) throw Declined("truncated line");
+  size_t len = static_cast<const uint8_t*>(nl) - (data_ + pos_);
+  if (len < 1) throw Declined("empty GLOBAL line");
+  const char* s = reinterpret_cast<const char*>(take(len + 1));
+  return own(PyUnicode_DecodeUTF8(s, Py_ssize_t(len), "strict"), "global name");
+}
+
+Val Reader::resolve(PyObject* module, PyObject* name) {
+  return py_val(PyObject_CallFunctionObjArgs(hooks_.resolve, module, name, nullptr), "global off the allowlist");
+}
+
+void Reader::append_items(ptrdiff_t x) {
+  ptrdiff_t len = ptrdiff_t(stack_.size());
+  if (x > len || x <= ptrdiff_t(fence())) throw Declined("stack underflow");
+  if (x == len) return;
+  PyObject* list = to_py(stack_[x - 1]);
+  if (!PyList_CheckExact(list)) throw Declined("APPEND to something other than a list");
+  for (const Val& v : pop_from(size_t(x)))
+    if (PyList_Append(list, to_py(v)) < 0) decline_py("append");
+}
+
+void Reader::set_items(ptrdiff_t x) {
+  ptrdiff_t len = ptrdiff_t(stack_.size());
+  if (x > len || x <= ptrdiff_t(fence())) throw Declined("stack underflow");
+  if (x == len) return;
+  if ((len - x) % 2) throw Declined("odd number of items for SETITEMS");
+  PyObject* target = to_py(stack_[x - 1]);
+  bool exact = PyDict_CheckExact(target);
+  if (!exact && Py_TYPE(target) != reinterpret_cast<PyTypeObject*>(hooks_.ordered_dict))
+    throw Declined("SETITEM on something other than a dict");
+  auto items = pop_from(size_t(x));
+  for (size_t i = 0; i < items.size(); i += 2) {
+    PyObject *k = to_py(items[i]), *v = to_py(items[i + 1]);
+    if ((exact ? PyDict_SetItem(target, k, v) : PyObject_SetItem(target, k, v)) < 0) decline_py("dict item");
+  }
+}
+
+void Reader::add_items(size_t mark) {
+  if (mark > stack_.size() || mark <= fence()) throw Declined("stack underflow");
+  if (mark == stack_.size()) return;
+  PyObject* target = to_py(stack_[mark - 1]);
+  if (!PySet_Check(target)) throw Declined("ADDITEMS to something other than a set");
+  for (const Val& v : pop_from(mark))
+    if (PySet_Add(target, to_py(v)) < 0) decline_py("set item");
+}
+
+Val Reader::reduce(const Val& callee, const Val& args) {
+  PyObject* f = to_py(callee);
+  if (f == hooks_.rebuild_tensor) return rebuild_tensor(items_of(args));
+  if (f == hooks_.rebuild_parameter) return rebuild_parameter(items_of(args));
+  if (f == hooks_.from_type_v2) return rebuild_from_type(items_of(args));
+  // Any other allowlisted object (OrderedDict, set, torch.Size, a stand-in), called as the C
+  // unpickler calls it; what is not callable fails and declines.
+  PyObject* a = to_py(args);
+  if (!PyTuple_Check(a)) throw Declined("REDUCE arguments are not a tuple");
+  return py_val(PyObject_CallObject(f, a), "call");
+}
+
+Val Reader::newobj(const Val& cls, const Val& args) {
+  // Only the stand-ins' classes: DeepSpeed's objects are pickled this way, nothing else is.
+  PyObject *c = to_py(cls), *a = to_py(args);
+  if (!PyType_Check(c) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(c),
+                                            reinterpret_cast<PyTypeObject*>(hooks_.record_type)))
+    throw Declined("NEWOBJ of something other than a stand-in");
+  if (!PyTuple_Check(a)) throw Declined("NEWOBJ arguments are not a tuple");
+  auto* type = reinterpret_cast<PyTypeObject*>(c);
+  return py_val(type->tp_new(type, a, nullptr), "NEWOBJ");
+}
+
+void Reader::build(const Val& state) {
+  // Only on a stand-in, whose __setstate__ checks the state, or on an OrderedDict given a dict
+  // (a state_dict's `_metadata`). BUILD on anything else (a tensor, an allowlisted function)
+  // could change it, and the reference's check after loading is not repeated here.
+  PyObject* inst = to_py(top());
+  PyObject* s = to_py(state);
+  if (PyObject_TypeCheck(inst, reinterpret_cast<PyTypeObject*>(hooks_.record_type))) {
+    py::object setstate = own(PyObject_GetAttrString(inst, "__setstate__"), "__setstate__");
+    own(PyObject_CallOneArg(setstate.ptr(), s), "__setstate__");
+    return;
+  }
+  if (Py_TYPE(inst) != reinterpret_cast<PyTypeObject*>(hooks_.ordered_dict) || !PyDict_CheckExact(s) ||
+      PyObject_HasAttrString(inst, "__setstate__"))
+    throw Declined("BUILD on something other than a stand-in or a state dict");
+  // What the C unpickler does without __setstate__: the state goes into the instance's
+  // __dict__, keys interned.
+  py::object dict = own(PyObject_GetAttrString(inst, "__dict__"), "__dict__");
+  Py_ssize_t i = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(s, &i, &key, &value)) {
+    Py_INCREF(key);
+    if (PyUnicode_CheckExact(key)) PyUnicode_InternInPlace(&key);
+    int failed = PyObject_SetItem(dict.ptr(), key, value);
+    Py_DECREF(key);
+    if (failed < 0) decline_py("state item");
+  }
+}
+
+Val Reader::persistent(const Val& pid) {  // _Storages.__call__
+  PyObject* p = to_py(pid);
+  if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 5) throw Declined("not a storage reference");
+  PyObject *tag = PyTuple_GET_ITEM(p, 0), *kind = PyTuple_GET_ITEM(p, 1), *key = PyTuple_GET_ITEM(p, 2);
+  int64_t numel = 0;
+  if (!PyUnicode_CheckExact(tag) || PyUnicode_CompareWithASCIIString(tag, "storage") != 0 ||
+      Py_TYPE(kind) != reinterpret_cast<PyTypeObject*>(hooks_.storage_type) || !PyUnicode_Check(key) ||
+      !index_value(borrowed(PyTuple_GET_ITEM(p, 4)), &numel))
+    throw Declined("not a storage reference");
+  py::object dtype_obj = own(PyObject_GetAttrString(kind, "dtype"), "storage dtype");
+  if (!THPDtype_Check(dtype_obj.ptr())) throw Declined("storage dtype");
+  at::ScalarType dtype = reinterpret_cast<THPDtype*>(dtype_obj.ptr())->scalar_type;
+  __int128 nbytes128 = __int128(numel) * int64_t(c10::elementSize(dtype));
+  if (nbytes128 > kInt64Max) throw Declined("storage too large");
+  int64_t nbytes = int64_t(nbytes128);
+  Py_ssize_t key_len = 0;
+  const char* key_utf8 = PyUnicode_AsUTF8AndSize(key, &key_len);
+  if (!key_utf8) decline_py("storage key");
+  std::string k(key_utf8, size_t(key_len));
+  auto found = by_key_.find(k);
+  if (found != by_key_.end()) {
+    const Stored& s = storages_[found->second];
+    if (s.nbytes != nbytes || s.dtype != dtype) throw Declined("storage declared twice differently");
+    return Val{py::object(), found->second};
+  }
+  py::object nb = own(PyLong_FromLongLong(nbytes), "int");
+  py::object at = own(PyObject_CallFunctionObjArgs(hooks_.storage_offset, key, nb.ptr(), nullptr), "storage entry");
+  int64_t offset = 0;
+  if (!index_value(Val{at}, &offset) || offset > int64_t(base_.nbytes()) - nbytes)
+    throw Declined("storage outside the mapping");
+  storages_.push_back({dtype, numel, nbytes, view_of(base_, offset, nbytes)});
+  int32_t index = int32_t(storages_.size() - 1);
+  by_key_.emplace(std::move(k), index);
+  return Val{py::object(), index};
+}
+
+void Reader::dims(const Val& v, std::vector<int64_t>* out) const {  // _dims
+  PyObject* p = to_py(v);
+  bool tuple = PyTuple_Check(p);
+  if (!tuple && !PyList_Check(p)) throw Declined("sizes are not a tuple");
+  Py_ssize_t n = tuple ? PyTuple_GET_SIZE(p) : PyList_GET_SIZE(p);
+  if (size_t(n) > kMaxDims) throw Declined("too many dimensions");
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    int64_t d = 0;
+    if (!index_value(borrowed(tuple ? PyTuple_GET_ITEM(p, i) : PyList_GET_ITEM(p, i)), &d))
+      throw Declined("a size is not an int in [0, 2**63)");
+    out->push_back(d);
+  }
+}
+
+Val Reader::rebuild_tensor(const std::vector<Val>& args) {  // _rebuild_tensor
+  if (args.size() < 4 || args[0].storage < 0) throw Declined("not a tensor rebuild");
+  const Stored& s = storages_[args[0].storage];
+  int64_t offset = 0;
+  std::vector<int64_t> size, stride;
+  if (!index_value(args[1], &offset)) throw Declined("storage offset");
+  dims(args[2], &size);
+  dims(args[3], &stride);
+  if (size.size() != stride.size()) throw Declined("sizes and strides differ in length");
+  // Saturating: any value past the storage fails the checks below, however far past.
+  const __int128 limit = __int128(kInt64Max) + 1;
+  __int128 numel = 1, extent = __int128(offset) + 1;
+  bool empty = false;
+  for (size_t i = 0; i < size.size(); ++i) {
+    numel = std::min(numel * size[i], limit);
+    extent = std::min(extent + std::min(__int128(size[i] ? size[i] - 1 : 0) * stride[i], limit), limit);
+    empty = empty || size[i] == 0;
+  }
+  if (empty) extent = 0;
+  // Overlapping strides would let a small file demand terabytes once anything copies it.
+  if (numel > s.numel || extent > s.numel) throw Declined("a tensor past its storage");
+  built_bytes_ += int64_t(numel) * int64_t(c10::elementSize(s.dtype));
+  if (built_bytes_ > hooks_.byte_limit) throw Declined("too many bytes of tensors");
+  // What torch.empty(0, dtype=...).set_(storage, offset, size, stride) makes, without two trips
+  // through the dispatcher per tensor.
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(s.storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                   caffe2::TypeMeta::fromScalarType(s.dtype));
+  impl->set_sizes_and_strides(size, stride, offset);
+  return py_val(THPVariable_Wrap(at::Tensor(std::move(impl))), "tensor");
+}
+
+Val Reader::rebuild_parameter(const std::vector<Val>& args) {  // _rebuild_parameter
+  if (args.empty() || !args[0].obj || !THPVariable_Check(args[0].obj.ptr())) throw Declined("not a tensor");
+  return args[0];
+}
+
+Val Reader::rebuild_from_type(const std::vector<Val>& args) {  // _rebuild_from_type_v2
+  if (args.size() != 4 || !args[0].obj || !args[1].obj || args[1].obj.ptr() != hooks_.tensor_type)
+    throw Declined("not a plain tensor rebuild");
+  PyObject* func = args[0].obj.ptr();
+  if (args[2].tuple < 0 && !(args[2].obj && PyTuple_Check(args[2].obj.ptr()))) throw Declined("not a plain tensor rebuild");
+  if (func == hooks_.rebuild_tensor) return rebuild_tensor(items_of(args[2]));
+  if (func == hooks_.rebuild_parameter) return rebuild_parameter(items_of(args[2]));
+  throw Declined("not a plain tensor rebuild");
+}
+
+Hooks hooks_from(const py::tuple& t) {
+  if (t.size() != 10) throw std::invalid_argument("unpickle: expected 10 hooks");
+  return Hooks{t[0].ptr(), t[1].ptr(), t[2].ptr(), t[3].ptr(), t[4].ptr(), t[5].ptr(), t[6].ptr(), t[7].ptr(),
+               t[8].ptr(), t[9].cast<int64_t>()};
+}
+
+py::tuple unpickle(const py::bytes& data, const at::Tensor& mapping, const py::tuple& hook_tuple) {
+  Hooks hooks = hooks_from(hook_tuple);
+  const auto* bytes = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(data.ptr()));
+  size_t n = size_t(PyBytes_GET_SIZE(data.ptr()));
+  try {
+    {
+      py::gil_scoped_release unlocked;  // the bounds pass touches no Python object
+      scan_pickle(bytes, n);
+    }
+    Reader reader(bytes, n, mapping.storage(), hooks);
+    return py::make_tuple(true, reader.run());
+  } catch (const Declined& e) {
+    return py::make_tuple(false, std::string(e.what()));
+  } catch (const c10::Error& e) {
+    return py::make_tuple(false, std::string("torch: ") + e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
+void register_unpickle(py::module_& m) {
+  m.def("unpickle", &unpickle, py::arg("data"), py::arg("mapping"), py::arg("hooks"),
+        "Read a torch.save pickle natively: (True, result), or (False, why) when the Python reader must decide");
+}
+
+}  // namespace zerofast::load
