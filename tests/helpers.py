@@ -1,8 +1,13 @@
 """Comparisons shared by the tests. Everything is bit for bit: zerofast only copies and casts."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import subprocess
 from pathlib import Path
+from typing import Iterator
+
+import pytest
 
 import torch
 
@@ -47,3 +52,22 @@ def real_truth(name: str) -> dict:
 def stored_values(truth: dict) -> dict:
     """Every tensor the checkpoint holds, by name, in its stored dtype."""
     return {**truth["trainable"], **truth["frozen"], **truth["buffers"]}
+
+
+@contextlib.contextmanager
+def small_tmpfs(mnt: Path, size: str, elsewhere: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``mnt`` for a full-disk test, unmounted after; a skip that
+    says why (and where else failing writes are covered, ``elsewhere``) where it cannot be mounted."""
+    mnt.mkdir()
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
+                              text=True, timeout=30)
+        reason = proc.stderr.strip() or f"exit code {proc.returncode}"
+    except OSError as e:
+        proc, reason = None, str(e)
+    if proc is None or proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (mounting needs root and CAP_SYS_ADMIN: {reason}); {elsewhere}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)

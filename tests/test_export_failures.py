@@ -36,7 +36,7 @@ from zerofast.output.transaction import MARKER
 
 MARKER_TOP, MARKER_NAME = MARKER.split("/")[0], Path(MARKER).name  # what listdir / a rename shows
 
-from tests.helpers import assert_bitwise_equal
+from tests.helpers import assert_bitwise_equal, small_tmpfs
 
 REPO = Path(__file__).resolve().parent.parent
 SAFE = "safetensors"
@@ -219,21 +219,8 @@ def test_cli_reports_a_write_error_in_one_line(ref, tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True,
-                              text=True, timeout=30)
-        reason = proc.stderr.strip() or f"exit code {proc.returncode}"
-    except OSError as e:
-        proc, reason = None, str(e)
-    if proc is None or proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (mounting needs root and CAP_SYS_ADMIN: {reason}); "
-                    "the file-size limit tests cover failing writes")
-    try:
+    with small_tmpfs(tmp_path / "disk", "32m", "the file-size limit tests cover failing writes") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
 def _free(path: Path) -> int:

@@ -31,7 +31,7 @@ from zerofast.output.transaction import MARKER
 from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize
 
 from tests.conftest import needs_deepspeed
-from tests.helpers import assert_bitwise_equal, real_root
+from tests.helpers import assert_bitwise_equal, real_root, small_tmpfs
 
 SMALL = "s2_bf16_w2_frozen_tied"
 REPO = Path(__file__).resolve().parent.parent
@@ -66,21 +66,8 @@ def _same_state(got: Path, want_root: Path) -> None:
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True,
-                              text=True, timeout=30)
-        reason = proc.stderr.strip() or f"exit code {proc.returncode}"
-    except OSError as e:
-        proc, reason = None, str(e)
-    if proc is None or proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (mounting needs root and CAP_SYS_ADMIN: {reason}); "
-                    "tests/test_export_failures.py covers failing writes with a file-size limit")
-    try:
+    with small_tmpfs(tmp_path / "disk", "16m", "tests/test_export_failures.py covers failing writes with a file-size limit") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
 def _written(root: Path, order: list[str]) -> list[tuple[str, int]]:

@@ -27,6 +27,7 @@ from ..ops import resolve_device
 from ..pipeline import Prepared, plan_checkpoint, prepare
 from ..plan.optimizer import available_keys, scalar_states
 from ..output.team import ALONE
+from ..output.windows import Progress, counter
 from ..output.transaction import EXPORT, checkpoint_inputs, local_folder, write_bytes, write_text
 from . import formats, trainer
 from .formats import WeightFormat
@@ -35,7 +36,6 @@ from .shards import ShardFile, index_doc, layout, parse_size
 if TYPE_CHECKING:
     from ..output.team import Team
 
-Progress = Callable[[int, int], None]
 # Files an export replaces even in a folder it did not write (``overwrite``): model weights, so
 # that no index of an older set of shards is left next to the new files.
 WEIGHT_FILE = re.compile(r"^(model(-\d{5,}-of-\d{5,})?\.safetensors|pytorch_model(-\d{5,}-of-\d{5,})?\.bin)"
@@ -142,7 +142,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     with team.output_dir(out, overwrite, command=EXPORT, inputs=checkpoint_inputs(ckpt_files) + base,
                          replaces=WEIGHT_FILE.match) as folder:
         mine = team.share(writes, ckpt_files.tag, out)
-        advance = _counter(progress, sum(w.nbytes for w in mine))
+        advance = counter(progress, sum(w.nbytes for w in mine))
         with team.step("writing the files", out):
             for w in mine:
                 w.write(folder.tmp, advance)
@@ -264,17 +264,3 @@ def _write_optimizer_index(tmp: Path, optim: _OptimizerFiles) -> None:
     doc = {"keys": optim.keys, "tensors": names[-2], "stage": ckpt.stage, "world_size": ckpt.world_size,
            "tag": ckpt.files.tag, **scalar_states(ckpt)}
     write_text(tmp / OPTIMIZER_JSON, json.dumps(doc, indent=2) + "\n")
-
-
-def _counter(progress: Progress | None, total: int) -> Callable[[int], None]:
-    done = 0
-    if progress is not None:
-        progress(0, total)
-
-    def advance(nbytes: int) -> None:
-        nonlocal done
-        done += nbytes
-        if progress is not None:
-            progress(done, total)
-
-    return advance
