@@ -11,6 +11,8 @@ import pytest
 
 import torch
 
+import zerofast
+
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -26,6 +28,15 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, name: str
     assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert torch.equal(bits(actual), bits(expected)), f"{name}: values differ"
+
+
+def assert_same_state(got: Path, want_root: Path) -> None:
+    """``got`` (a written checkpoint) reconstructs to exactly what ``want_root`` does."""
+    want = zerofast.reconstruct(want_root, dtype=None)
+    have = zerofast.reconstruct(got, dtype=None)
+    assert list(have) == list(want)
+    for name, value in want.items():
+        assert_bitwise_equal(have[name], value, name)
 
 
 def expected_value(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

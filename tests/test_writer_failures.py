@@ -31,7 +31,7 @@ from zerofast.output.transaction import MARKER
 from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize
 
 from tests.conftest import needs_deepspeed
-from tests.helpers import assert_bitwise_equal, real_root, small_tmpfs
+from tests.helpers import assert_bitwise_equal, assert_same_state, real_root, small_tmpfs
 
 SMALL = "s2_bf16_w2_frozen_tied"
 REPO = Path(__file__).resolve().parent.parent
@@ -51,14 +51,6 @@ def _zerofast(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def _tmp_folders(folder: Path) -> list[str]:
     return [str(p) for p in folder.rglob(".*tmp*")] if folder.exists() else []
-
-
-def _same_state(got: Path, want_root: Path) -> None:
-    want = zerofast.reconstruct(want_root, dtype=None)
-    have = zerofast.reconstruct(got, dtype=None)
-    assert list(have) == list(want)
-    for name, value in want.items():
-        assert_bitwise_equal(have[name], value, name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,7 +151,7 @@ def test_a_full_disk_is_one_error_line_at_every_point_and_a_rerun_succeeds(small
             for name in want:
                 assert_bitwise_equal(loaded[name], want[name], f"{what}: {name}")
         else:
-            _same_state(out / "global_step3" if command[0] == "to-universal" else out, ck)
+            assert_same_state(out / "global_step3" if command[0] == "to-universal" else out, ck)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +254,7 @@ def test_signals_at_random_points_leave_nothing_behind(tmp_path, monkeypatch, wr
             for name in want:
                 assert_bitwise_equal(got[name], want[name], f"{where}: {name}")
         else:
-            _same_state(out, ck)
+            assert_same_state(out, ck)
         subprocess.run(["rm", "-rf", str(tmp_path / "out")], check=True)
 
 

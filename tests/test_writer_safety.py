@@ -20,7 +20,7 @@ from zerofast.output.transaction import MARKER
 from zerofast.writers.reshard import write_resharded
 
 from tests.conftest import needs_deepspeed
-from tests.helpers import assert_bitwise_equal, real_root, real_truth
+from tests.helpers import assert_bitwise_equal, assert_same_state, real_root, real_truth
 from tests.planting import copy_checkpoint, optim_name, rewrite
 
 pytestmark = needs_deepspeed
@@ -48,14 +48,6 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int, bytes]]:
     return out
 
 
-def _same_state(got: Path, want_root: Path) -> None:
-    want = zerofast.reconstruct(want_root, dtype=None)
-    have = zerofast.reconstruct(got, dtype=None)
-    assert list(have) == list(want)
-    for name, value in want.items():
-        assert_bitwise_equal(have[name], value, name)
-
-
 # ---------------------------------------------------------------------------------------------
 # One transaction: another command's folder is refused; --overwrite touches only what it replaces
 
@@ -73,7 +65,7 @@ def test_reshard_refuses_an_export_and_with_overwrite_leaves_it_alone(tmp_path, 
     for name in ("model.safetensors", "README.md"):
         assert after[name] == before[name], name  # the export's weights and the user's file, untouched
     assert (out / "latest").read_text() == real_truth(SMALL)["tag"]
-    _same_state(out, ck)
+    assert_same_state(out, ck)
     # The folder is the reshard's now: its own rerun goes through without --overwrite.
     assert main(["reshard", str(ck), str(out), "--world-size", "2", "--quiet"]) == 0
     assert _snapshot(out)["model.safetensors"] == before["model.safetensors"]
@@ -90,7 +82,7 @@ def test_export_refuses_a_resharded_checkpoint_and_keeps_latest(tmp_path, capsys
     after = _snapshot(out)
     for name in ("latest", "zero_to_fp32.py", "zero_to_torch.py"):
         assert after[name] == before[name], name
-    _same_state(out, ck)  # still a checkpoint DeepSpeed (and zerofast) reads
+    assert_same_state(out, ck)  # still a checkpoint DeepSpeed (and zerofast) reads
     got = zerofast.load_exported(out)
     want = zerofast.reconstruct(ck)
     for name in want:
