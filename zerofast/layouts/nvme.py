@@ -1,0 +1,187 @@
+"""ZeRO-Infinity saves: ZeRO-3 with ``offload_optimizer: {device: nvme}``, the state in swap files.
+
+On disk (DeepSpeed 0.19.8, ``engine.save_checkpoint``): the plain ZeRO-3 files, plus
+``offloaded_tensors/rank{RR}/`` (``RR`` the data-parallel rank, two digits), a copy of the rank's
+optimizer swap folder (``<nvme_path>/zero_stage_3/optimizer/rank{R}``) without its gradient files.
+A sub-group whose fp32 partition holds at least ``max(1 MiB, aio.block_size)`` bytes is swapped:
+- its ``fp32_flat_groups`` entry in the optimizer file is an empty tensor, and each of its
+  per-element states (Adam's ``exp_avg``, ``exp_avg_sq``) in the inner ``state`` is one too; the
+  scalar ``step`` stays in the file;
+- ``{A}_{B}.tensor.swp`` holds the fp32 partition and ``{key}-{A}_{B}.tensor.swp`` each state:
+  raw little-endian elements of the master dtype, no header, zero padded to a multiple of
+  ``1024 * aio.intra_op_parallelism`` bytes. ``A`` and ``B`` are the ``ds_id`` of the sub-group's
+  first and last parameter.
+
+A ``ds_id`` is the order in which ``zero.Init`` converted the parameter, which the save does not
+record (a module's own parameters come after its children's). Each swapped sub-group is paired
+with its files by that order estimated from ``module`` (parameters in model order, frozen ones
+included): sub-groups sorted by estimated first and last id, files by ``(A, B)``; every file must
+then have the byte size of its sub-group. Where sizes refute that pairing, the sizes alone decide
+if they are unambiguous; otherwise the save is refused.
+
+Loading fills the empty entries with the swap files' elements (mapped copy-on-write, not read up
+front), so planning, every reader and the writers see a plain ZeRO-3 save: reshard and to-universal
+write plain (non-NVMe) saves. DeepSpeed's own load of an NVMe engine copies the swap files back
+under the ``ds_id`` names of its model; writing those for another world size needs ids the save
+does not hold, so that is refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import keys as K
+from ..discover import CheckpointFiles, Found, plain_files
+from ..errors import IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
+from ..load import LoadedCheckpoint, OptimStates
+from ..plan.model import ceil_div
+from .zero import ZeroLayout
+
+FOLDER = "offloaded_tensors"
+_MASTER = re.compile(r"^(\d+)_(\d+)\.tensor\.swp$")
+_ALIGN_BYTES = 1024  # DeepSpeed's AIO_ALIGNED_BYTES, times aio.intra_op_parallelism
+
+
+@dataclass(frozen=True)
+class SwapFiles(CheckpointFiles):
+    swap_files: tuple[tuple[Path, ...], ...] = ()  # per rank, the files of offloaded_tensors/rank{RR}
+
+    def paths(self) -> tuple[Path, ...]:
+        return super().paths() + tuple(p for rank in self.swap_files for p in rank)
+
+
+class NvmeLayout(ZeroLayout):
+    name = "nvme"
+    title = "NVMe-offloaded optimizer state (ZeRO-Infinity)"
+    writable = True  # as plain saves; see the module docstring
+
+    def claims(self, found: Found) -> str | None:
+        return f"{FOLDER}/" if (found.tag_dir / FOLDER).is_dir() else None
+
+    def list_files(self, found: Found) -> CheckpointFiles:
+        model_files, optim_files = plain_files(found)
+        folders = [found.tag_dir / FOLDER / f"rank{r:02d}" for r in range(len(optim_files))]
+        for folder in folders:
+            if not folder.is_dir():
+                raise IncompleteCheckpointError(
+                    f"expected {FOLDER}/{folder.name}/ for each of the {len(optim_files)} optimizer files, "
+                    f"found no {folder.name}", found.tag_dir)
+        swap = tuple(tuple(sorted(p for p in folder.iterdir() if p.is_file())) for folder in folders)
+        return SwapFiles(found.root, found.tag, found.tag_dir, model_files, optim_files, layout=self, swap_files=swap)
+
+    def load(self, files: SwapFiles) -> LoadedCheckpoint:
+        ckpt = super().load(files)
+        if ckpt.stage != 3:
+            raise UnsupportedCheckpointError(
+                f"{FOLDER}/ next to a ZeRO stage {ckpt.stage} save: DeepSpeed swaps optimizer state to NVMe at "
+                "stage 3 only", files.tag_dir)
+        ids = _estimated_ids(ckpt)
+        align = _ALIGN_BYTES * _intra_op_parallelism(ckpt)
+        optim = [_swapped_in(o, ckpt, list(rank), ids, align) for o, rank in zip(ckpt.optim_states, files.swap_files)]
+        return dataclasses.replace(ckpt, optim_states=optim)
+
+
+def _estimated_ids(ckpt: LoadedCheckpoint) -> dict[str, int]:
+    """name -> its index among the model's parameters (model order, each tied one once)."""
+    meta = ckpt.meta
+    skip = set(meta.buffer_names) | set(meta.shared_params)
+    return {name: i for i, name in enumerate(n for n in meta.module if n not in skip)}
+
+
+def _intra_op_parallelism(ckpt: LoadedCheckpoint) -> int:
+    cfg = ckpt.meta.raw.get(K.DS_CONFIG)
+    aio = cfg.get("aio") if isinstance(cfg, dict) else None
+    value = aio.get("intra_op_parallelism", 1) if isinstance(aio, dict) else 1
+    if type(value) is not int or value < 1:
+        raise UnsupportedCheckpointError(f"expected ds_config aio.intra_op_parallelism to be an int >= 1, "
+                                         f"found {value!r}", ckpt.meta.path)
+    return value
+
+
+def _swapped_in(o: OptimStates, ckpt: LoadedCheckpoint, files: list[Path], ids: dict[str, int],
+                align: int) -> OptimStates:
+    """``o`` with every swapped sub-group's master and per-element states read from ``files``."""
+    shapes, W = ckpt.meta.param_shapes, ckpt.world_size
+    if len(o.flat_groups) != len(shapes):
+        raise InconsistentCheckpointError(
+            f"expected {len(shapes)} fp32_flat_groups (one per 'param_shapes' sub-group), found {len(o.flat_groups)}",
+            o.path)
+    sizes = [sum(ceil_div(int(torch.Size(s).numel()), W) for s in group.values()) for group in shapes]
+    swapped = [i for i, g in enumerate(o.flat_groups) if g.numel() == 0 and sizes[i] > 0]
+    dtype = next((g.dtype for g in o.flat_groups if g.numel() > 0), torch.float32)
+    masters = {(int(m.group(1)), int(m.group(2))): p for p in files if (m := _MASTER.match(p.name))}
+    stems = _pair(o, swapped, masters, [(sizes[i] * dtype.itemsize, _id_range(shapes[i], ids)) for i in swapped],
+                  align)
+    flat_groups = list(o.flat_groups)
+    osd = dict(o.raw[K.OPTIMIZER_STATE_DICT])
+    inner = dict(osd[K.ZERO3_INNER])
+    state = dict(inner.get(K.STATE) or {})
+    folder = _folder(files, o) if swapped else None
+    for i, stem in zip(swapped, stems):
+        flat_groups[i] = _read(folder / f"{stem}.tensor.swp", sizes[i], dtype, align)
+        entry = dict(state.get(i) or {})
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == 0:
+                entry[key] = _read(folder / f"{key}-{stem}.tensor.swp", sizes[i], dtype, align)
+        state[i] = entry
+    inner[K.STATE] = state
+    osd[K.ZERO3_INNER], osd[K.ZERO3_FLAT] = inner, flat_groups
+    return dataclasses.replace(o, flat_groups=flat_groups, raw={**o.raw, K.OPTIMIZER_STATE_DICT: osd})
+
+
+def _folder(files: list[Path], o: OptimStates) -> Path:
+    if not files:
+        raise IncompleteCheckpointError("expected swap files for its swapped sub-groups, found an empty "
+                                        f"{FOLDER}/ rank folder", o.path)
+    return files[0].parent
+
+
+def _id_range(group: dict, ids: dict[str, int]) -> tuple[int, int]:
+    names = list(group)
+    return ids.get(names[0], -1), ids.get(names[-1], -1)
+
+
+def _pair(o: OptimStates, swapped: list[int], masters: dict[tuple[int, int], Path],
+          wanted: list[tuple[int, tuple[int, int]]], align: int) -> list[str]:
+    """The file stem (``A_B``) of each swapped sub-group, in ``swapped`` order (module docstring)."""
+    if len(masters) != len(swapped):
+        raise IncompleteCheckpointError(
+            f"expected {len(swapped)} fp32 swap files ({{first}}_{{last}}.tensor.swp) for the sub-groups this rank's "
+            f"file leaves empty ({swapped}), found {len(masters)} in {FOLDER}/", o.path)
+    files = sorted(masters)
+    fits = [[_fits(masters[f].stat().st_size, nbytes, align) for f in files] for nbytes, _ in wanted]
+    by_order = sorted(range(len(swapped)), key=lambda j: wanted[j][1])
+    chosen = [0] * len(swapped)
+    for f, j in enumerate(by_order):
+        chosen[j] = f
+    if not all(fits[j][chosen[j]] for j in range(len(swapped))):
+        only = [[f for f, ok in enumerate(row) if ok] for row in fits]
+        if any(len(c) != 1 for c in only) or len({c[0] for c in only}) != len(only):
+            raise InconsistentCheckpointError(
+                f"cannot tell which swap file in {FOLDER}/ holds which of the swapped sub-groups {swapped}: their "
+                f"sizes do not single them out", o.path)
+        chosen = [c[0] for c in only]
+    return [f"{files[f][0]}_{files[f][1]}" for f in chosen]
+
+
+def _fits(size: int, nbytes: int, align: int) -> bool:
+    return size == ceil_div(nbytes, align) * align
+
+
+def _read(path: Path, numel: int, dtype: torch.dtype, align: int) -> torch.Tensor:
+    if not path.is_file():
+        raise IncompleteCheckpointError(f"expected the swap file {path.name} of a swapped sub-group, found none",
+                                        path.parent)
+    size, nbytes = path.stat().st_size, numel * dtype.itemsize
+    if not _fits(size, nbytes, align):
+        raise InconsistentCheckpointError(
+            f"expected {ceil_div(nbytes, align) * align} bytes ({numel} {dtype} elements padded to {align}), found "
+            f"{size}", path)
+    return torch.from_file(str(path), shared=False, size=numel, dtype=dtype)
+
+
+LAYOUT = NvmeLayout()
