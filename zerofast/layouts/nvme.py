@@ -36,7 +36,8 @@ import torch
 
 from .. import keys as K
 from ..discover import CheckpointFiles, Found, plain_files
-from ..errors import IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
+from ..errors import (IncompleteCheckpointError, InconsistentCheckpointError, UnplacedOptimizerStateError,
+                      UnsupportedCheckpointError)
 from ..load import LoadedCheckpoint, OptimStates
 from ..plan.model import ceil_div
 from .zero import ZeroLayout
@@ -52,6 +53,11 @@ class SwapFiles(CheckpointFiles):
 
     def paths(self) -> tuple[Path, ...]:
         return super().paths() + tuple(p for rank in self.swap_files for p in rank)
+
+
+@dataclass
+class SwappedCheckpoint(LoadedCheckpoint):
+    unread: tuple[Path, ...] = ()  # swap files no optimizer state names (left by another run, planted)
 
 
 class NvmeLayout(ZeroLayout):
@@ -81,8 +87,20 @@ class NvmeLayout(ZeroLayout):
                 "stage 3 only", files.tag_dir)
         ids = _estimated_ids(ckpt)
         align = _ALIGN_BYTES * _intra_op_parallelism(ckpt)
-        optim = [_swapped_in(o, ckpt, list(rank), ids, align) for o, rank in zip(ckpt.optim_states, files.swap_files)]
-        return dataclasses.replace(ckpt, optim_states=optim)
+        optim, used = [], set()
+        for o, rank in zip(ckpt.optim_states, files.swap_files):
+            optim.append(_swapped_in(o, ckpt, list(rank), ids, align, used))
+        unread = tuple(p for rank in files.swap_files for p in rank if p not in used)
+        fields = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt)}
+        return SwappedCheckpoint(**{**fields, "optim_states": optim}, unread=unread)
+
+    def refuse_unplaced(self, ckpt: SwappedCheckpoint, placed, writer: str) -> None:
+        super().refuse_unplaced(ckpt, placed, writer)
+        if ckpt.unread:
+            path = ckpt.unread[0]
+            raise UnplacedOptimizerStateError(
+                f"{writer} cannot place the swap file {path.parent.name}/{path.name}: no optimizer state of "
+                f"{path.parent.name} names it ({len(ckpt.unread)} such files); refusing rather than dropping it", path)
 
 
 def _estimated_ids(ckpt: LoadedCheckpoint) -> dict[str, int]:
@@ -103,8 +121,9 @@ def _intra_op_parallelism(ckpt: LoadedCheckpoint) -> int:
 
 
 def _swapped_in(o: OptimStates, ckpt: LoadedCheckpoint, files: list[Path], ids: dict[str, int],
-                align: int) -> OptimStates:
-    """``o`` with every swapped sub-group's master and per-element states read from ``files``."""
+                align: int, used: set[Path]) -> OptimStates:
+    """``o`` with every swapped sub-group's master and per-element states read from ``files``
+    (each file read is added to ``used``)."""
     shapes, W = ckpt.meta.param_shapes, ckpt.world_size
     if len(o.flat_groups) != len(shapes):
         raise InconsistentCheckpointError(
@@ -122,11 +141,11 @@ def _swapped_in(o: OptimStates, ckpt: LoadedCheckpoint, files: list[Path], ids: 
     state = dict(inner.get(K.STATE) or {})
     folder = _folder(files, o) if swapped else None
     for i, stem in zip(swapped, stems):
-        flat_groups[i] = _read(folder / f"{stem}.tensor.swp", sizes[i], dtype, align)
+        flat_groups[i] = _read(folder / f"{stem}.tensor.swp", sizes[i], dtype, align, used)
         entry = dict(state.get(i) or {})
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == 0:
-                entry[key] = _read(folder / f"{key}-{stem}.tensor.swp", sizes[i], dtype, align)
+                entry[key] = _read(folder / f"{key}-{stem}.tensor.swp", sizes[i], dtype, align, used)
         state[i] = entry
     inner[K.STATE] = state
     osd[K.ZERO3_INNER], osd[K.ZERO3_FLAT] = inner, flat_groups
@@ -172,7 +191,7 @@ def _fits(size: int, nbytes: int, align: int) -> bool:
     return size == ceil_div(nbytes, align) * align
 
 
-def _read(path: Path, numel: int, dtype: torch.dtype, align: int) -> torch.Tensor:
+def _read(path: Path, numel: int, dtype: torch.dtype, align: int, used: set[Path]) -> torch.Tensor:
     if not path.is_file():
         raise IncompleteCheckpointError(f"expected the swap file {path.name} of a swapped sub-group, found none",
                                         path.parent)
@@ -181,6 +200,7 @@ def _read(path: Path, numel: int, dtype: torch.dtype, align: int) -> torch.Tenso
         raise InconsistentCheckpointError(
             f"expected {ceil_div(nbytes, align) * align} bytes ({numel} {dtype} elements padded to {align}), found "
             f"{size}", path)
+    used.add(path)
     return torch.from_file(str(path), shared=False, size=numel, dtype=dtype)
 
 
