@@ -58,6 +58,12 @@ class SwapFiles(CheckpointFiles):
 @dataclass
 class SwappedCheckpoint(LoadedCheckpoint):
     unread: tuple[Path, ...] = ()  # swap files no optimizer state names (left by another run, planted)
+    swapped: tuple[int, ...] = ()  # rank 0's sub-groups read from swap files
+    files_read: int = 0
+
+    @property
+    def parallelism(self) -> dict:
+        return {**super().parallelism, "offloaded": {"sub_groups": list(self.swapped), "files": self.files_read}}
 
 
 class NvmeLayout(ZeroLayout):
@@ -92,7 +98,10 @@ class NvmeLayout(ZeroLayout):
             optim.append(_swapped_in(o, ckpt, list(rank), ids, align, used))
         unread = tuple(p for rank in files.swap_files for p in rank if p not in used)
         fields = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt)}
-        return SwappedCheckpoint(**{**fields, "optim_states": optim}, unread=unread)
+        before, after = ckpt.optim_states[0].flat_groups, optim[0].flat_groups
+        swapped = tuple(i for i, (g, h) in enumerate(zip(before, after)) if g.numel() != h.numel())
+        return SwappedCheckpoint(**{**fields, "optim_states": optim}, unread=unread, swapped=swapped,
+                                 files_read=len(used))
 
     def refuse_unplaced(self, ckpt: SwappedCheckpoint, placed, writer: str) -> None:
         super().refuse_unplaced(ckpt, placed, writer)
