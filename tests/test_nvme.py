@@ -261,3 +261,16 @@ def test_a_swapped_key_of_every_rank_is_carried(tmp_path):
     assert list(after) == list(before)
     for name, value in before.items():
         assert_bitwise_equal(after[name], value, name)
+
+
+def test_reshard_refuses_a_key_of_one_sub_group(tmp_path):
+    """The new ranks' sub-groups mix the old ones' parameters: a key that one sub-group of a
+    param group keeps and another does not has no place in them, and is refused, not dropped."""
+    root, tag = planting.copy_checkpoint(real_root(NAME), tmp_path / "src")
+    _plant_in_file(tag, [0, 1], 1, lambda obj: torch.empty(0))
+    for r in range(2):
+        shutil.copy(_swap_dir(tag, r) / "5_5.tensor.swp", _swap_dir(tag, r) / f"{PLANTED}-5_5.tensor.swp")
+    assert list(zerofast.optimizer_state(root, PLANTED)) == ["blocks.0.fc2.weight"]
+    with pytest.raises(zerofast.UnplacedOptimizerStateError, match="sub-group 1"):
+        reshard(root, tmp_path / "out", 3)
+    assert _nothing_written(tmp_path / "out")

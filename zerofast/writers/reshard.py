@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import InconsistentCheckpointError, ReshardError, UnsupportedCheckpointError
+from ..errors import InconsistentCheckpointError, ReshardError, UnplacedOptimizerStateError, UnsupportedCheckpointError
 from ..layouts import discover, load_checkpoint
 from ..load import LoadedCheckpoint
 from ..output.team import ALONE
@@ -330,6 +330,13 @@ class _Zero3:
         # Scalar state (``step``) per param group, from the group's first sub-group.
         states = group_states(first, 3)
         self.step_of = [states[group[keys.PARAMS][0]][1] if group[keys.PARAMS] else {} for group in self.param_groups]
+        for g, group in enumerate(self.param_groups):  # the new sub-groups mix the old ones' params
+            for i in group[keys.PARAMS]:
+                if set(states[i][1]) != set(self.step_of[g]):
+                    raise UnplacedOptimizerStateError(
+                        f"{COMMAND} cannot place the optimizer state of sub-group {i}: it keeps "
+                        f"{sorted(states[i][1])}, another sub-group of param group {g} {sorted(self.step_of[g])}",
+                        first.path)
         self.sub_group_size = _sub_group_size(ckpt)
         self.sub_groups = [(g, sub) for g, params in enumerate(self.group_params)
                            for sub in self._split(params)]
