@@ -65,9 +65,10 @@ def test_the_state_really_is_in_swap_files():
 
 def test_reconstruct_and_every_optimizer_key_bit_for_bit():
     root, truth = real_root(NAME), real_truth(NAME)
-    state = zerofast.reconstruct(root, dtype=None)
-    for name, value in stored_values(truth).items():
-        assert_bitwise_equal(state[name], value, name)
+    for lazy in (False, True):
+        state = zerofast.reconstruct(root, dtype=None, lazy=lazy)
+        for name, value in stored_values(truth).items():
+            assert_bitwise_equal(state[name], value, f"{name} (lazy={lazy})")
     build_model(truth["spec"]["model"]).load_state_dict(zerofast.reconstruct(root), strict=True)
     ckpt = load_checkpoint(discover(root))
     assert sorted(ckpt.layout.optimizer_keys(ckpt)) == sorted(KEYS)
@@ -274,3 +275,37 @@ def test_reshard_refuses_a_key_of_one_sub_group(tmp_path):
     with pytest.raises(zerofast.UnplacedOptimizerStateError, match="sub-group 1"):
         reshard(root, tmp_path / "out", 3)
     assert _nothing_written(tmp_path / "out")
+
+
+def _rename_ids(tag, renames: dict[str, str]) -> None:
+    """Give the swap files of sub-groups other ``ds_id``s, on both ranks, master and states alike."""
+    for r in range(2):
+        for path in list(_swap_dir(tag, r).iterdir()):
+            key, _, stem = path.name[:-len(".tensor.swp")].rpartition("-")
+            if stem in renames:
+                path.rename(path.with_name(f"{key + '-' if key else ''}{renames[stem]}.tensor.swp"))
+
+
+@pytest.mark.parametrize("ids", ["shifted", "unnamed", "unnamed_and_resized"])
+def test_swap_files_are_paired_with_their_sub_groups(tmp_path, ids):
+    """``ds_id``s shifted alike (a process that built another model first) still name the files;
+    ids the parameters' order does not name fall back to the sizes, and without those the save
+    is refused."""
+    root, tag = planting.copy_checkpoint(real_root(NAME), tmp_path / "src")
+    if ids == "shifted":
+        _rename_ids(tag, {"0_3": "100_103", "5_5": "105_105"})
+    else:  # 5_5 -> 2_2, 0_3 -> 5_5: names that would pair sub-group 1 with sub-group 0's file
+        _rename_ids(tag, {"5_5": "2_2"})
+        _rename_ids(tag, {"0_3": "5_5"})
+    if ids == "unnamed_and_resized":
+        os.truncate(_swap_dir(tag, 0) / "5_5.tensor.swp", 1024)
+        with pytest.raises(zerofast.InconsistentCheckpointError, match="cannot tell which swap file"):
+            zerofast.reconstruct(root)
+        return
+    truth = real_truth(NAME)
+    state = zerofast.reconstruct(root, dtype=None)
+    for name, value in truth["trainable"].items():
+        assert_bitwise_equal(state[name], value, name)
+    got = zerofast.optimizer_state(root, "exp_avg_sq")
+    for name, value in truth["optimizer_states"]["exp_avg_sq"].items():
+        assert_bitwise_equal(got[name], value, name)

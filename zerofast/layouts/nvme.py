@@ -13,11 +13,11 @@ A sub-group whose fp32 partition holds at least ``max(1 MiB, aio.block_size)`` b
   first and last parameter.
 
 A ``ds_id`` is the order in which ``zero.Init`` converted the parameter, which the save does not
-record (a module's own parameters come after its children's). Each swapped sub-group is paired
-with its files by that order estimated from ``module`` (parameters in model order, frozen ones
-included): sub-groups sorted by estimated first and last id, files by ``(A, B)``; every file must
-then have the byte size of its sub-group. Where sizes refute that pairing, the sizes alone decide
-if they are unambiguous; otherwise the save is refused.
+record (a module's own parameters come after its children's). So each swapped sub-group gets
+the file its ids name when estimated from ``module`` (parameters in model order, frozen ones
+included, all shifted alike), if that names a distinct file for every one; else the file of its
+byte size, if the sizes single each one out; else the save is refused. Every file read must have
+its sub-group's size.
 
 Loading fills the empty entries with the swap files' elements (mapped copy-on-write, not read up
 front), so planning, every reader and the writers see a plain ZeRO-3 save: reshard and to-universal
@@ -180,20 +180,27 @@ def _pair(o: OptimStates, swapped: list[int], masters: dict[tuple[int, int], Pat
         raise IncompleteCheckpointError(
             f"expected {len(swapped)} fp32 swap files ({{first}}_{{last}}.tensor.swp) for the sub-groups this rank's "
             f"file leaves empty ({swapped}), found {len(masters)} in {FOLDER}/", o.path)
+    exact = _by_name(set(masters), [ids for _, ids in wanted])
+    if exact is not None:
+        return [f"{a}_{b}" for a, b in exact]
     files = sorted(masters)
-    fits = [[_fits(masters[f].stat().st_size, nbytes, align) for f in files] for nbytes, _ in wanted]
-    by_order = sorted(range(len(swapped)), key=lambda j: wanted[j][1])
-    chosen = [0] * len(swapped)
-    for f, j in enumerate(by_order):
-        chosen[j] = f
-    if not all(fits[j][chosen[j]] for j in range(len(swapped))):
-        only = [[f for f, ok in enumerate(row) if ok] for row in fits]
-        if any(len(c) != 1 for c in only) or len({c[0] for c in only}) != len(only):
-            raise InconsistentCheckpointError(
-                f"cannot tell which swap file in {FOLDER}/ holds which of the swapped sub-groups {swapped}: their "
-                f"sizes do not single them out", o.path)
-        chosen = [c[0] for c in only]
-    return [f"{files[f][0]}_{files[f][1]}" for f in chosen]
+    fits = [[f for f in files if _fits(masters[f].stat().st_size, nbytes, align)] for nbytes, _ in wanted]
+    if any(len(c) != 1 for c in fits) or len({c[0] for c in fits}) != len(fits):
+        raise InconsistentCheckpointError(
+            f"cannot tell which swap file in {FOLDER}/ holds which of the swapped sub-groups {swapped}: the "
+            f"parameters' order does not name them ({[f'{a}_{b}' for a, b in files]}) and their sizes do not single "
+            "them out", o.path)
+    return [f"{c[0][0]}_{c[0][1]}" for c in fits]
+
+
+def _by_name(names: set[tuple[int, int]], estimates: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """The files named by the estimated ids, shifted alike (``ds_id`` counts on across the models
+    one process builds), when one shift names a distinct file for every sub-group."""
+    for shift in sorted({a - first for a, _ in names for first, _ in estimates}):
+        named = [(first + shift, last + shift) for first, last in estimates]
+        if all(n in names for n in named) and len(set(named)) == len(named):
+            return named
+    return None
 
 
 def _fits(size: int, nbytes: int, align: int) -> bool:
