@@ -309,3 +309,23 @@ def test_swap_files_are_paired_with_their_sub_groups(tmp_path, ids):
     got = zerofast.optimizer_state(root, "exp_avg_sq")
     for name, value in truth["optimizer_states"]["exp_avg_sq"].items():
         assert_bitwise_equal(got[name], value, name)
+
+
+def test_a_frozen_param_deepspeed_saved_as_a_placeholder_is_refused_by_name(capsys):
+    """DeepSpeed 0.19.8 saves a frozen parameter that offload_param keeps on NVMe as a 1-element
+    placeholder (and copies no param swap file): that weight is not in the save. Reading it is
+    refused naming it; the optimizer state, all in the save, still reads bit for bit."""
+    name = "s3_bf16_w2_nvme_frozen_swapped"
+    root, truth = real_root(name), real_truth(name)
+    fragment = load_file(root / truth["tag"] / planting.zero3_model_name(0))[K.FROZEN_PARAM_FRAGMENTS]
+    assert fragment["lora.base.weight"].numel() == 1
+    with pytest.raises(zerofast.IncompleteCheckpointError, match="'lora.base.weight'.*placeholder"):
+        zerofast.reconstruct(root)
+    assert main(["inspect", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lora.base.weight" in err, err
+    for key in KEYS:
+        got = zerofast.optimizer_state(root, key)
+        assert list(got) == list(truth["optimizer_states"][key])
+        for param, value in truth["optimizer_states"][key].items():
+            assert_bitwise_equal(got[param], value, f"{key} {param}")

@@ -175,6 +175,19 @@ NVME_LAYOUTS: dict[str, dict] = {
                               "buffer_size": 600000, "max_in_cpu": 0}},
             "zero_force_ds_cpu_optimizer": False},
     },
+    # dim 1024: the frozen lora.base.weight (1M elements) is large enough for the param swapper, so
+    # it is on NVMe at save time, and DeepSpeed 0.19.8 saves a 1-element placeholder as its
+    # fragment: the save does not hold it. One swapped sub-group (the default sub_group_size).
+    "s3_bf16_w2_nvme_frozen_swapped": {
+        "stage": 3, "world_size": 2, "dtype": "bf16", "n_groups": 2, "offload": "nvme",
+        "model": {"dim": 1024, "hidden": 256, "n_blocks": 1},
+        "ds_config": {"zero_optimization": {
+            "stage3_prefetch_bucket_size": 0,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "@SWAP@", "pin_memory": False, "buffer_count": 4},
+            "offload_param": {"device": "nvme", "nvme_path": "@SWAP@", "pin_memory": False, "buffer_count": 4,
+                              "buffer_size": 600000, "max_in_cpu": 0}},
+            "zero_force_ds_cpu_optimizer": False},
+    },
 }
 
 ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS, **MUON_LAYOUTS, **RESHARD_LAYOUTS, **NVME_LAYOUTS}

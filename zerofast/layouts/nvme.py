@@ -39,7 +39,7 @@ from ..discover import CheckpointFiles, Found, plain_files
 from ..errors import (IncompleteCheckpointError, InconsistentCheckpointError, UnplacedOptimizerStateError,
                       UnsupportedCheckpointError)
 from ..load import LoadedCheckpoint, OptimStates
-from ..plan.model import ceil_div
+from ..plan.model import Plan, SourceTable, ceil_div, rank_share
 from .zero import ZeroLayout
 
 FOLDER = "offloaded_tensors"
@@ -103,6 +103,11 @@ class NvmeLayout(ZeroLayout):
         return SwappedCheckpoint(**{**fields, "optim_states": optim}, unread=unread, swapped=swapped,
                                  files_read=len(used))
 
+    def plan(self, ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
+             exclude_frozen: bool) -> Plan:
+        _refuse_swapped_frozen(ckpt)
+        return super().plan(ckpt, table, dtype, exclude_frozen)
+
     def refuse_unplaced(self, ckpt: SwappedCheckpoint, placed, writer: str) -> None:
         super().refuse_unplaced(ckpt, placed, writer)
         if ckpt.unread:
@@ -110,6 +115,20 @@ class NvmeLayout(ZeroLayout):
             raise UnplacedOptimizerStateError(
                 f"{writer} cannot place the swap file {path.parent.name}/{path.name}: no optimizer state of "
                 f"{path.parent.name} names it ({len(ckpt.unread)} such files); refusing rather than dropping it", path)
+
+
+def _refuse_swapped_frozen(ckpt: LoadedCheckpoint) -> None:
+    """A frozen parameter on NVMe (``offload_param``) at save time is saved as a placeholder."""
+    W = ckpt.world_size
+    for name, shape in (ckpt.meta.frozen_param_shapes or {}).items():
+        n = int(torch.Size(shape).numel())
+        for r, ms in enumerate(ckpt.model_states):
+            fragment, share = ms.frozen_param_fragments.get(name), rank_share(n, ceil_div(n, W), r)
+            if fragment is not None and 0 < fragment.numel() < share:
+                raise IncompleteCheckpointError(
+                    f"the save does not hold frozen parameter {name!r}: its fragment is a {fragment.numel()}-element "
+                    f"placeholder, not its {share} elements (DeepSpeed 0.19.8 saves a frozen parameter that "
+                    "offload_param keeps on NVMe that way); its optimizer state can still be read", ms.path)
 
 
 def _estimated_ids(ckpt: LoadedCheckpoint) -> dict[str, int]:
