@@ -111,10 +111,10 @@ def test_verify_reads_the_swap_files(tmp_path):
         report.findings
 
 
-@pytest.mark.parametrize("damage", ["truncated", "missing"])
+@pytest.mark.parametrize("damage", ["truncated", "missing", "missing_master"])
 def test_a_damaged_swap_file_is_refused_by_name(tmp_path, capsys, damage):
     root, tag = planting.copy_checkpoint(real_root(NAME), tmp_path / "src")
-    path = _swap_dir(tag, 0) / "exp_avg-5_5.tensor.swp"
+    path = _swap_dir(tag, 0) / ("5_5.tensor.swp" if damage == "missing_master" else "exp_avg-5_5.tensor.swp")
     if damage == "truncated":
         os.truncate(path, path.stat().st_size - 1024)
         error = zerofast.InconsistentCheckpointError

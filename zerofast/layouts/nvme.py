@@ -94,8 +94,8 @@ class NvmeLayout(ZeroLayout):
         ids = _estimated_ids(ckpt)
         align = _ALIGN_BYTES * _intra_op_parallelism(ckpt)
         optim, used = [], set()
-        for o, rank in zip(ckpt.optim_states, files.swap_files):
-            optim.append(_swapped_in(o, ckpt, list(rank), ids, align, used))
+        for r, (o, rank) in enumerate(zip(ckpt.optim_states, files.swap_files)):
+            optim.append(_swapped_in(o, ckpt, files.tag_dir / FOLDER / f"rank{r:02d}", rank, ids, align, used))
         unread = tuple(p for rank in files.swap_files for p in rank if p not in used)
         fields = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt)}
         before, after = ckpt.optim_states[0].flat_groups, optim[0].flat_groups
@@ -132,10 +132,11 @@ def _refuse_swapped_frozen(ckpt: LoadedCheckpoint) -> None:
 
 
 def _estimated_ids(ckpt: LoadedCheckpoint) -> dict[str, int]:
-    """name -> its index among the model's parameters (model order, each tied one once)."""
+    """name -> its index among the model's parameters: ``module`` order, keeping the names that
+    ``param_shapes`` or ``frozen_param_shapes`` list (a tied alias is in neither at stage 3)."""
     meta = ckpt.meta
-    skip = set(meta.buffer_names) | set(meta.shared_params)
-    return {name: i for i, name in enumerate(n for n in meta.module if n not in skip)}
+    params = {n for group in meta.param_shapes for n in group} | set(meta.frozen_param_shapes or {})
+    return {name: i for i, name in enumerate(n for n in meta.module if n in params)}
 
 
 def _intra_op_parallelism(ckpt: LoadedCheckpoint) -> int:
@@ -148,10 +149,10 @@ def _intra_op_parallelism(ckpt: LoadedCheckpoint) -> int:
     return value
 
 
-def _swapped_in(o: OptimStates, ckpt: LoadedCheckpoint, files: list[Path], ids: dict[str, int],
-                align: int, used: set[Path]) -> OptimStates:
-    """``o`` with every swapped sub-group's master and per-element states read from ``files``
-    (each file read is added to ``used``)."""
+def _swapped_in(o: OptimStates, ckpt: LoadedCheckpoint, folder: Path, files: tuple[Path, ...],
+                ids: dict[str, int], align: int, used: set[Path]) -> OptimStates:
+    """``o`` with every swapped sub-group's master and per-element states read from ``files`` in
+    ``folder`` (each file read is added to ``used``)."""
     shapes, W = ckpt.meta.param_shapes, ckpt.world_size
     if len(o.flat_groups) != len(shapes):
         raise InconsistentCheckpointError(
@@ -161,13 +162,12 @@ def _swapped_in(o: OptimStates, ckpt: LoadedCheckpoint, files: list[Path], ids: 
     swapped = [i for i, g in enumerate(o.flat_groups) if g.numel() == 0 and sizes[i] > 0]
     dtype = next((g.dtype for g in o.flat_groups if g.numel() > 0), torch.float32)
     masters = {(int(m.group(1)), int(m.group(2))): p for p in files if (m := _MASTER.match(p.name))}
-    stems = _pair(o, swapped, masters, [(sizes[i] * dtype.itemsize, _id_range(shapes[i], ids)) for i in swapped],
+    stems = _pair(folder, swapped, masters, [(sizes[i] * dtype.itemsize, _id_range(shapes[i], ids)) for i in swapped],
                   align)
     flat_groups = list(o.flat_groups)
     osd = dict(o.raw[K.OPTIMIZER_STATE_DICT])
     inner = dict(osd[K.ZERO3_INNER])
     state = dict(inner.get(K.STATE) or {})
-    folder = _folder(files, o) if swapped else None
     for i, stem in zip(swapped, stems):
         flat_groups[i] = _read(folder / f"{stem}.tensor.swp", sizes[i], dtype, align, used)
         entry = dict(state.get(i) or {})
@@ -180,25 +180,18 @@ def _swapped_in(o: OptimStates, ckpt: LoadedCheckpoint, files: list[Path], ids: 
     return dataclasses.replace(o, flat_groups=flat_groups, raw={**o.raw, K.OPTIMIZER_STATE_DICT: osd})
 
 
-def _folder(files: list[Path], o: OptimStates) -> Path:
-    if not files:
-        raise IncompleteCheckpointError("expected swap files for its swapped sub-groups, found an empty "
-                                        f"{FOLDER}/ rank folder", o.path)
-    return files[0].parent
-
-
 def _id_range(group: dict, ids: dict[str, int]) -> tuple[int, int]:
     names = list(group)
     return ids.get(names[0], -1), ids.get(names[-1], -1)
 
 
-def _pair(o: OptimStates, swapped: list[int], masters: dict[tuple[int, int], Path],
+def _pair(folder: Path, swapped: list[int], masters: dict[tuple[int, int], Path],
           wanted: list[tuple[int, tuple[int, int]]], align: int) -> list[str]:
     """The file stem (``A_B``) of each swapped sub-group, in ``swapped`` order (module docstring)."""
     if len(masters) != len(swapped):
         raise IncompleteCheckpointError(
-            f"expected {len(swapped)} fp32 swap files ({{first}}_{{last}}.tensor.swp) for the sub-groups this rank's "
-            f"file leaves empty ({swapped}), found {len(masters)} in {FOLDER}/", o.path)
+            f"expected {len(swapped)} fp32 swap files ({{first}}_{{last}}.tensor.swp) for the sub-groups the rank's "
+            f"optimizer file leaves empty ({swapped}), found {len(masters)}", folder)
     exact = _by_name(set(masters), [ids for _, ids in wanted])
     if exact is not None:
         return [f"{a}_{b}" for a, b in exact]
@@ -206,9 +199,8 @@ def _pair(o: OptimStates, swapped: list[int], masters: dict[tuple[int, int], Pat
     fits = [[f for f in files if _fits(masters[f].stat().st_size, nbytes, align)] for nbytes, _ in wanted]
     if any(len(c) != 1 for c in fits) or len({c[0] for c in fits}) != len(fits):
         raise InconsistentCheckpointError(
-            f"cannot tell which swap file in {FOLDER}/ holds which of the swapped sub-groups {swapped}: the "
-            f"parameters' order does not name them ({[f'{a}_{b}' for a, b in files]}) and their sizes do not single "
-            "them out", o.path)
+            f"cannot tell which swap file holds which of the swapped sub-groups {swapped}: the parameters' order "
+            f"does not name them ({[f'{a}_{b}' for a, b in files]}) and their sizes do not single them out", folder)
     return [f"{c[0][0]}_{c[0][1]}" for c in fits]
 
 
