@@ -158,15 +158,3 @@ def test_bad_rows_name_the_argument(rows, message):
     with pytest.raises(RuntimeError, match=message):
         torch.ops.zerofast.check_ranges([torch.zeros(10)], [-1], torch.zeros(1, dtype=torch.int64), torch.tensor(rows),
                                         torch.tensor([10]), torch.float32, False, 4)
-
-
-def test_opcheck():
-    """torch's operator checks: schema, fake kernel (a data-dependent chunk count), autograd
-    registration, AOT dispatch."""
-    ops.load_native()
-    g = torch.Generator().manual_seed(4)
-    sources = [torch.randn(64, generator=g), torch.randn(64, generator=g).to(torch.bfloat16)]
-    rows = torch.tensor([[0, 0, 0, 0, 0, 40], [0, 1, 1, 0, 0, 40], [1, 0, 0, 40, 0, 24], [1, 1, 1, 40, 0, 24]])
-    args = (sources, [-1, -1], torch.zeros(2, dtype=torch.int64), rows, torch.tensor([40, 24]), torch.bfloat16, True,
-            16, 2)
-    torch.library.opcheck(torch.ops.zerofast.check_ranges.default, args)
