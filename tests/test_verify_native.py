@@ -85,3 +85,20 @@ def test_diffs_report_alike(monkeypatch, tmp_path):
     zerofast.export(ckpt, tmp_path / "bf16", dtype=torch.bfloat16)
     native, python = _both(monkeypatch, lambda: zerofast.diff(ckpt, tmp_path / "bf16"))
     assert native == python and any(c["dtype_a"] != c["dtype_b"] for c in native["changed"])
+
+
+def test_a_torch_export_holding_a_strided_tensor_reports_alike(monkeypatch, tmp_path):
+    # torch.save keeps a view's strides: the native checks read such a tensor like any other.
+    ckpt = ensure_checkpoint("s2_bf16_w2_frozen_tied")
+    out = tmp_path / "hf"
+    zerofast.export(ckpt, out, format="torch")
+    file = sorted(out.glob("*.bin"))[0]
+    saved = torch.load(file, weights_only=True)
+    name = next(n for n, t in saved.items() if t.dim() == 2)
+    wide = torch.zeros(2 * saved[name].numel(), dtype=saved[name].dtype)
+    wide[::2] = saved[name].reshape(-1)
+    saved[name] = wide[::2].reshape(saved[name].shape)
+    torch.save(saved, file)
+    assert not torch.load(file, weights_only=True)[name].is_contiguous()
+    native, python = _both(monkeypatch, lambda: zerofast.verify(out, against=ckpt))
+    assert native == python and native["findings"] == [], native["findings"]

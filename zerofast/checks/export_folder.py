@@ -260,7 +260,8 @@ class ExportFolder:
                 else:
                     if where.path not in loaded:
                         loaded[where.path] = torch.load(where.path, mmap=True, weights_only=True, map_location="cpu")
-                    found.sources.append(loaded[where.path][where.key].reshape(-1))
+                    # A tensor saved as a strided view loads as one; the op reads contiguous sources.
+                    found.sources.append(loaded[where.path][where.key].reshape(-1).contiguous())
                     found.fds.append(-1)
                     found.offsets.append(0)
                 found.rows[name] = [(len(found.sources) - 1, 0, 0, meta.numel)]
