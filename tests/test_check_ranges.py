@@ -1,5 +1,6 @@
 """The native check_ranges op (zerofast verify's checks) against its pure-torch reference, bit for
 bit, on random plans full of NaN, infinities, signed zeros and subnormals; and its argument checks."""
+import errno
 import os
 
 import pytest
@@ -158,3 +159,20 @@ def test_bad_rows_name_the_argument(rows, message):
     with pytest.raises(RuntimeError, match=message):
         torch.ops.zerofast.check_ranges([torch.zeros(10)], [-1], torch.zeros(1, dtype=torch.int64), torch.tensor(rows),
                                         torch.tensor([10]), torch.float32, False, 4)
+
+
+def test_a_file_that_ends_early_is_an_os_error_natively_and_in_the_reference(tmp_path, monkeypatch):
+    # The loader checked the sizes; a file cut short since is EIO, never fewer elements counted.
+    path = tmp_path / "v.bin"
+    path.write_bytes(torch.arange(6, dtype=torch.float32).numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        args = ([torch.empty(1).expand(10)], [fd], torch.zeros(1, dtype=torch.int64),
+                torch.tensor([[0, 0, 0, 0, 0, 10]]), torch.tensor([10]), torch.float32, False, 4)
+        for native in (True, False):
+            monkeypatch.setattr(ops, "native_enabled", lambda: native)
+            with pytest.raises(OSError, match="truncated") as e:
+                ops.check_ranges(*args)
+            assert e.value.errno == errno.EIO
+    finally:
+        os.close(fd)

@@ -1,6 +1,7 @@
 """Pure-torch reference of every native op. Tests hold the native kernels to these."""
 from __future__ import annotations
 
+import errno
 import os
 from typing import Sequence
 
@@ -86,7 +87,11 @@ def _source_piece(sources, fds, offsets, row, lo: int, hi: int) -> tuple[int, to
     first, n, dtype = src_off + a - dst_off, b - a, sources[src].dtype
     if fds[src] < 0:
         return a - lo, sources[src].reshape(-1)[first:first + n]
-    raw = os.pread(fds[src], n * dtype.itemsize, int(offsets[src]) + first * dtype.itemsize)
+    at = int(offsets[src]) + first * dtype.itemsize
+    raw = os.pread(fds[src], n * dtype.itemsize, at)
+    if len(raw) < n * dtype.itemsize:  # as the native kernel says it, not fewer elements counted
+        raise OSError(errno.EIO, f"a checkpoint file ended at offset {at + len(raw)} while reading it: it was "
+                                 "truncated after it was opened")
     return a - lo, torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype) if n else sources[src][:0]
 
 
