@@ -37,7 +37,10 @@ namespace {
 
 using cpu::cast_piece;
 using cpu::pread_all;
+using cpu::check_file_range;
+using cpu::checked_fd;
 using cpu::reader_threads;
+using cpu::run_workers;
 
 // A row of `segments`: (tensor, side, source, source offset, tensor offset, length), in elements.
 constexpr int kCols = 6;
@@ -181,11 +184,7 @@ class Checks {
   }
 
   std::tuple<at::Tensor, at::Tensor> run() {
-    const int nthreads = reader_threads(items_.size(), readers_);
-    std::vector<std::thread> pool;
-    for (int t = 1; t < nthreads; ++t) pool.emplace_back([this] { worker(); });
-    worker();
-    for (auto& th : pool) th.join();
+    run_workers(reader_threads(items_.size(), readers_), [this] { worker(); });
     if (error_) std::rethrow_exception(error_);
     return reduce();
   }
@@ -313,7 +312,8 @@ std::vector<Source> make_sources(const std::vector<at::Tensor>& sources, c10::In
     TORCH_CHECK(supported(s.scalar_type()) && (!compare || supported(dtype)), "check_ranges: `sources[", i,
                 "]` is ", s.scalar_type(), " and the checked dtype ", dtype,
                 "; only float64/32/16, bfloat16, integers and bool are checked");
-    out.push_back({static_cast<const char*>(s.const_data_ptr()), static_cast<int>(fds[i]), off[i],
+    if (fds[i] >= 0) check_file_range(off[i], s.numel() * static_cast<int64_t>(s.element_size()), "check_ranges", i);
+    out.push_back({static_cast<const char*>(s.const_data_ptr()), checked_fd(fds[i], "check_ranges", i), off[i],
                    static_cast<int64_t>(s.element_size()), s.scalar_type()});
   }
   return out;

@@ -39,7 +39,10 @@ namespace {
 using cpu::cast_piece;
 using cpu::io_error;
 using cpu::pread_all;
+using cpu::check_file_range;
+using cpu::checked_fd;
 using cpu::reader_threads;
+using cpu::run_workers;
 
 // One row of `segments`: (out index, source index, source offset, output offset, length), in
 // elements of the source and of the output.
@@ -117,16 +120,7 @@ class Batch {
   }
 
   void run() {
-    const int nthreads = reader_threads(items_.size(), readers_);
-    if (nthreads <= 1) {
-      worker();
-    } else {
-      std::vector<std::thread> pool;
-      pool.reserve(nthreads - 1);
-      for (int t = 1; t < nthreads; ++t) pool.emplace_back([this] { worker(); });
-      worker();
-      for (auto& th : pool) th.join();
-    }
+    run_workers(reader_threads(items_.size(), readers_), [this] { worker(); });
     if (error_) std::rethrow_exception(error_);
   }
 
@@ -255,7 +249,8 @@ std::vector<Source> make_sources(const std::vector<at::Tensor>& sources, c10::In
     TORCH_CHECK(s.device().is_cpu() && s.is_contiguous(), "read_cast: `sources[", i,
                 "]` must be a contiguous CPU tensor");
     TORCH_CHECK(fds[i] < 0 || off[i] >= 0, "read_cast: `source_offsets[", i, "]` is negative");
-    out.push_back({static_cast<const char*>(s.const_data_ptr()), static_cast<int>(fds[i]), off[i],
+    if (fds[i] >= 0) check_file_range(off[i], s.numel() * static_cast<int64_t>(s.element_size()), "read_cast", i);
+    out.push_back({static_cast<const char*>(s.const_data_ptr()), checked_fd(fds[i], "read_cast", i), off[i],
                    static_cast<int64_t>(s.element_size()), s.scalar_type()});
   }
   return out;
@@ -344,7 +339,7 @@ void read_cast_to_file_cpu(const std::vector<at::Tensor>& sources, c10::IntArray
                            const at::Tensor& source_offsets, const at::Tensor& segments, int64_t out_fd,
                            const at::Tensor& out_offsets, const at::Tensor& out_numels, at::ScalarType out_dtype,
                            int64_t readers, bool copy_file_range) {
-  TORCH_CHECK(out_fd >= 0, "read_cast_to_file: `out_fd` must be an open file descriptor, got ", out_fd);
+  TORCH_CHECK(out_fd >= 0 && out_fd <= INT_MAX, "read_cast_to_file: `out_fd` must be an open file descriptor, got ", out_fd);
   for (const auto* t : {&out_offsets, &out_numels}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous() &&
                     t->size(0) == out_offsets.size(0),
