@@ -41,10 +41,11 @@ class LazyStateDict(Mapping):
     its memory-mapped source without copying. Nothing is cached: each lookup gives fresh memory,
     so holding the mapping costs only the file mappings.
 
-    Iterating reads ahead: when it reaches a name, the tensors of the next names (up to
-    :data:`READ_AHEAD_BYTES` together, none of them a view, each smaller than that) are read in one
-    native call and handed out as they are looked up. Names passed without a lookup drop theirs, so
-    a pass over the mapping holds at most one read-ahead window besides what the caller keeps.
+    Iterating reads ahead: looking up the name the loop is at, past the last window, reads the
+    tensors of the next names (up to :attr:`read_ahead_bytes` together, none of them a view, each
+    smaller than that) in one native call, and hands them out as they are looked up. Iterating
+    names alone reads nothing. A new window drops what the last one still held, so a pass over
+    the mapping holds at most one window besides what the caller keeps.
     :meth:`materialize` reads a chosen set of tensors in one call.
     """
 
@@ -52,23 +53,27 @@ class LazyStateDict(Mapping):
         self._plan = plan
         self._executor = executor
         self._window: dict[str, torch.Tensor] = {}  # plan name -> tensor read ahead, not looked up yet
+        self._window_end = 0  # the names before it are (or were) in the window
+        self._at: int | None = None  # where the latest loop over the mapping is
         self.read_ahead_bytes = READ_AHEAD_BYTES
 
     def __getitem__(self, name: str) -> torch.Tensor:
         key = self._plan.aliases.get(name, name)
         tp = self._plan.tensors[key]
+        at = self._at
+        if at is not None and at >= self._window_end and self._plan.order[at] == name:
+            self._window_end = self._read_ahead(at)
         ahead = self._window.pop(key, None)
         return ahead if ahead is not None else self._executor.view_or_run(tp)
 
     def __iter__(self) -> Iterator[str]:
-        order = self._plan.order
-        end = 0  # the names before it have had their window read
+        self._window_end = 0
         try:
-            for i, name in enumerate(order):
-                if i >= end:
-                    end = self._read_ahead(i)
+            for i, name in enumerate(self._plan.order):
+                self._at = i
                 yield name
         finally:
+            self._at = None
             self._window.clear()
 
     def _read_ahead(self, start: int) -> int:
