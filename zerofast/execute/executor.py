@@ -53,7 +53,15 @@ class Executor:
             return [self.run(tp) for tp in tps]
         if self.device.type == "cpu":
             return self.reader.read(tps)
-        return [t for run in in_runs(tps, STAGING_BYTES) for t in self._read_to_device(run)]
+        return self._read_to_device(tps)
+
+    def _read_to_device(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
+        # Read as stored (a plain copy), cast where the result lives: Tensor.to's cast, as on the CPU.
+        made: list[torch.Tensor] = []
+        for run in in_runs([dataclasses.replace(tp, out_dtype=tp.stored_dtype) for tp in tps], STAGING_BYTES):
+            for host in self.reader.read(run):
+                made.append(host.to(self.device).to(tps[len(made)].out_dtype))
+        return made
 
     def run_into(self, tps: Sequence[TensorPlan], outs: Sequence[torch.Tensor]) -> None:
         """Each of ``tps`` into the tensor of ``outs`` beside it, as :meth:`run` with ``out``:
@@ -65,11 +73,6 @@ class Executor:
             return
         for tp, out in zip(tps, outs):
             self.run(tp, out)
-
-    def _read_to_device(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
-        # Read as stored (a plain copy), cast where the result lives: Tensor.to's cast, as on the CPU.
-        host = self.reader.read([dataclasses.replace(tp, out_dtype=tp.stored_dtype) for tp in tps])
-        return [h.to(self.device).to(tp.out_dtype) for h, tp in zip(host, tps)]
 
     def run(self, tp: TensorPlan, out: torch.Tensor | None = None) -> torch.Tensor:
         """Write ``tp`` into ``out`` (a fresh tensor when None) and return it in its shape."""
