@@ -133,11 +133,9 @@ def _optim_state(weights: Prepared, lazy: _Lazy) -> dict[str, Any]:
     scalars = scalar_states(ckpt)
     if keys:
         ckpt.layout.refuse_unplaced(ckpt, keys, "to-dcp")  # never a partition copied through
-    if keys and len({tuple(g["keys"]) for g in ckpt.layout.optimizer_groups(ckpt)}) > 1:
-        keys = []  # kept per param group (Muon beside Adam): not yet written to DCP, refused below
     if not keys or not scalars["param_groups"]:
         # set_state_dict needs both: the per-parameter states and the groups that own them.
-        missing = "no per-element state kept for every param group" if not keys else \
+        missing = "no per-element state" if not keys else \
             "no param groups (an elastic_checkpoint save)"
         raise UnsupportedCheckpointError(f"the optimizer state has {missing}, which get_state_dict's layout "
                                          "needs; pass optimizer=False (--no-optimizer) for the weights alone",
@@ -146,8 +144,10 @@ def _optim_state(weights: Prepared, lazy: _Lazy) -> dict[str, Any]:
     executor = states.streaming_executor()
     per_param: dict[str, dict[str, Any]] = {}
     for name, values in scalars["state"].items():
+        # Each parameter gets the keys of its own group (Muon's momentum_buffer, Adam's moments),
+        # each in the dtype and shape the save keeps it in.
         entry = {k: lazy.placeholder(f"{OPTIM}.state.{name}.{k}", states.plan.tensors[f"{name}.{k}"], executor)
-                 for k in keys}
+                 for k in keys if f"{name}.{k}" in states.plan.tensors}
         entry.update({k: _scalar(v) for k, v in values.items()})
         per_param[name] = entry
     return {"state": per_param, "param_groups": _param_groups(scalars["param_groups"])}
