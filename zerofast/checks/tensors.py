@@ -197,8 +197,7 @@ class Difference:
             if differs:
                 self.differs = True
                 self.changed += changed
-                self.max_abs = max(self.max_abs, max_abs)
-                self.max_rel = max(self.max_rel, max_rel)
+                self.max_abs, self.max_rel = nan_max(self.max_abs, max_abs), nan_max(self.max_rel, max_rel)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         if same_bits(a, b):
@@ -211,9 +210,15 @@ class Difference:
         self.changed += int(same.numel() - same.sum())
         gap = (x - y).abs().masked_fill(same, 0)
         if gap.numel():
-            self.max_abs = max(self.max_abs, float(gap.max()))
+            self.max_abs = nan_max(self.max_abs, float(gap.max()))
             rel = gap / x.abs().clamp_min(torch.finfo(torch.float64).tiny)
-            self.max_rel = max(self.max_rel, float(rel.max()))
+            self.max_rel = nan_max(self.max_rel, float(rel.max()))
+
+
+def nan_max(current: float, new: float) -> float:
+    """The larger, a NaN winning: a value against a NaN is a change of unknown size, which
+    Python's ``max`` would drop (``max(0.0, nan)`` is 0.0)."""
+    return new if math.isnan(new) or new > current else current
 
 
 # 16-bit floats: the bits of |x| are at least these exactly when x is an infinity or a NaN.
