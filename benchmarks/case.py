@@ -1,7 +1,11 @@
 """One benchmark measurement, run in a fresh process: ``python benchmarks/case.py CASE CKPT OUT``.
 
 Prints one JSON line: seconds after imports, bytes produced, peak RSS. The parent process adds
-the whole-process time. Cases that need DeepSpeed import it here, so zerofast's own cases never
+the whole-process time. Peak RSS is this process's own high-water mark (``VmHWM`` in
+/proc/self/status), not ``ru_maxrss``: Linux carries ``ru_maxrss`` across fork and exec, so it
+would report run.py's own peak whenever that is larger. A case that launches workers
+(zf_export_2workers) also counts their ``ru_maxrss`` (each at least this process's size when it
+forked). Cases that need DeepSpeed import it here, so zerofast's own cases never
 pay for it.
 """
 from __future__ import annotations
@@ -43,6 +47,7 @@ def zf_prepare(ckpt, out):
 
 
 def zf_lazy(ckpt, out):
+    """Every tensor of the lazy mapping looked up once, in its order, and dropped."""
     import zerofast
 
     zerofast.reconstruct  # noqa: B018
@@ -50,9 +55,40 @@ def zf_lazy(ckpt, out):
     sd = zerofast.reconstruct(ckpt, lazy=True)
     total = 0
     for name in sd:
-        t = sd[name]  # built, then dropped: peak memory is one tensor
+        t = sd[name]  # built (read ahead with its neighbours when small), then dropped
         total += t.numel() * t.element_size()
     return time.perf_counter() - t0, total
+
+
+def _empty_model(ckpt):
+    """A module with an uninitialized fp32 tensor for each of the checkpoint's (fp32 dict's) names."""
+    import torch
+
+    import zerofast
+
+    root = torch.nn.Module()
+    sd = zerofast.reconstruct(ckpt, lazy=True)
+    for name in sd:
+        meta = sd.meta(name)
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype),
+                                                           requires_grad=False))
+    return root
+
+
+def zf_load_into(ckpt, out):
+    """zerofast.load_into into a model of empty fp32 tensors (made before the clock starts)."""
+    import zerofast
+
+    model = _empty_model(ckpt)
+    t0 = time.perf_counter()
+    zerofast.load_into(model, ckpt)
+    return time.perf_counter() - t0, _nbytes(model.state_dict().values())
 
 
 def ds_eager(ckpt, out):
@@ -120,6 +156,18 @@ def floor(ckpt, out):
     t0 = time.perf_counter()
     copies = [torch.empty_like(src).copy_(src) for src in prepared.sources]
     return time.perf_counter() - t0, _nbytes(copies)
+
+
+def cat_files(ckpt, out):
+    """The floor of a save of thousands of files: ``cat`` of every file the layout reads > /dev/null."""
+    import subprocess
+
+    from zerofast.layouts import discover
+
+    files = [str(p) for p in discover(ckpt).paths()]
+    t0 = time.perf_counter()
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - t0, sum(os.path.getsize(f) for f in files)
 
 
 def disk_write(ckpt, out):
@@ -224,9 +272,18 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-CASES = {f.__name__: f for f in (zf_eager, zf_prepare, zf_lazy, ds_eager, zf_export, zf_export_bf16,
+CASES = {f.__name__: f for f in (zf_eager, zf_prepare, zf_lazy, zf_load_into, cat_files, ds_eager, zf_export, zf_export_bf16,
                                   zf_export_2workers, ds_export, floor, disk_write, zf_reshard, copy_files,
                                   zf_to_universal, ds_to_universal, zf_to_dcp, zf_export_dcp, torch_dcp_to_torch_save)}
+
+
+def _peak_rss(workers: bool) -> int:
+    """This process's peak resident bytes; with ``workers``, the largest of it and its workers."""
+    with open("/proc/self/status") as f:
+        own = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    if not workers:
+        return own
+    return max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 
 
 def main() -> None:
@@ -235,8 +292,7 @@ def main() -> None:
     out.mkdir(parents=True)
     try:
         seconds, nbytes = CASES[case](ckpt, out)
-        # The largest process: this one, or a worker it launched (zf_export_2workers).
-        rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024
+        rss = _peak_rss(workers=case == "zf_export_2workers")
         print(json.dumps({"case": case, "seconds": seconds, "bytes": nbytes, "peak_rss": rss}), flush=True)
     finally:
         shutil.rmtree(out, ignore_errors=True)

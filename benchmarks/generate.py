@@ -10,6 +10,13 @@ included), so both tools read the same bytes they would read after real training
 ``ds_zero2_20k`` is a real DeepSpeed 0.19.8 save instead (one training step on the CPU, through
 tests/dsgen/train.py under torchrun): ZeRO-2, world size 2, 3250 tiny blocks, about 19.5k
 tensors in one model-states file, the metadata-bound shape of a many-expert model.
+
+Two scale workloads (issue 22):
+- ``many_small_200k``: ``many_small`` four times over (ZeRO-3, 200k tensors of about 1k elements,
+  200M parameters, world 4), for the per-tensor cost at scale;
+- ``ds_moe_1k``: a real DeepSpeed 0.19.8 MoE save (benchmarks/moe_job.py: train_families.py's MoE
+  run with 4 MoE layers of 256 tiny experts, ZeRO-2, world 2, ep 2): 1024
+  ``layer_*_expert_*_mp_rank_00_model_states.pt`` files, with DeepSpeed's ground truth.
 """
 from __future__ import annotations
 
@@ -40,6 +47,12 @@ def _layers(prefix: str, n_params: int) -> list[ParamSpec]:
     return specs
 
 
+# The many-small-tensor shapes (about 1k elements each) by tensor count: ``many_small`` and the
+# scaling series of the README (1k, 10k, 50k, 200k tensors).
+SMALL_COUNTS = {"many_small_1k": 1_000, "many_small_10k": 10_000, "many_small": 50_000, "many_small_200k": 200_000}
+SMALL_PARAMS = {name: count * 1_000 for name, count in SMALL_COUNTS.items()}
+
+
 def workload(name: str, n_params: int, world_size: int) -> LayoutSpec:
     buffers = [BufferSpec("position_ids", (4096,), torch.int64)]
     if name == "zero3":
@@ -51,9 +64,9 @@ def workload(name: str, n_params: int, world_size: int) -> LayoutSpec:
         frozen = _layers("base", n_params // 2)
         return LayoutSpec(stage=2, world_size=world_size, model_dtype=torch.bfloat16, groups=[trainable],
                           frozen=frozen, buffers=buffers)
-    if name == "many_small":
-        # Per-tensor overhead dominates here: 50k tensors of about 1k elements each.
-        count = 50_000
+    if name in SMALL_COUNTS:
+        # Per-tensor overhead dominates here: 50k (200k) tensors of about 1k elements each.
+        count = SMALL_COUNTS[name]
         side = max(1, int((n_params / count) ** 0.5))
         params = [ParamSpec(f"t.{i}.weight", (side, side + i % 3)) for i in range(count)]
         return LayoutSpec(stage=3, world_size=world_size, model_dtype=torch.bfloat16, groups=[params],
@@ -65,7 +78,11 @@ def workload(name: str, n_params: int, world_size: int) -> LayoutSpec:
 REAL = {
     "ds_zero2_20k": {"stage": 2, "world_size": 2, "dtype": "bf16", "n_groups": 1, "steps": 1, "tag": "global_step1",
                      "model": {"n_blocks": 3250, "dim": 4, "hidden": 4, "vocab": 11, "lora_rank": 1}},
+    "ds_moe_1k": {"family": "moe", "stage": 2, "world_size": 2, "dtype": "bf16", "ep": 2, "steps": 1,
+                  "tag": "global_step1", "moe_layers": [256, 256, 256, 256]},
 }
+# The torchrun script of each real save (default: tests/dsgen/train.py).
+SCRIPTS = {"ds_moe_1k": Path(__file__).resolve().parent / "moe_job.py"}
 
 
 def ensure_real(root: Path, name: str) -> Path:
@@ -78,10 +95,12 @@ def ensure_real(root: Path, name: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    script = Path(__file__).resolve().parent.parent / "tests" / "dsgen" / "train.py"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec["world_size"]),
-                    "--master_addr", "127.0.0.1", "--master_port", "29613", str(script), json.dumps(spec), str(tmp)],
-                   check=True, env=env, capture_output=True)
+    script = SCRIPTS.get(name, Path(__file__).resolve().parent.parent / "tests" / "dsgen" / "train.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec["world_size"]),
+                    "--master_addr", "127.0.0.1", "--master_port", str(29613 + list(REAL).index(name)), str(script), json.dumps(spec), str(tmp)],
+                   env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"training {name} failed:\n{proc.stderr[-4000:]}")
     (tmp / "workload.json").write_text(json.dumps(spec))
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
@@ -111,10 +130,12 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=Path(__file__).parent / "data")
     ap.add_argument("--params", type=float, default=500e6)
     ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--scale", action="store_true", help="also the scale workloads: many_small_200k, ds_moe_1k")
     args = ap.parse_args()
     for name in ("zero3", "zero2_frozen"):
         ensure(args.root, name, int(args.params), args.world_size)
-    ensure(args.root, "many_small", 50_000_000, args.world_size)
+    for name in ("many_small", *(("many_small_200k", "ds_moe_1k") if args.scale else ())):
+        ensure(args.root, name, SMALL_PARAMS.get(name, 0), args.world_size)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.dcp_workload import ensure_dcp_workload  # noqa: E402
-from benchmarks.generate import REAL, ensure  # noqa: E402
+from benchmarks.generate import REAL, SMALL_PARAMS, ensure  # noqa: E402
 
-EAGER = ["floor", "zf_prepare", "zf_eager", "ds_eager", "zf_lazy"]
+EAGER = ["floor", "zf_prepare", "zf_eager", "ds_eager", "zf_lazy", "zf_load_into"]
+# A save of thousands of expert files, which DeepSpeed's converter cannot read: against cat.
+MANY_FILES = ["cat_files", "zf_prepare", "zf_eager", "zf_lazy", "zf_export"]
 EXPORT = ["zf_export", "ds_export", "zf_export_bf16", "zf_export_2workers", "disk_write"]
 RESUME = ["copy_files", "zf_reshard", "zf_to_universal", "ds_to_universal"]
 # With --dcp: to-dcp against copying the save's files, and a DCP folder's export against torch's.
@@ -116,7 +118,7 @@ def table(results: dict) -> str:
               "base_export": "zf_export", "disk_write": "zf_export"}
     for (workload, cache), cases in results.items():
         for case, m in cases.items():
-            floor = cases.get("copy_files" if case == "zf_reshard" else "floor", {}).get("seconds")
+            floor = cases.get("copy_files" if case == "zf_reshard" else "floor", cases.get("cat_files", {})).get("seconds")
             vs_floor = f"{m['seconds'] / floor:.2f}x" if floor else ""
             rival = cases.get(rivals.get(case, ""), {}).get("seconds")
             speedup = f"{rival / m['seconds']:.2f}x" if rival else ""
@@ -140,7 +142,8 @@ def main() -> None:
                     help="only the DCP cases: to-dcp of zero3 against copy_files, and the export of a 4-rank DCP "
                          "folder of --params against dcp_to_torch_save")
     ap.add_argument("--workloads", default="zero3,zero2_frozen,many_small,ds_zero2_20k",
-                    help="comma-separated workloads to run (default: all)")
+                    help="comma-separated workloads to run (default: these; also many_small_1k, many_small_10k, "
+                         "many_small_200k, ds_moe_1k)")
     ap.add_argument("--baseline", type=Path, help="another zerofast checkout (built) to time in the same rounds")
     ap.add_argument("--skip", default="", help="cases to leave out, comma-separated")
     args = ap.parse_args()
@@ -161,12 +164,14 @@ def main() -> None:
         return _dcp_main(args, modes)
     with tempfile.TemporaryDirectory(dir=args.data.parent if args.data.parent.exists() else None) as scratch:
         for workload in args.workloads.split(","):
-            size = 50_000_000 if workload == "many_small" else int(args.params)
-            ckpt = ensure(args.data, workload, size, args.world_size)
-            small = workload == "many_small" or workload in REAL  # metadata-bound: eager cases, warm only
+            ckpt = ensure(args.data, workload, SMALL_PARAMS.get(workload, int(args.params)), args.world_size)
+            small = workload in SMALL_PARAMS or workload in REAL  # metadata-bound: eager cases, warm only
             for cold in modes if not small else [False]:
                 print(f"{workload} ({'cold' if cold else 'warm'} cache)", flush=True)
                 wanted = cases if not small else [c for c in cases if c in EAGER or c == "base_eager"]
+                if REAL.get(workload, {}).get("family") == "moe":
+                    wanted = [c for c in MANY_FILES if c in cases or c == "cat_files"] + \
+                             [c for c in ("base_eager", "base_export") if c in cases]
                 samples = run_rounds(wanted, ckpt, Path(scratch), args.rounds, cold, args.baseline)
                 results[(workload, "cold" if cold else "warm")] = summarize(samples)
     notes.append(startup(args.rounds + 2))

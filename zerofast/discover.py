@@ -158,18 +158,37 @@ def check_inside(root: Path, path: Path, follow_symlinks: bool | None = None) ->
     A checkpoint from elsewhere could otherwise make zerofast read /proc, a device, or another
     user's files under a name that looks like its own. ``follow_symlinks`` (None: the setting)
     allows it."""
+    check_all_inside(root, (path,), follow_symlinks)
+
+
+def check_all_inside(root: Path, paths, follow_symlinks: bool | None = None) -> None:
+    """:func:`check_inside` for each of ``paths``. A path that is not itself a link lies where its
+    folder resolves to, so a folder of thousands of expert files is resolved once, not per file."""
     if settings().follow_symlinks if follow_symlinks is None else follow_symlinks:
         return
+    real_root = _resolved(root)
+    inside = os.path.join(str(real_root), "")  # with its trailing separator
+    folders: dict[Path, Path] = {}
+    for path in paths:
+        if path.name in ("", ".", "..") or path.is_symlink():
+            real = _resolved(path)
+        else:
+            if path.parent not in folders:
+                folders[path.parent] = _resolved(path.parent)
+            real = folders[path.parent] / path.name
+        if real != real_root and not str(real).startswith(inside):
+            raise UnsafeCheckpointError(
+                f"{path.relative_to(root)} is a symbolic link (or lies in a linked folder) that leads out of the "
+                f"checkpoint folder, to {short_repr(str(real), 200)}; refused (pass follow_symlinks=True, or set "
+                f"{FOLLOW_SYMLINKS_ENV}=1, to follow such links)", root)
+
+
+def _resolved(path: Path) -> Path:
     try:
-        real_root, real = root.resolve(), path.resolve()
+        return path.resolve()
     except (RuntimeError, OSError) as e:  # a loop of links: pathlib raises RuntimeError before 3.13
         raise CorruptCheckpointError(f"cannot follow the symbolic links of {path.name} ({first_line(e)[:120]})",
                                      path) from None
-    if real != real_root and real_root not in real.parents:
-        raise UnsafeCheckpointError(
-            f"{path.relative_to(root)} is a symbolic link (or lies in a linked folder) that leads out of the "
-            f"checkpoint folder, to {short_repr(str(real), 200)}; refused (pass follow_symlinks=True, or set "
-            f"{FOLLOW_SYMLINKS_ENV}=1, to follow such links)", root)
 
 
 def other_model_parallel_rank(names) -> str | None:

@@ -1,9 +1,11 @@
 """``zerofast.load_into``: fill a model's parameters and buffers straight from a ZeRO checkpoint.
 
-Nothing like a state dict is built. Each tensor of the plan is gathered and cast by the native
-executor directly into the model's own memory when the model is on the CPU, contiguous, and the
-cast is one the executor does; otherwise it goes through a temporary of that one tensor. So the
-peak extra memory is one tensor, never a second copy of the model. Writing in place (rather than
+Nothing like a state dict is built. The tensors of the plan are read from the checkpoint files
+and cast by the batched native reader (the eager dict's) directly into the model's own memory,
+all in one call, where the model's tensor is on the CPU, contiguous, and the cast is one the
+reader does; the others go through temporaries, read in batches of at most
+:data:`~zerofast.execute.executor.STAGING_BYTES` (or one tensor, if larger) and copied in. So the
+peak extra memory is one such batch, never a second copy of the model. Writing in place (rather than
 swapping in new tensors) is also what keeps tied parameters tied and optimizers pointing at them.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from . import dtypes
 from .errors import LoadIntoError
-from .execute import Executor
+from .execute.executor import STAGING_BYTES, in_runs
 from .pipeline import prepare
 from .dtypes import out_dtype_for
 from .plan import Plan, TensorPlan
@@ -60,15 +62,29 @@ def load_into(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, strict: bo
     pairs = [(name, _plan_of(plan, name)) for name in targets if name not in missing]
     _check_shapes(pairs, targets, prepared.checkpoint.files.tag_dir)
     executor = prepared.streaming_executor()
-    written: set[int] = set()
+    in_place, staged = _split(pairs, targets, dtype)
     with torch.no_grad():
-        for name, tp in pairs:
-            target = targets[name]
-            if id(target) in written:  # a tied tensor: the model lists it under each of its names
-                continue
-            _load_one(executor, tp, target, dtype)
-            written.add(id(target))
+        executor.run_into([tp for tp, _ in in_place], [target.data for _, target in in_place])
+        done = 0
+        for run in in_runs([tp for tp, _ in staged], STAGING_BYTES):
+            for value, (_, target) in zip(executor.run_all(run), staged[done:done + len(run)]):
+                target.copy_(value)
+            done += len(run)
     return result
+
+
+def _split(pairs, targets: dict, dtype: torch.dtype | None):
+    """The plans to run, each with its target: those written in place, those staged. A tied
+    tensor (the model lists it under each of its names) is written once."""
+    in_place, staged, seen = [], [], set()
+    for name, tp in pairs:
+        target = targets[name]
+        if id(target) in seen:
+            continue
+        seen.add(id(target))
+        planned = _planned(tp, target, dtype)
+        (in_place if _writable_in_place(target, planned.out_dtype) else staged).append((planned, target))
+    return in_place, staged
 
 
 def _plan_of(plan: Plan, name: str) -> TensorPlan:
@@ -104,15 +120,11 @@ def _check_shapes(pairs, targets: dict, where) -> None:
         raise LoadIntoError(f"shapes differ for {len(wrong)} tensor(s): " + "; ".join(wrong[:8]), where)
 
 
-def _load_one(executor: Executor, tp: TensorPlan, target: torch.Tensor, dtype: torch.dtype | None) -> None:
+def _planned(tp: TensorPlan, target: torch.Tensor, dtype: torch.dtype | None) -> TensorPlan:
     value_dtype = target.dtype if dtype is None else out_dtype_for(tp.stored_dtype, dtype)
     if not dtypes.castable(tp.stored_dtype, value_dtype):
         value_dtype = tp.stored_dtype  # e.g. an int64 buffer into a float one: torch's copy_ casts
-    planned = tp if tp.out_dtype == value_dtype else dataclasses.replace(tp, out_dtype=value_dtype)
-    if _writable_in_place(target, value_dtype):
-        executor.run(planned, out=target.data)
-    else:
-        target.copy_(executor.run(planned))
+    return tp if tp.out_dtype == value_dtype else dataclasses.replace(tp, out_dtype=value_dtype)
 
 
 def _writable_in_place(target: torch.Tensor, dtype: torch.dtype) -> bool:

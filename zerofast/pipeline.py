@@ -32,18 +32,22 @@ class Prepared:
     files: list[str] | None = None  # per source: the file it was read from (None: read from memory)
 
     def lazy_executor(self, device: str | torch.device = "cpu") -> Executor:
-        """An executor for the lazy mapping: sources it may hand out as views are never dropped;
-        the rest are streamed, so reading every tensor once keeps one tensor resident."""
+        """An executor for the lazy mapping: it may hand sources out as views (a tensor stored
+        whole in the requested dtype), so it never drops their pages; everything else is read
+        from the files in batches, as the eager dict is, so reading every tensor once keeps no
+        more than what is read at once resident."""
         viewable = {tp.segments[0][0] for tp in self.plan.tensors.values() if Executor.may_view(tp)}
         streamable = [m and i not in viewable for i, m in enumerate(self.mapped)]
-        return Executor(self.sources, device, streamable=streamable)
+        return Executor(self.sources, device, streamable=streamable, batch=self._batch_reader())
 
     def streaming_executor(self, device: str | torch.device = "cpu",
                            compute: str | torch.device | None = None) -> Executor:
         """An executor for one pass that hands no source views out (eager dict, export)."""
+        return Executor(self.sources, device, streamable=self.mapped, compute=compute, batch=self._batch_reader())
+
+    def _batch_reader(self) -> BatchReader:
         files = self.files or [""] * len(self.sources)
-        batch = BatchReader(files, self.sources, locate(files, self.sources) if self.files else [None] * len(files))
-        return Executor(self.sources, device, streamable=self.mapped, compute=compute, batch=batch)
+        return BatchReader(files, self.sources, locate(files, self.sources) if self.files else [None] * len(files))
 
 
 def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,

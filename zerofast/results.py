@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
 from .execute import Executor
-from .plan.model import Plan
+from .plan.model import Plan, TensorPlan
 
 
 def eager_state_dict(plan: Plan, executor: Executor) -> "OrderedDict[str, torch.Tensor]":
@@ -29,24 +29,86 @@ class TensorMeta:
     nbytes: int
 
 
-class LazyStateDict(Mapping):
-    """A read-only mapping whose values are built one at a time, when looked up.
+READ_AHEAD_BYTES = 64 << 20  # what iterating the lazy mapping reads ahead, at most
+READ_AHEAD_TENSORS = 16384
 
-    Each lookup runs that tensor's part of the plan over memory-mapped sources; a tensor already
-    stored whole in the requested dtype is returned as a view without copying. Nothing is cached,
+
+class LazyStateDict(Mapping):
+    """A read-only mapping whose values are built when they are looked up.
+
+    A lookup reads that tensor from the checkpoint files with the same batched native reader the
+    eager dict uses; a tensor already stored whole in the requested dtype is returned as a view of
+    its memory-mapped source without copying. Nothing is cached: each lookup gives fresh memory,
     so holding the mapping costs only the file mappings.
+
+    Iterating reads ahead: looking up the name the loop is at, past the last window, reads the
+    tensors of the next names (up to :attr:`read_ahead_bytes` together, none of them a view, each
+    smaller than that) in one native call, and hands them out as they are looked up. Iterating
+    names alone reads nothing. A new window drops what the last one still held, so a pass over
+    the mapping holds at most one window besides what the caller keeps.
+    :meth:`materialize` reads a chosen set of tensors in one call.
     """
 
     def __init__(self, plan: Plan, executor: Executor):
         self._plan = plan
         self._executor = executor
+        self._window: dict[str, torch.Tensor] = {}  # plan name -> tensor read ahead, not looked up yet
+        self._window_end = 0  # the names before it are (or were) in the window
+        self._at: int | None = None  # where the latest loop over the mapping is
+        self.read_ahead_bytes = READ_AHEAD_BYTES
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        tp = self._plan.tensors[self._plan.aliases.get(name, name)]
-        return self._executor.view_or_run(tp)
+        key = self._plan.aliases.get(name, name)
+        tp = self._plan.tensors[key]
+        at = self._at
+        if at is not None and at >= self._window_end and self._plan.order[at] == name:
+            self._window_end = self._read_ahead(at)
+        ahead = self._window.pop(key, None)
+        return ahead if ahead is not None else self._executor.view_or_run(tp)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._plan.order)
+        self._window_end = 0
+        try:
+            for i, name in enumerate(self._plan.order):
+                self._at = i
+                yield name
+        finally:
+            self._at = None
+            self._window.clear()
+
+    def _read_ahead(self, start: int) -> int:
+        """Replace the window with the tensors of ``order[start:end]`` and return ``end``."""
+        self._window.clear()
+        order, budget = self._plan.order, self.read_ahead_bytes
+        picked: dict[str, TensorPlan] = {}
+        size, end = 0, start
+        viewed = self._executor.device.type == "cpu"
+        while end < len(order) and len(picked) < READ_AHEAD_TENSORS:
+            key = self._plan.aliases.get(order[end], order[end])
+            tp = self._plan.tensors[key]
+            if tp.nbytes > budget or (viewed and Executor.may_view(tp)):
+                end += 1  # read alone (or viewed) when looked up
+                continue
+            if size + tp.nbytes > budget:
+                break
+            picked[key] = tp
+            size += tp.nbytes
+            end += 1
+        if picked:
+            self._window = dict(zip(picked, self._executor.run_all(list(picked.values()))))
+        return max(end, start + 1)
+
+    def materialize(self, names: Iterable[str]) -> "OrderedDict[str, torch.Tensor]":
+        """The tensors of ``names`` in fresh memory, read in one batch, in the order given; tied
+        names share storage as in the eager dict. An unknown name raises KeyError before any read."""
+        names = list(names)
+        keys = [self._plan.aliases.get(n, n) for n in names]
+        for name, key in zip(names, keys):
+            if key not in self._plan.tensors:
+                raise KeyError(name)
+        unique = list(dict.fromkeys(keys))
+        made = dict(zip(unique, self._executor.run_all([self._plan.tensors[k] for k in unique])))
+        return OrderedDict((name, made[key]) for name, key in zip(names, keys))
 
     def __len__(self) -> int:
         return len(self._plan.order)

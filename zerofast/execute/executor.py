@@ -1,7 +1,9 @@
-"""Run a plan's tensors through the native gather-and-cast op."""
+"""Run a plan's tensors through the native ops: the batched file reader where there is one, the
+gather-and-cast op over the mappings otherwise."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+import dataclasses
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -25,8 +27,13 @@ class Executor:
     for host memory (``export(..., device="cuda")``) builds each tensor on the GPU and copies it
     back with its device's host copier (:mod:`zerofast.devices`: pinned buffers for CUDA).
 
-    ``batch`` (a :class:`~zerofast.execute.read_batch.BatchReader`) lets whole passes on the CPU run as
-    one native call that reads the checkpoint files instead of their mappings.
+    ``batch`` (a :class:`~zerofast.execute.read_batch.BatchReader`) makes every read run through
+    native calls that ``pread`` the checkpoint files instead of touching their mappings: a whole
+    pass (:meth:`run_all`) is one call per output dtype, one tensor (:meth:`run`) one call. On a
+    GPU (``device`` and ``compute`` both one) the batch is read into host memory in its stored
+    dtype, :data:`STAGING_BYTES` at a time, then copied over and cast there. ``self.batch``
+    is set only where results are built in host memory (file writers use it to go straight from
+    file to file).
     """
 
     def __init__(self, sources: Sequence[torch.Tensor], device: str | torch.device = "cpu",
@@ -36,30 +43,60 @@ class Executor:
         self.device = torch.device(device)
         self.compute = self.device if compute is None else torch.device(compute)
         self.streamable = streamable
-        self.batch = batch if self.device.type == "cpu" and self.compute.type == "cpu" else None
+        self.reader = batch if self.compute == self.device or self.compute.type == self.device.type == "cpu" else None
+        self.batch = self.reader if self.device.type == "cpu" else None
         self._to_host = None  # the compute device's host copier, made on first use
 
     def run_all(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
         """Every tensor of ``tps`` in fresh memory, in its shape."""
-        if self.batch is not None:
-            return self.batch.read(tps)
-        return [self.run(tp) for tp in tps]
+        if self.reader is None:
+            return [self.run(tp) for tp in tps]
+        if self.device.type == "cpu":
+            return self.reader.read(tps)
+        return self._read_to_device(tps)
+
+    def _read_to_device(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
+        # Read as stored (a plain copy), cast where the result lives: Tensor.to's cast, as on the CPU.
+        made: list[torch.Tensor] = []
+        for run in in_runs([dataclasses.replace(tp, out_dtype=tp.stored_dtype) for tp in tps], STAGING_BYTES):
+            for host in self.reader.read(run):
+                made.append(host.to(self.device).to(tps[len(made)].out_dtype))
+        return made
+
+    def run_into(self, tps: Sequence[TensorPlan], outs: Sequence[torch.Tensor]) -> None:
+        """Each of ``tps`` into the tensor of ``outs`` beside it, as :meth:`run` with ``out``:
+        contiguous CPU ``outs`` in one batched read."""
+        if self.reader is not None and all(o.device.type == "cpu" and o.is_contiguous() for o in outs):
+            for tp, out in zip(tps, outs):
+                self._check_out(tp, out.view(-1))
+            self.reader.read_into(tps, outs)
+            return
+        for tp, out in zip(tps, outs):
+            self.run(tp, out)
 
     def run(self, tp: TensorPlan, out: torch.Tensor | None = None) -> torch.Tensor:
         """Write ``tp`` into ``out`` (a fresh tensor when None) and return it in its shape."""
+        if out is None and self.reader is not None:
+            return self.run_all([tp])[0]
         if out is None:
             out = torch.empty(tp.numel, dtype=tp.out_dtype, device=self.device)
         flat = out.view(-1)
-        if flat.numel() != tp.numel or flat.dtype != tp.out_dtype:
-            raise ValueError(f"out for {tp.name!r} must hold {tp.numel} x {tp.out_dtype}, got "
-                             f"{flat.numel()} x {flat.dtype}")
-        if tp.segments:
+        self._check_out(tp, flat)
+        if self.reader is not None and flat.device.type == "cpu" and out.is_contiguous():
+            self.reader.read_into([tp], [flat])
+        elif tp.segments:
             sources, segments = self._local(tp)
             if self.compute.type != flat.device.type:
                 self._gather_elsewhere(tp, sources, segments, flat)
             else:
                 ops.gather_cast(sources, segments, flat, stream_sources=self._streams(tp))
         return out.view(tp.shape)
+
+    @staticmethod
+    def _check_out(tp: TensorPlan, flat: torch.Tensor) -> None:
+        if flat.numel() != tp.numel or flat.dtype != tp.out_dtype:
+            raise ValueError(f"out for {tp.name!r} must hold {tp.numel} x {tp.out_dtype}, got "
+                             f"{flat.numel()} x {flat.dtype}")
 
     def _gather_elsewhere(self, tp: TensorPlan, sources: list[torch.Tensor], segments: torch.Tensor,
                           flat: torch.Tensor) -> None:
@@ -102,3 +139,21 @@ class Executor:
             rows.append((index.setdefault(src, len(index)), src_off, dst_off, length))
         sources = [self.sources[s] for s in index]
         return sources, torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+
+
+# Host memory a batch read for a GPU (or staged for a model that is not written in place) holds at once.
+STAGING_BYTES = 256 << 20
+
+
+def in_runs(tps: Sequence[TensorPlan], budget: int) -> Iterator[list[TensorPlan]]:
+    """``tps`` in order, in runs of at most ``budget`` bytes (a larger tensor is a run of its own)."""
+    run: list[TensorPlan] = []
+    size = 0
+    for tp in tps:
+        if run and size + tp.nbytes > budget:
+            yield run
+            run, size = [], 0
+        run.append(tp)
+        size += tp.nbytes
+    if run:
+        yield run

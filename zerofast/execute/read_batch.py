@@ -41,7 +41,7 @@ class BatchReader:
         """Each of ``tps`` in fresh memory, in its shape: one call per output dtype, which makes
         the tensors too."""
         made: list[torch.Tensor | None] = [None] * len(tps)
-        with self.opened() as (fds, offsets):
+        with self.opened(tps) as (fds, offsets):
             for dtype, (where, group) in _by_dtype(tps).items():
                 dims = [d for tp in group for d in tp.shape]
                 ranks = [len(tp.shape) for tp in group]
@@ -50,32 +50,42 @@ class BatchReader:
                     made[i] = out
         return made
 
+    def read_into(self, tps: Sequence[TensorPlan], outs: Sequence[torch.Tensor]) -> None:
+        """Each of ``tps`` into the contiguous CPU tensor of ``outs`` beside it (of its size, in
+        its ``out_dtype``), in one call; elements no segment writes keep what they held."""
+        if tps:
+            with self.opened(tps) as (fds, offsets):
+                ops.read_cast(self.sources, fds, offsets, _rows(tps), [o.view(-1) for o in outs])
+
     def write(self, fd: int, placed: Sequence[tuple[TensorPlan, int]]) -> None:
         """Each ``(tp, byte offset)`` into file ``fd``, one call per output dtype."""
-        with self.opened() as (fds, offsets):
+        with self.opened([tp for tp, _ in placed]) as (fds, offsets):
             for dtype, (where, group) in _by_dtype([tp for tp, _ in placed]).items():
                 ops.read_cast_to_file(self.sources, fds, offsets, _rows(group), fd,
                                       torch.tensor([placed[i][1] for i in where], dtype=torch.int64),
                                       torch.tensor([tp.numel for tp in group], dtype=torch.int64), dtype)
 
     @contextmanager
-    def opened(self) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """An fd per source (-1: read it from memory) and its byte offset, the files open meanwhile.
+    def opened(self, tps: Sequence[TensorPlan] | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """An fd per source (-1: read it from memory, or not used by ``tps``) and its byte offset,
+        the files open meanwhile. With ``tps``, only the files they read are opened: a lazy lookup
+        of one tensor of a save of thousands of expert files opens one or a few.
 
         A file whose identity changed since it was mapped (replaced, rewritten) is not read by
         name: its mapping still shows what was loaded and planned, so that is what is copied.
         """
+        used = range(len(self.sources)) if tps is None else {seg[0] for tp in tps for seg in tp.segments}
         opened: dict[str, int] = {}
-        fds, offsets = [], []
+        fds, offsets = [-1] * len(self.sources), [0] * len(self.sources)
         try:
-            for file, loc in zip(self.files, self.locations):
-                fd = -1
-                if loc is not None:
-                    if file not in opened:
-                        opened[file] = _open_same(file, loc[1])
-                    fd = opened[file]
-                fds.append(fd)
-                offsets.append(loc[0] if fd >= 0 else 0)
+            for i in sorted(used):
+                file, loc = self.files[i], self.locations[i]
+                if loc is None:
+                    continue
+                if file not in opened:
+                    opened[file] = _open_same(file, loc[1])
+                fds[i] = opened[file]
+                offsets[i] = loc[0] if fds[i] >= 0 else 0
             yield fds, torch.tensor(offsets, dtype=torch.int64)
         finally:
             for fd in opened.values():

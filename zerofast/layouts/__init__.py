@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from ..discover import CheckpointFiles, Found, check_inside, locate
+from ..discover import CheckpointFiles, Found, check_all_inside, locate
 from ..errors import UnsupportedCheckpointError
 from ..load import LoadedCheckpoint
 from . import autotp, dcp, moe, nvme, pipeline, universal, zero
@@ -57,8 +57,7 @@ def discover(ckpt_dir: str | os.PathLike, tag: str | None = None, *,
     inside the checkpoint folder (``follow_symlinks``: None takes the setting)."""
     found = locate(ckpt_dir, tag, follow_symlinks)
     files = identify(found).list_files(found)
-    for path in files.paths():
-        check_inside(files.root, path, follow_symlinks)
+    check_all_inside(files.root, files.paths(), follow_symlinks)
     return files
 
 

@@ -152,19 +152,33 @@ def checkpoint_inputs(files: CheckpointFiles) -> list[Path]:
 def refuse_input(out: Path, inputs: Sequence[Path]) -> None:
     """Refuse an output folder that is, lies inside, or holds what the command reads."""
     real_out = _resolve(out)
+    out_in = os.path.join(real_out, "")
+    folders: dict[str, str] = {}
     for path in inputs:
-        real = _resolve(path)
-        if real == real_out or real in real_out.parents or real_out in real.parents:
-            how = "is" if real == real_out else ("lies inside" if real in real_out.parents else "holds")
+        real = _resolve_in(path, folders)
+        real_in = os.path.join(real, "")
+        if real == real_out or out_in.startswith(real_in) or real.startswith(out_in):
+            how = "is" if real == real_out else ("lies inside" if out_in.startswith(real_in) else "holds")
             raise OutputExistsError(f"the output folder {how} the checkpoint being read ({path}); writing there "
                                     "would destroy it: choose another output folder", out)
 
 
-def _resolve(path: Path) -> Path:
+def _resolve_in(path: Path, folders: dict[str, str]) -> str:
+    """:func:`_resolve`, with the folders met so far in ``folders``: a file that is not itself a
+    link lies where its folder resolves to (a save of thousands of files has one folder)."""
+    head, tail = os.path.split(os.fspath(path))
+    if tail in ("", ".", "..") or os.path.islink(path):
+        return _resolve(path)
+    if head not in folders:
+        folders[head] = _resolve(Path(head or "."))
+    return os.path.join(folders[head], tail)
+
+
+def _resolve(path: Path) -> str:
     try:
-        return Path(os.path.realpath(path))  # realpath does not raise on a link loop, resolve() does
+        return os.path.realpath(path)  # realpath does not raise on a link loop, resolve() does
     except (OSError, ValueError):
-        return Path(os.path.abspath(path))
+        return os.path.abspath(path)
 
 
 def _make_dir(out_dir: Path) -> None:

@@ -1,0 +1,173 @@
+"""The lazy mapping reads through the batched native reader (issue 22): every layout the suite
+makes, bit for bit against the eager dict; ``materialize``; read-ahead in iteration order within
+its byte budget; and no use of the per-tensor mapped path (``ops.gather_cast``) on the CPU."""
+from __future__ import annotations
+
+import importlib.util
+from collections import Counter
+
+import pytest
+import torch
+
+import zerofast
+from zerofast import ops
+import zerofast.execute.executor as executor_module
+from zerofast.execute import Executor
+from zerofast.execute.read_batch import BatchReader
+from zerofast.pipeline import prepare
+
+from tests.conftest import HAVE_DEEPSPEED
+from tests.dsgen.families import FAMILY_LAYOUTS
+from tests.helpers import assert_bitwise_equal, real_root
+
+SMALL = "s3_bf16_w2_frozen_tied"  # frozen bf16 weights, fp32 masters, ties, int and bool buffers
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+FAMILIES = [n for n in sorted(FAMILY_LAYOUTS) if HAVE_TRANSFORMERS or not n.startswith("autotp_")]
+
+pytestmark = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed 0.19.8 makes the real checkpoints")
+
+
+@pytest.fixture
+def no_mapped_path(monkeypatch):
+    """Fail any use of the per-tensor mapped path: every read must go through the batched reader."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the per-tensor mapped path (gather_cast) was used")
+
+    monkeypatch.setattr(ops, "gather_cast", refuse)
+
+
+def _calls(monkeypatch, sd) -> list[list]:
+    """The batches the mapping's executor reads (each a list of plans)."""
+    batches: list[list] = []
+    executor = sd._executor
+    run_all = executor.run_all
+
+    def spy(tps):
+        batches.append(list(tps))
+        return run_all(tps)
+
+    monkeypatch.setattr(executor, "run_all", spy)
+    return batches
+
+
+def _pass_equals_eager(root, dtype, budget) -> None:
+    eager = zerofast.reconstruct(root, dtype=dtype)
+    lazy = zerofast.reconstruct(root, dtype=dtype, lazy=True)
+    lazy.read_ahead_bytes = budget
+    assert list(lazy) == list(eager)
+    for name, value in lazy.items():
+        assert_bitwise_equal(value, eager[name], name)
+
+
+@pytest.mark.parametrize("budget", [64, 64 << 20], ids=["tiny-windows", "default"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=str)
+def test_lazy_pass_equals_eager(real_ckpt, dtype, budget, no_mapped_path):
+    _, root, _ = real_ckpt
+    _pass_equals_eager(root, dtype, budget)
+
+
+@pytest.mark.parametrize("layout", FAMILIES)
+def test_lazy_pass_equals_eager_for_the_families(layout, no_mapped_path):
+    _pass_equals_eager(real_root(layout), torch.float32, 256)
+
+
+def test_materialize_a_subset_in_one_batch(real_ckpt, monkeypatch, no_mapped_path):
+    _, root, truth = real_ckpt
+    eager = zerofast.reconstruct(root, dtype=None)
+    lazy = zerofast.reconstruct(root, dtype=None, lazy=True)
+    batches = _calls(monkeypatch, lazy)
+    names = list(dict.fromkeys(list(eager)[::-2] + list(truth["tied"])))  # out of order, with the tied names
+    got = lazy.materialize(names)
+    assert list(got) == names and len(batches) == 1
+    for name in names:
+        assert_bitwise_equal(got[name], eager[name], name)
+    for alias, source in truth["tied"].items():
+        if source in got:
+            assert got[alias].data_ptr() == got[source].data_ptr()
+
+
+def test_materialize_refuses_an_unknown_name_before_reading(monkeypatch):
+    lazy = zerofast.reconstruct(real_root(SMALL), lazy=True)
+    batches = _calls(monkeypatch, lazy)
+    with pytest.raises(KeyError, match="no.such"):
+        lazy.materialize([lazy.plan.order[0], "no.such"])
+    assert batches == []
+
+
+def test_iteration_reads_ahead_in_order_within_the_budget(monkeypatch, no_mapped_path):
+    lazy = zerofast.reconstruct(real_root(SMALL), lazy=True)
+    plan = lazy.plan
+    budget = 2 * max(tp.nbytes for tp in plan.tensors.values()) // 3  # the largest is read alone
+    lazy.read_ahead_bytes = budget
+    batches = _calls(monkeypatch, lazy)
+    looked_up = []
+    for name in lazy:
+        looked_up.append(name)
+        lazy[name]
+    assert looked_up == list(plan.order)
+    keys = [plan.aliases.get(n, n) for n in plan.order]
+    copied = [k for k in keys if not Executor.may_view(plan.tensors[k])]  # the rest are views
+    read = [tp.name for batch in batches for tp in batch]
+    assert Counter(read) == Counter(copied)  # once per lookup: a tied name is a lookup of its own
+    ahead = [[keys.index(tp.name) for tp in b] for b in batches if len(b) > 1]
+    assert all(b == sorted(b) for b in ahead)  # each window in iteration order,
+    assert [b[0] for b in ahead] == sorted(b[0] for b in ahead)  # and the windows one after another
+    assert ahead and len(batches) < len(copied)  # small tensors come several to a call
+    assert all(sum(tp.nbytes for tp in b) <= budget for b in batches if len(b) > 1)
+
+
+def test_iterating_names_alone_reads_nothing(monkeypatch):
+    lazy = zerofast.reconstruct(real_root(SMALL), lazy=True)
+    batches = _calls(monkeypatch, lazy)
+    assert list(lazy) == list(lazy.plan.order) and sorted(lazy.keys()) == sorted(lazy.plan.order)
+    assert batches == []
+
+
+def test_the_window_stays_within_its_budget_and_goes_with_the_loop(monkeypatch):
+    lazy = zerofast.reconstruct(real_root(SMALL), lazy=True)
+    lazy.read_ahead_bytes = 1 << 10
+    batches = _calls(monkeypatch, lazy)
+    held = []
+    for i, name in enumerate(lazy):
+        lazy[name]
+        held.append(sum(t.numel() * t.element_size() for t in lazy._window.values()))
+        if i == 5:
+            break
+    assert batches and max(held) <= lazy.read_ahead_bytes
+    assert lazy._window == {}  # leaving the loop dropped what was read ahead
+
+
+def test_prefetched_values_are_fresh_memory_each_lookup():
+    lazy = zerofast.reconstruct(real_root(SMALL), lazy=True)
+    first = {name: lazy[name] for name in lazy}
+    again = {name: lazy[name] for name in lazy}
+    for name in first:
+        if not Executor.may_view(lazy.plan.tensors[lazy.plan.aliases.get(name, name)]):
+            assert first[name].data_ptr() != again[name].data_ptr(), name
+        assert_bitwise_equal(first[name], again[name], name)
+
+
+def test_a_device_reads_host_batches_within_the_staging_budget(monkeypatch, no_mapped_path):
+    """What device="cuda" does, on torch's meta device (no GPU here): the batched reader fills host
+    memory in the stored dtype, at most STAGING_BYTES (or one larger tensor) at a time, and the
+    cast happens on the device."""
+    plan_dtype = torch.bfloat16
+    prepared = prepare(real_root(SMALL), plan_dtype)
+    tps = list(prepared.plan.tensors.values())
+    budget = 2 * max(tp.nbytes for tp in tps) // 3
+    monkeypatch.setattr(executor_module, "STAGING_BYTES", budget)
+    reads = []
+    read = BatchReader.read
+
+    def spy(self, batch):
+        reads.append(list(batch))
+        return read(self, batch)
+
+    monkeypatch.setattr(BatchReader, "read", spy)
+    made = prepared.streaming_executor("meta").run_all(tps)
+    for tp, t in zip(tps, made):
+        assert (t.device.type, t.dtype, tuple(t.shape)) == ("meta", tp.out_dtype, tuple(tp.shape)), tp.name
+    assert len(reads) > 1 and [tp.name for b in reads for tp in b] == [tp.name for tp in tps]
+    assert all(tp.out_dtype == tp.stored_dtype for b in reads for tp in b)
+    sizes = [sum(tp.stored_dtype.itemsize * tp.numel for tp in b) for b in reads]
+    assert all(len(b) == 1 or size <= budget for b, size in zip(reads, sizes)), (budget, sizes)
