@@ -286,10 +286,10 @@ def test_stage0_matching_of_same_valued_params_is_bounded():
     params = {f"p{i}": torch.zeros(i + 1, dtype=torch.bfloat16) for i in range(k)}
     flat = torch.zeros(sum(i + 1 for i in range(k)))
     ckpt = SimpleNamespace(meta=SimpleNamespace(path="model.pt"))
-    start = time.monotonic()
+    start = time.process_time()  # CPU time: a loaded machine (two test workers) stretches wall time
     with pytest.raises(zerofast.InconsistentCheckpointError, match="too many parameters share their values"):
         stage0._walk_flat(ckpt, 0, flat, params, torch.bfloat16, "optimizer.fp32_groups[0]")
-    assert time.monotonic() - start < 20
+    assert time.process_time() - start < 20
 
 
 # ---------------------------------------------------------------------------------------------
