@@ -10,13 +10,15 @@ from typing import Iterator
 import torch
 
 from .execute import Executor
+from .load.reader import collector_paused
 from .plan.model import Plan
 
 
 def eager_state_dict(plan: Plan, executor: Executor) -> "OrderedDict[str, torch.Tensor]":
     """Every tensor materialized into fresh memory, in the model's key order; ties share storage."""
-    made = dict(zip(plan.tensors, executor.run_all(list(plan.tensors.values()))))
-    return OrderedDict((name, made[plan.aliases.get(name, name)]) for name in plan.order)
+    with collector_paused():
+        made = dict(zip(plan.tensors, executor.run_all(list(plan.tensors.values()))))
+        return OrderedDict((name, made[plan.aliases.get(name, name)]) for name in plan.order)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from itertools import chain
 from typing import Iterator, Sequence
 
 import torch
@@ -105,10 +106,10 @@ def _by_dtype(tps: Sequence[TensorPlan]) -> dict[torch.dtype, tuple[list[int], l
 
 
 def _rows(tps: Sequence[TensorPlan]) -> torch.Tensor:
-    """The plan as the op's table: (output, source, source offset, output offset, length)."""
-    flat: list[int] = []
-    for i, tp in enumerate(tps):
-        for seg in tp.segments:
-            flat.append(i)
-            flat.extend(seg)
-    return torch.tensor(flat, dtype=torch.int64).view(-1, 5)
+    """The plan as the op's table: (output, source, source offset, output offset, length).
+    Built from flat columns, not a list per row: a batch can hold hundreds of thousands."""
+    segments = [tp.segments for tp in tps]
+    counts = torch.tensor(list(map(len, segments)), dtype=torch.int64)
+    flat = torch.tensor(list(chain.from_iterable(chain.from_iterable(segments))), dtype=torch.int64)
+    outputs = torch.repeat_interleave(torch.arange(len(tps), dtype=torch.int64), counts)
+    return torch.cat([outputs.view(-1, 1), flat.view(-1, 4)], dim=1)
