@@ -1,6 +1,7 @@
 """The array-built parts of the metadata path against the per-item code they stand in for.
 
-- ``zero3._columns`` (stage-3 layout by array arithmetic) must give exactly ``zero3._loop``'s
+- ``zero3._columns`` and ``zero12._columns`` (the stage-3 and stage 1-2 layouts by array
+  arithmetic) must give exactly the per-parameter loop's entries; for stage 3: ``zero3._loop``'s
   entries, order included, on every stage-3 suite checkpoint (several flat groups and
   sub-groups, world sizes 1 to 4) and on hand-made rank buffers whose slices cross group boundaries
   and whose smallest parameters leave some ranks empty.
@@ -23,7 +24,7 @@ from zerofast.errors import InconsistentCheckpointError
 from zerofast.layouts import discover, load_checkpoint
 from zerofast.load.bulk_checks import all_shapes
 from zerofast.load import records
-from zerofast.plan.builders import master_flat_groups, zero3
+from zerofast.plan.builders import master_flat_groups, zero3, zero12
 from zerofast.plan.model import SourceTable, VirtualBuffer
 from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize
 
@@ -109,3 +110,44 @@ def test_all_shapes_agrees_with_the_per_shape_check(shapes):
         assert every
     elif every:
         assert any(0 in s for s in shapes), "a zero dimension is the only case left to the per-shape check"
+
+
+STAGE12 = ("s2_bf16_w2_frozen_tied", "s1_bf16_w2_frozen", "s2_fp32_w3_elastic", "s2_bf16_w4_resume",
+           "s2_fp32_w4_odd_3groups")
+
+
+def _zero12_both(ckpt, monkeypatch) -> tuple[dict, dict]:
+    def trainable():
+        return zero12.trainable(ckpt, SourceTable(), ckpt.meta.param_shapes, master_flat_groups(ckpt))
+
+    columns = trainable()
+    with monkeypatch.context() as patch:
+        patch.setattr(zero12, "_columns", lambda *args: None)
+        return columns, trainable()
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("layout", STAGE12)
+def test_zero12_columns_equal_the_loop_on_real_saves(layout, monkeypatch):
+    ckpt = load_checkpoint(discover(ensure_checkpoint(layout)))
+    _assert_same(*_zero12_both(ckpt, monkeypatch))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 3)), min_size=1, max_size=12), st.integers(1, 5),
+       st.integers(0, 7))
+def test_zero12_columns_equal_the_loop_across_partitions(params, world, spare):
+    """Hand-made partitions of equal size: parameters cross from one rank's into the next, some
+    hold no elements, paddings follow each."""
+    sizes, pads = [n for n, _ in params], [p for _, p in params]
+    total = sum(sizes) + sum(pads) + spare
+    part = -(-total // world)
+    lengths = [max(0, min(part, total - r * part)) for r in range(world)]
+    buf = VirtualBuffer(range(world), lengths)
+    group = {f"p{i}": (n,) for i, n in enumerate(sizes)}
+    columns = zero12._columns(group, pads, buf, torch.bfloat16)
+    offset, loop = 0, {}
+    for (name, shape), n, pad in zip(group.items(), sizes, pads):
+        loop[name] = (shape, torch.bfloat16, buf.pieces(offset, n, 0))
+        offset += n + pad
+    _assert_same(columns, loop)

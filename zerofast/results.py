@@ -17,7 +17,10 @@ from .plan.model import Plan
 def eager_state_dict(plan: Plan, executor: Executor) -> "OrderedDict[str, torch.Tensor]":
     """Every tensor materialized into fresh memory, in the model's key order; ties share storage."""
     with collector_paused():
-        made = dict(zip(plan.tensors, executor.run_all(list(plan.tensors.values()))))
+        outs = executor.run_all(list(plan.tensors.values()))
+        if not plan.aliases and plan.order == tuple(plan.tensors):
+            return OrderedDict(zip(plan.order, outs))
+        made = dict(zip(plan.tensors, outs))
         return OrderedDict((name, made[plan.aliases.get(name, name)]) for name in plan.order)
 
 

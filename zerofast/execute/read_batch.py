@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from itertools import chain
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from .. import ops
@@ -97,6 +98,9 @@ def _open_same(path: str, identity: tuple[int, int, int, int]) -> int:
 
 def _by_dtype(tps: Sequence[TensorPlan]) -> dict[torch.dtype, tuple[list[int], list[TensorPlan]]]:
     """``tps`` grouped by output dtype: (their positions in ``tps``, the plans)."""
+    dtypes = [tp.out_dtype for tp in tps]
+    if len(set(dtypes)) == 1:  # the usual batch: one call, no regrouping
+        return {dtypes[0]: (list(range(len(tps))), list(tps))}
     groups: dict[torch.dtype, tuple[list[int], list[TensorPlan]]] = {}
     for i, tp in enumerate(tps):
         where, group = groups.setdefault(tp.out_dtype, ([], []))
@@ -109,7 +113,9 @@ def _rows(tps: Sequence[TensorPlan]) -> torch.Tensor:
     """The plan as the op's table: (output, source, source offset, output offset, length).
     Built from flat columns, not a list per row: a batch can hold hundreds of thousands."""
     segments = [tp.segments for tp in tps]
-    counts = torch.tensor(list(map(len, segments)), dtype=torch.int64)
-    flat = torch.tensor(list(chain.from_iterable(chain.from_iterable(segments))), dtype=torch.int64)
-    outputs = torch.repeat_interleave(torch.arange(len(tps), dtype=torch.int64), counts)
-    return torch.cat([outputs.view(-1, 1), flat.view(-1, 4)], dim=1)
+    counts = np.fromiter(map(len, segments), dtype=np.int64, count=len(segments))
+    table = np.empty((int(counts.sum()), 5), dtype=np.int64)
+    table[:, 0] = np.repeat(np.arange(len(tps), dtype=np.int64), counts)
+    table[:, 1:] = np.fromiter(chain.from_iterable(chain.from_iterable(segments)), dtype=np.int64,
+                               count=4 * len(table)).reshape(-1, 4)
+    return torch.from_numpy(table)

@@ -69,12 +69,9 @@ def _columns(names: list[str], dims: list, rank_bufs: list[VirtualBuffer], dtype
     rows, odd = [], np.zeros(len(names), dtype=bool)
     for r, buf in enumerate(rank_bufs):
         share = np.clip(n - r * k, 0, k)
-        starts = np.array(buf.starts, dtype=np.int64)
-        at = np.searchsorted(starts, offsets, side="right") - 1
-        odd |= (share == 0) | (at >= len(buf.sources)) | (offsets + share > starts[np.minimum(at + 1, len(starts) - 1)])
-        at = np.minimum(at, len(buf.sources) - 1)
-        src = np.array(buf.sources, dtype=np.int64)[at]
-        rows.append(zip(src.tolist(), (offsets - starts[at]).tolist(), (r * k).tolist(), share.tolist()))
+        src, src_off, crossing = buf.single_pieces(offsets, share)
+        odd |= crossing
+        rows.append(zip(src, src_off, (r * k).tolist(), share.tolist()))
     segs = list(map(list, zip(*rows)))
     for i in np.flatnonzero(odd).tolist():
         off, size, per = int(offsets[i]), sizes[i], int(k[i])
