@@ -93,8 +93,8 @@ def _classify_module(ckpt: LoadedCheckpoint, trainable: dict, frozen: dict):
     kinds: dict[str, None] = {}
     # Identities only tell the entries none of the lists below name: when there are none (the
     # usual case), tens of thousands of them need not be made.
-    named = (trainable, frozen, meta.shared_params, buffer_names)
-    need_identity = not all(any(name in where for where in named) for name in meta.module)
+    need_identity = bool(meta.module.keys() - trainable.keys() - frozen.keys() - meta.shared_params.keys()
+                         - buffer_names)
     for name, value in meta.module.items():
         kinds[name] = None
         identity = tensor_identity(value) if need_identity else None
