@@ -37,8 +37,12 @@ build: runtime
 # 10 s the first time to fetch torch's CUDA headers. Without nvcc, or where pip cannot get the
 # wheels, they are skipped with a message; a source that does not compile fails the suite.
 # ZEROFAST_NATIVE=1: a native core that does not load fails the suite instead of falling back.
+# Two workers, each taking whole files (module fixtures are made once): the suite is mostly
+# single-threaded Python, so on CI's 2 cores this takes about a third off. TEST_WORKERS=0 runs it
+# in this process (no xdist).
+TEST_WORKERS ?= 2
 test: venv build cuda-headers
-	ZEROFAST_NATIVE=1 $(PY) -m pytest -q
+	ZEROFAST_NATIVE=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 cuda-headers: venv
 	$(PY) -m tools.cuda_build fetch

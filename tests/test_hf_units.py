@@ -72,14 +72,16 @@ def test_safetensors_reader_refuses_lying_headers(tmp_path):
 
 
 def test_output_dir_resolution(tmp_path):
+    from zerofast.discover import trainer_checkpoint
+
     for n in (3, 12):
         (tmp_path / f"checkpoint-{n}" / "global_step1").mkdir(parents=True)
         (tmp_path / f"checkpoint-{n}" / "latest").write_text("global_step1")
     with pytest.raises(AmbiguousTagError, match="checkpoint-3, checkpoint-12"):
-        hf.resolve_checkpoint_dir(tmp_path)
+        trainer_checkpoint(tmp_path)
     (tmp_path / "checkpoint-3" / "latest").unlink()
-    assert hf.resolve_checkpoint_dir(tmp_path) == tmp_path / "checkpoint-12"
-    assert hf.resolve_checkpoint_dir(tmp_path / "checkpoint-12") == tmp_path / "checkpoint-12"
+    assert trainer_checkpoint(tmp_path) == tmp_path / "checkpoint-12"
+    assert trainer_checkpoint(tmp_path / "checkpoint-12") == tmp_path / "checkpoint-12"
 
 
 @pytest.mark.parametrize("options", [
@@ -114,3 +116,20 @@ def test_merge_formula_equals_peft_merge_and_unload(options):
         scaling = hf._scaling(cfg, module, a.shape[0])
         got = hf._merge(base[f"base_model.model.{module}.base_layer.weight"], a, b, scaling, fan, module)
         assert_bitwise_equal(got, merged[f"{module}.weight"], module)
+
+
+def test_every_entry_point_takes_a_trainer_output_dir(tmp_path):
+    """reconstruct, inspect and verify find the one checkpoint-N save, as export does."""
+    import shutil
+
+    import zerofast
+    from zerofast.cli import describe
+    from tests.helpers import real_root
+
+    shutil.copytree(real_root("s2_bf16_w2_frozen_tied"), tmp_path / "out" / "checkpoint-3", symlinks=True)
+    (tmp_path / "out" / "runs").mkdir()  # what else a Trainer leaves there
+    direct = zerofast.reconstruct(tmp_path / "out" / "checkpoint-3")
+    via = zerofast.reconstruct(tmp_path / "out")
+    assert list(via) == list(direct) and all(torch.equal(via[k], direct[k]) for k in direct)
+    assert describe(tmp_path / "out")["tag"] == describe(tmp_path / "out" / "checkpoint-3")["tag"]
+    assert zerofast.verify(tmp_path / "out").ok

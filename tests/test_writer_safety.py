@@ -342,3 +342,32 @@ def test_quiet_and_the_bar_for_reshard_and_to_universal(tmp_path, capsys, monkey
     assert main(["reshard", str(ck), str(tmp_path / "r2"), "--world-size", "3"]) == 0
     assert "reshard" in tty.getvalue() and "B/s" in tty.getvalue()
     assert "wrote" in capsys.readouterr().out
+
+
+def test_an_interrupt_while_marking_the_temporary_folder_leaves_nothing(tmp_path, monkeypatch):
+    # The CLI's signal handler raises in the main thread wherever it is; the narrowest window is
+    # between making the temporary folder and marking it as ours.
+    from zerofast.output import transaction
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(transaction.Path, "touch", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        with transaction.output_dir(out, False):
+            pass
+    assert os.listdir(out) == []
+
+
+def test_a_folder_named_like_ours_that_this_run_did_not_make_is_kept(tmp_path, monkeypatch):
+    from zerofast.output import transaction
+
+    out = tmp_path / "out"
+    theirs = out / f".zerofast-tmp-{os.getpid()}"
+    theirs.mkdir(parents=True)
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="temporary folder"):
+        with transaction.output_dir(out, True):  # past the check that refuses a folder of others' files
+            pass
+    assert (theirs / "notes.txt").read_text() == "mine"

@@ -21,7 +21,7 @@ from collections import Counter
 from typing import Sequence
 
 from .cli_args import Later, Version, dtype_arg, positive, size_arg
-from .cli_report import optimizer_lines
+from .cli_report import offloaded_suffix, optimizer_lines
 from .cli_dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines
 from .errors import ZeroFastError, short_repr, some
 from .native.commands import add_native_commands
@@ -225,9 +225,10 @@ def _add_resume(sub, common) -> None:
     r.add_argument("out", metavar="OUT", help="the new checkpoint root")
     r.add_argument("--world-size", type=positive("ranks"), required=True, metavar="N",
                    help="the new data-parallel world size")
-    r.add_argument("--overwrite", action="store_true",
-                   help="write into a folder holding files this command did not write (replaces only the names it "
-                        "writes: latest, the tag folder, the recovery scripts)")
+    r.add_argument("--overwrite", action="store_true", help="write into a folder holding files this command did "
+                   "not write (replaces only the names it writes: latest, the tag folder, the recovery scripts)")
+    r.add_argument("--keep-nvme", action="store_true", help="write a ZeRO-Infinity save's optimizer state back "
+                   "into offloaded_tensors/ swap files (not supported: refused); by default it is written plain")
     r.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     r.add_argument("--workers", type=positive("workers"), default=1, metavar="N",
                    help="share the files among N processes on this machine (under torchrun, the ranks share them)")
@@ -252,7 +253,7 @@ def _reshard(args: argparse.Namespace) -> int:
     from .writers.reshard import write_resharded
 
     written = _shared(args, "reshard", write_resharded, args.ckpt, args.out, args.world_size, tag=args.tag,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, keep_nvme=args.keep_nvme)
     if written is not None:
         print(f"wrote {written.path} for {args.world_size} data-parallel ranks ({_summary(written)})")
     return 0
@@ -361,7 +362,7 @@ def _parallelism_line(p: dict) -> str:
         line += "; stages: " + ", ".join(f"{s}: layers {_ranges(layers)}" for s, layers in enumerate(p["stages"]))
     if p.get("tied_layers"):
         line += "; tied: " + ", ".join(f"{k} (layer {i})" for k, i in p["tied_layers"].items())
-    return line
+    return line + offloaded_suffix(p)
 
 
 def _ranges(indices: list[int]) -> str:

@@ -35,6 +35,7 @@ _MODEL_PARALLEL_RANK = re.compile(r"mp_rank_(\d+)_")
 LATEST_FILES = ("latest", "latest_universal")  # the second is what ds_to_universal writes
 # Remote locations people paste for a folder; pathlib would fold "s3://b/c" into the local "s3:/b/c".
 _REMOTE = re.compile(r"^(s3|s3a|gs|gcs|hf|az|abfss?|https?)://?", re.IGNORECASE)
+_TRAINER_CHECKPOINT = re.compile(r"^checkpoint-\d+$")  # what transformers' Trainer names its saves
 DCP_METADATA = ".metadata"  # the file that makes a folder a torch.distributed.checkpoint (zerofast.layouts.dcp)
 
 
@@ -96,6 +97,7 @@ def locate(ckpt_dir: str | os.PathLike, tag: str | None = None, follow_symlinks:
         found = ("a file; pass the folder that holds it, " + str(root.parent) if root.exists() and
                  root.suffix == ".pt" else "a file" if root.exists() else "no such directory")
         raise CheckpointNotFoundError(f"expected a DeepSpeed checkpoint folder, found {found}", root)
+    root = trainer_checkpoint(root)
     if tag is None and _holds_model_states(root):
         return Found(root.parent, root.name, root, tuple(sorted(os.listdir(root))))
     latest = None if tag is not None else next((n for n in LATEST_FILES if (root / n).is_file()), None)
@@ -107,6 +109,37 @@ def locate(ckpt_dir: str | os.PathLike, tag: str | None = None, follow_symlinks:
                                       f"{few(_tag_folders(root), 8) if _tag_folders(root) else 'none'}", root)
     check_inside(root, tag_dir, follow_symlinks)
     return Found(root, tag, tag_dir, tuple(sorted(os.listdir(tag_dir))))
+
+
+def trainer_checkpoint(root: Path) -> Path:
+    """``root`` itself, or the one ``checkpoint-N`` save in it when ``root`` is a Hugging Face
+    Trainer's ``output_dir`` rather than a checkpoint; several such saves are ambiguous, and the
+    error names them (picking the newest silently could convert the wrong run's weights)."""
+    if _is_deepspeed_folder(root):
+        return root
+    found = sorted((p for p in _subfolders(root) if _TRAINER_CHECKPOINT.match(p.name) and _is_deepspeed_folder(p)),
+                   key=lambda p: int(p.name.split("-")[1]))
+    if len(found) > 1:
+        raise AmbiguousTagError(f"a Trainer output folder with {len(found)} checkpoints "
+                                f"({some([p.name for p in found], 8)}); pass one of them", root)
+    return found[0] if found else root
+
+
+def _is_deepspeed_folder(folder: Path) -> bool:
+    """A checkpoint root or tag folder: a ``latest`` file, or model states here or one level down."""
+    try:
+        if any((folder / n).is_file() for n in LATEST_FILES) or _holds_model_states(folder):
+            return True
+        return any(_holds_model_states(p) for p in _subfolders(folder) if not _TRAINER_CHECKPOINT.match(p.name))
+    except OSError:  # an unreadable folder is no checkpoint; locate's own reads then say why
+        return False
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    try:
+        return [folder / n for n in os.listdir(folder) if (folder / n).is_dir()]
+    except OSError:
+        return []
 
 
 def remote_url(path: str | os.PathLike) -> str | None:

@@ -36,6 +36,7 @@ MODELS = HERE / "models.py"
 FAMILY_TRAIN = HERE / "train_families.py"
 FAMILY_MODELS = HERE / "family_models.py"
 MUON_TRAIN = HERE / "train_muon.py"
+NVME_TRAIN = HERE / "train_nvme.py"
 TIMEOUT_S = float(os.environ.get("ZEROFAST_DSGEN_TIMEOUT", "300"))
 
 # name -> spec. Keys: stage, world_size, dtype, n_groups, steps, model, ds_config (see train.py);
@@ -154,7 +155,42 @@ RESHARD_LAYOUTS: dict[str, dict] = {
     },
 }
 
-ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS, **MUON_LAYOUTS, **RESHARD_LAYOUTS}
+# ZeRO-Infinity (issue 25, item 3), trained by train_nvme.py: optimizer and params offloaded to
+# NVMe, the fp32 partitions and Adam's moments of the sub-groups of >= 1 MiB per rank in swap files
+# that save_checkpoint copies into offloaded_tensors/. One block of dim 256, hidden 4096: fc1 and
+# fc2 have 524288 elements per rank, so sub_group_size 500000 makes two swapped sub-groups of
+# param group 0 (embed + fc1; fc2 + the small matrices), while the rest (group 1) stays in the
+# file; fc1/fc2 are also the only params large enough for the param swapper (1 MiB of bf16 per
+# rank), 1.7 times its buffer_size. Prefetch off: DeepSpeed 0.19.8 asserts on prefetching NVMe
+# params ("param 5 already assigned swap buffer id 2"). Needs DeepSpeed's async_io op
+# (tests/conftest.py: needs_nvme). About 13 MB of swap files.
+NVME_LAYOUTS: dict[str, dict] = {
+    "s3_bf16_w2_nvme": {
+        "stage": 3, "world_size": 2, "dtype": "bf16", "n_groups": 2, "offload": "nvme",
+        "model": {"dim": 256, "hidden": 4096, "n_blocks": 1},
+        "ds_config": {"zero_optimization": {
+            "sub_group_size": 500000, "stage3_prefetch_bucket_size": 0,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "@SWAP@", "pin_memory": False, "buffer_count": 4},
+            "offload_param": {"device": "nvme", "nvme_path": "@SWAP@", "pin_memory": False, "buffer_count": 4,
+                              "buffer_size": 600000, "max_in_cpu": 0}},
+            "zero_force_ds_cpu_optimizer": False},
+    },
+    # dim 1024: the frozen lora.base.weight (1M elements) is large enough for the param swapper, so
+    # it is on NVMe at save time, and DeepSpeed 0.19.8 saves a 1-element placeholder as its
+    # fragment: the save does not hold it. One swapped sub-group (the default sub_group_size).
+    "s3_bf16_w2_nvme_frozen_swapped": {
+        "stage": 3, "world_size": 2, "dtype": "bf16", "n_groups": 2, "offload": "nvme",
+        "model": {"dim": 1024, "hidden": 256, "n_blocks": 1},
+        "ds_config": {"zero_optimization": {
+            "stage3_prefetch_bucket_size": 0,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "@SWAP@", "pin_memory": False, "buffer_count": 4},
+            "offload_param": {"device": "nvme", "nvme_path": "@SWAP@", "pin_memory": False, "buffer_count": 4,
+                              "buffer_size": 600000, "max_in_cpu": 0}},
+            "zero_force_ds_cpu_optimizer": False},
+    },
+}
+
+ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS, **MUON_LAYOUTS, **RESHARD_LAYOUTS, **NVME_LAYOUTS}
 
 
 def _scripts(spec: dict) -> list[Path]:
@@ -163,6 +199,8 @@ def _scripts(spec: dict) -> list[Path]:
         return [FAMILY_TRAIN, FAMILY_MODELS, TRAIN, MODELS]
     if spec.get("optimizer") == "muon":
         return [MUON_TRAIN, TRAIN, MODELS]
+    if spec.get("offload") == "nvme":
+        return [NVME_TRAIN, TRAIN, MODELS]
     return [TRAIN, MODELS]
 
 
@@ -282,7 +320,8 @@ def ensure_all(names=None) -> dict[str, Path]:
 
 
 def main(argv=None) -> int:
-    names = list(argv if argv is not None else sys.argv[1:]) or list(ALL_LAYOUTS)
+    # NVMe layouts only by name: they need DeepSpeed's async_io op (tests/conftest.py: needs_nvme).
+    names = list(argv if argv is not None else sys.argv[1:]) or [n for n in ALL_LAYOUTS if n not in NVME_LAYOUTS]
     total = 0.0
     for n in names:
         cached = _complete(checkpoint_path(n)) if n in ALL_LAYOUTS else False

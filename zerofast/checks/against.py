@@ -47,7 +47,7 @@ def _export_against(out, ckpt, tag, base_model) -> Report:
     folder = ExportFolder(out, report)
     folder.check_config()
     try:
-        prepared = prepare(hf.resolve_checkpoint_dir(ckpt), None, tag=tag, warn_absent=False)
+        prepared = prepare(ckpt, None, tag=tag, warn_absent=False)
         expected = _expected(prepared, folder, base_model)
     except ZeroFastError as e:
         report.add("files", str(ckpt), " ".join(str(e).split()))

@@ -53,7 +53,7 @@ class Opened:
 def open_checkpoint(path: str | os.PathLike, tag: str | None, report: Report, optimizer: bool = True) -> Opened | None:
     """Load and plan ``path``; a refusal is recorded as a ``files`` finding and gives None."""
     try:
-        ckpt = load_checkpoint(discover(hf.resolve_checkpoint_dir(path), tag))
+        ckpt = load_checkpoint(discover(path, tag))
         table = SourceTable()
         plan = build_plan(ckpt, table, None)
         keys = available_keys(ckpt) if optimizer and ckpt.stage else []

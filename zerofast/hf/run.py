@@ -110,8 +110,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
             adapter config's ``base_model_name_or_path`` when that is a folder.
         hf_files: copy ``config.json`` (its dtype set to the exported dtype), the generation
             config and tokenizer files found next to the checkpoint, so that ``from_pretrained``
-            loads the folder as it is. ``ckpt_dir`` may then also be a Trainer's ``output_dir``
-            holding one ``checkpoint-*`` folder.
+            loads the folder as it is.
     """
     fmt = formats.get(format)
     limit = parse_size(max_shard_size)
@@ -123,8 +122,6 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     if merge_adapters and (adapter or exclude_frozen):
         raise ValueError("merge_adapters writes the whole base model: it excludes adapter and exclude_frozen")
     with team.step("reading the checkpoint", out):
-        if hf_files:
-            ckpt_dir = trainer.resolve_checkpoint_dir(ckpt_dir)
         prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen or adapter,
                            warn_absent=not merge_adapters)
         prepared, names, extras = _hf_view(prepared, fmt, dtype, adapter, merge_adapters, base_model, hf_files)

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .. import dtypes
-from ..errors import AmbiguousTagError, ExportError, PeftExportWarning, UnsupportedCheckpointError
+from ..errors import ExportError, PeftExportWarning, UnsupportedCheckpointError
 from ..execute import Executor
 from ..pipeline import Prepared
 from ..dtypes import out_dtype_for
@@ -37,34 +37,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_FILES = {"safetensors": "adapter_model.safetensors", "torch": "adapter_model.bin"}  # peft's names
 PEFT_PREFIX = "base_model.model."
-_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>A|B)\.(?P<adapter>[^.]+)\.weight$")
-
-
-# ---------------------------------------------------------------------------------------------
-# Finding the checkpoint
-
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """``path`` itself, or the one ``checkpoint-*`` folder of a Trainer's output_dir."""
-    root = Path(path)
-    if not root.is_dir() or _is_deepspeed_folder(root):
-        return root
-    found = sorted((p for p in root.iterdir() if _CHECKPOINT.match(p.name) and p.is_dir()
-                    and _is_deepspeed_folder(p)), key=lambda p: int(p.name.split("-")[1]))
-    if len(found) == 1:
-        return found[0]
-    if len(found) > 1:
-        raise AmbiguousTagError(f"a Trainer output folder with {len(found)} checkpoints "
-                                f"({', '.join(p.name for p in found)}); pass one of them", root)
-    return root
-
-
-def _is_deepspeed_folder(folder: Path) -> bool:
-    if (folder / "latest").is_file():
-        return True
-    return any(n.endswith("_model_states.pt") for n in os.listdir(folder)) or any(
-        p.is_dir() and any(n.endswith("_model_states.pt") for n in os.listdir(p)) for p in folder.iterdir()
-        if not _CHECKPOINT.match(p.name))
 
 
 def trainer_folder(prepared: Prepared) -> Path:

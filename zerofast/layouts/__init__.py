@@ -6,6 +6,7 @@ here plus its line in :data:`LAYOUTS`; nothing else in the package branches on t
 
 - :mod:`.zero`: plain data-parallel ZeRO 0-3 and the BF16_Optimizer variant (the fallback);
 - :mod:`.universal`: ds_to_universal folders;
+- :mod:`.nvme`: ZeRO-Infinity saves, the optimizer state in ``offloaded_tensors/`` swap files;
 - :mod:`.moe`: mixture-of-experts saves with their expert files;
 - :mod:`.pipeline`: pipeline-parallel saves with their layer files;
 - :mod:`.autotp`: AutoTP tensor-parallel saves;
@@ -18,11 +19,12 @@ import os
 from ..discover import CheckpointFiles, Found, check_inside, locate
 from ..errors import UnsupportedCheckpointError
 from ..load import LoadedCheckpoint
-from . import autotp, dcp, moe, pipeline, universal, zero
+from . import autotp, dcp, moe, nvme, pipeline, universal, zero
 from .base import Layout
 
 # Every layout, in the order their claims are asked; FALLBACK reads what none claims.
-LAYOUTS: tuple[Layout, ...] = (dcp.LAYOUT, universal.LAYOUT, moe.LAYOUT, pipeline.LAYOUT, autotp.LAYOUT)
+LAYOUTS: tuple[Layout, ...] = (dcp.LAYOUT, universal.LAYOUT, moe.LAYOUT, pipeline.LAYOUT, autotp.LAYOUT,
+                               nvme.LAYOUT)
 FALLBACK: Layout = zero.LAYOUT
 
 

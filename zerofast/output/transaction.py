@@ -115,16 +115,20 @@ def output_dir(out_dir: str | os.PathLike, overwrite: bool, *, command: str = EX
             if _our_tmp(out / name):  # the lock says no writer is alive to own it
                 shutil.rmtree(out / name, ignore_errors=True)
         tmp = out / f".zerofast-tmp-{os.getpid()}"
+        made = False
+        # One try from the mkdir on: a signal landing between making the folder and marking it
+        # (an exception raised by the CLI's handler) must not leave it behind either.
         try:
-            tmp.mkdir()
-            (tmp / TMP_MARK).touch()
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise ExportError(f"cannot create the temporary folder: {os_error(e)}", tmp) from e
-        try:
+            try:
+                tmp.mkdir()
+                made = True
+                (tmp / TMP_MARK).touch()
+            except OSError as e:
+                raise ExportError(f"cannot create the temporary folder: {os_error(e)}", tmp) from e
             yield Folder(out, tmp, command, previous, replaces or (lambda name: False))
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if made:  # never a folder of that name that this run did not make
+                shutil.rmtree(tmp, ignore_errors=True)
     finally:
         os.close(fd)  # releases the lock
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import InconsistentCheckpointError, ReshardError, UnsupportedCheckpointError
+from ..errors import InconsistentCheckpointError, ReshardError, UnplacedOptimizerStateError, UnsupportedCheckpointError
 from ..layouts import discover, load_checkpoint
 from ..load import LoadedCheckpoint
 from ..output.team import ALONE
@@ -58,7 +58,8 @@ _RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 def reshard(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
-            overwrite: bool = False, progress: Progress | None = None, team: Team | None = None) -> Path:
+            overwrite: bool = False, progress: Progress | None = None, team: Team | None = None,
+            keep_nvme: bool = False) -> Path:
     """Write the checkpoint at ``ckpt_dir`` as DeepSpeed would have saved it at ``world_size``
     data-parallel ranks, so that a plain ``engine.load_checkpoint(out_dir)`` at that size resumes.
 
@@ -73,20 +74,30 @@ def reshard(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size:
             command's output, a user's files); only the names the new checkpoint writes are replaced.
         progress: called as ``progress(bytes_done, bytes_total)``, first with 0, then as data lands.
         team: the ranks sharing the files (:mod:`zerofast.output.team`); None writes them all.
+        keep_nvme: write a ZeRO-Infinity save's optimizer state back into ``offloaded_tensors/``
+            swap files, for an engine that offloads it to NVMe. Not supported (refused): DeepSpeed
+            names those files by ``ds_id``, which the save does not record. Without it, such a
+            save is written plain (everything in the optimizer files), which an engine without
+            NVMe optimizer offload loads.
 
     Returns:
         The tag folder written.
     """
     return write_resharded(ckpt_dir, out_dir, world_size, tag=tag, overwrite=overwrite, progress=progress,
-                           team=team).path
+                           team=team, keep_nvme=keep_nvme).path
 
 
 def write_resharded(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *,
                     tag: str | None = None, overwrite: bool = False, progress: Progress | None = None,
-                    team: Team | None = None) -> Written:
+                    team: Team | None = None, keep_nvme: bool = False) -> Written:
     """:func:`reshard`, returning what it wrote and replaced."""
     if type(world_size) is not int or world_size < 1:
         raise ReshardError(f"expected a world size (an int >= 1), got {world_size!r}")
+    if keep_nvme:
+        raise UnsupportedCheckpointError(
+            "writing the optimizer state into offloaded_tensors/ swap files (--keep-nvme) is not supported: DeepSpeed "
+            "names them by each parameter's ds_id, which the save does not record. Without it, reshard writes a "
+            "plain ZeRO-3 save, which an engine without NVMe optimizer offload loads", ckpt_dir)
     started = time.monotonic()
     team = team or ALONE
     out = local_folder(out_dir)
@@ -319,6 +330,13 @@ class _Zero3:
         # Scalar state (``step``) per param group, from the group's first sub-group.
         states = group_states(first, 3)
         self.step_of = [states[group[keys.PARAMS][0]][1] if group[keys.PARAMS] else {} for group in self.param_groups]
+        for g, group in enumerate(self.param_groups):  # the new sub-groups mix the old ones' params
+            for i in group[keys.PARAMS]:
+                if set(states[i][1]) != set(self.step_of[g]):
+                    raise UnplacedOptimizerStateError(
+                        f"{COMMAND} cannot place the optimizer state of sub-group {i}: it keeps "
+                        f"{sorted(states[i][1])}, another sub-group of param group {g} {sorted(self.step_of[g])}",
+                        first.path)
         self.sub_group_size = _sub_group_size(ckpt)
         self.sub_groups = [(g, sub) for g, params in enumerate(self.group_params)
                            for sub in self._split(params)]

@@ -104,9 +104,6 @@ def _plans(entries: dict) -> dict[str, TensorPlan]:
 
 
 def _check_optimizer(ckpt: LoadedCheckpoint) -> None:
-    if (ckpt.files.tag_dir / "offloaded_tensors").exists():
-        raise UnsupportedCheckpointError("resharding NVMe-offloaded optimizer state is not supported",
-                                         ckpt.files.tag_dir)
     inner_key = keys.inner_key(ckpt.stage)
     for o in ckpt.optim_states:
         inner = o.raw[keys.OPTIMIZER_STATE_DICT].get(inner_key)
