@@ -25,6 +25,8 @@ CHILD = """
 import json, sys, time
 ckpt, case = sys.argv[1], sys.argv[2]
 if case == "ds":
+    import os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as run
 else:
     import zerofast
@@ -33,14 +35,17 @@ else:
     run = zerofast.reconstruct
 t, c = time.perf_counter(), time.process_time()
 sd = run(ckpt)
-print(json.dumps({"wall": time.perf_counter() - t, "cpu": time.process_time() - c, "tensors": len(sd)}))
+import zerofast
+print(json.dumps({"wall": time.perf_counter() - t, "cpu": time.process_time() - c, "tensors": len(sd),
+                  "zerofast": zerofast.__file__}))
 """
 
 
 def measure(ckpt: Path, case: str, checkout: Path | None) -> dict:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(checkout or HERE.parent))
-    out = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), case], env=env, check=True, capture_output=True,
-                         text=True).stdout
+    # Run from the measured checkout: ``python -c`` puts the working directory first on sys.path.
+    where = str(checkout or HERE.parent)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), case], env=dict(os.environ, PYTHONPATH=where),
+                         cwd=where, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
