@@ -52,6 +52,19 @@ TORCH_LIBRARY(zerofast, m) {
   m.def("read_cast_to_file(Tensor[] sources, int[] source_fds, Tensor source_offsets, Tensor segments, "
         "int out_fd, Tensor out_offsets, Tensor out_numels, ScalarType out_dtype, int readers=0, "
         "bool copy_file_range=True) -> ()");
+
+  // The checks of `zerofast verify` in one pass, nothing materialized (csrc/cpu/check_ranges.cpp).
+  // `segments` rows are (tensor, side, source, source offset, tensor offset, length) in elements;
+  // sources as for read_cast, except that a source read from its file (fd >= 0) gives only its
+  // dtype and length. Tensor t has `numels[t]` elements, cut into chunks of `chunk` (one empty
+  // chunk for an empty tensor); elements no row covers are zeros. Per chunk, in tensor order:
+  // `counts` [C, 5] = NaN, infinity and non-zero elements among side 0's source elements (as
+  // stored, before any cast), whether any byte differs and how many elements changed; `maxima`
+  // [C, 2] = max |x - y| and max |x - y| / max(|x|, DBL_MIN), torch's NaN-propagating maxima over
+  // the chunk, 0 where no byte differs. x is side 0, y side 1, both cast to `dtype` (Tensor.to);
+  // without `compare` there is no side 1, only the counts.
+  m.def("check_ranges(Tensor[] sources, int[] source_fds, Tensor source_offsets, Tensor segments, Tensor numels, "
+        "ScalarType dtype, bool compare, int chunk, int readers=0) -> (Tensor counts, Tensor maxima)");
 }
 
 namespace {

@@ -13,6 +13,8 @@ needs_deepspeed = pytest.mark.skipif(
     not HAVE_DEEPSPEED, reason="DeepSpeed 0.19.8 is needed to make real checkpoints (pip install deepspeed==0.19.8)")
 
 NVME_ENV = "ZEROFAST_TEST_NVME"  # 1: run the NVMe (ZeRO-Infinity) tests even if async_io must be built first
+# Random layouts tests/test_gather_plan.py checks under the sanitizers (2000 for a longer run).
+GATHER_CASES = int(os.environ.get("ZEROFAST_TEST_GATHER_CASES", "150"))
 
 
 def async_io_built() -> bool:

@@ -7,6 +7,7 @@ import torch
 import zerofast
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
+from zerofast import discover
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,20 @@ def test_missing_latest_with_several_tags_lists_them(stage2, tmp_path):
     with pytest.raises(zerofast.AmbiguousTagError, match=r"global_step3.*global_step9"):
         zerofast.reconstruct(root)
     assert list(zerofast.reconstruct(root, tag="global_step9"))
+
+
+def test_tags_named_like_trainer_checkpoints_are_tags(stage2, tmp_path):
+    # A save whose own tags are checkpoint-N (engine.save_checkpoint(dir, tag=...), no latest):
+    # a tag passed by name is that tag, not an output folder's ambiguous checkpoints.
+    root, tag_dir = _copy(stage2, tmp_path)
+    (root / "latest").unlink()
+    tag_dir.rename(root / "checkpoint-1")
+    shutil.copytree(root / "checkpoint-1", root / "checkpoint-2")
+    with pytest.raises(zerofast.AmbiguousTagError, match="checkpoint-1.*checkpoint-2"):
+        zerofast.reconstruct(root)
+    found = discover.locate(root, tag="checkpoint-2")
+    assert (found.root, found.tag) == (root, "checkpoint-2")
+    assert list(zerofast.reconstruct(root, tag="checkpoint-2"))
 
 
 def test_unknown_tag(stage2):

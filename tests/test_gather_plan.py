@@ -3,17 +3,15 @@
 csrc/cuda/gather_plan.h is plain C++, so a host compiler runs it against a model of the kernels
 here, with the address and undefined-behaviour sanitizers when the toolchain has them.
 """
-import os
 import shutil
 import subprocess
 
 import pytest
 
+from tests.conftest import GATHER_CASES
 from tools.cuda_build import CUDA_DIR, REPO
 
 SOURCE = REPO / "tests" / "native" / "gather_plan_test.cpp"
-# Random layouts checked under the sanitizers; ZEROFAST_TEST_GATHER_CASES=2000 for a longer run.
-CASES = int(os.environ.get("ZEROFAST_TEST_GATHER_CASES", "150"))
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 
 
@@ -31,5 +29,5 @@ def test_packing_and_span_tables_match_a_model_of_the_kernels(tmp_path):
         pytest.skip("no C++ compiler on the PATH")
     exe = tmp_path / "gather_plan_test"
     _build(cxx, exe)
-    done = subprocess.run([str(exe), str(CASES)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([str(exe), str(GATHER_CASES)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr

@@ -5,7 +5,8 @@ Real saves from tests/dsgen/train_muon.py (world 2, bf16, frozen params, a tied 
 At ZeRO-1/2 the momentum is bf16 and laid out over the whole parameters that touch a rank's
 partition. Everything is judged against DeepSpeed's own values taken in the training run, and
 reshard by DeepSpeed loading the result at the new world size (tests/dsgen/resume.py: masters,
-every optimizer key, steps, frozen params and buffers). to-universal refuses these saves: see
+every optimizer key, steps, frozen params and buffers); to-dcp by torch's own converter reading
+every key back. to-universal refuses these saves: see
 test_to_universal_refuses_what_deepspeed_cannot_load.
 """
 from __future__ import annotations
@@ -139,9 +140,30 @@ def test_to_universal_refuses_what_deepspeed_cannot_load(tmp_path, stage):
 
 
 @pytest.mark.parametrize("stage", sorted(SOURCES))
-def test_to_dcp_refuses_the_optimizer_and_writes_the_weights(tmp_path, stage):
-    """Per-group state is not written to DCP yet: refused with a typed error, never half written;
-    the weights alone (optimizer=False) still go."""
-    with pytest.raises(zerofast.UnsupportedCheckpointError, match="every param group"):
-        zerofast.to_dcp(real_root(SOURCES[stage]), tmp_path / "dcp")
-    zerofast.to_dcp(real_root(SOURCES[stage]), tmp_path / "weights", optimizer=False)
+def test_to_dcp_carries_every_key_of_every_group(tmp_path, stage):
+    """to-dcp writes get_state_dict's optimizer layout with each parameter's own group's keys
+    (Muon's momentum_buffer, Adam's moments) in the dtype the save keeps them in; torch's own
+    converter reads them back equal to DeepSpeed's truth, and the groups keep their names."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    layout = SOURCES[stage]
+    truth = real_truth(layout)
+    folder = zerofast.to_dcp(real_root(layout), tmp_path / "dcp").out_dir
+    dcp_to_torch_save(folder, tmp_path / "back.pt")
+    optim = torch.load(tmp_path / "back.pt", weights_only=False)["optim"]
+    state = optim["state"]
+    # As the save keeps them: Muon's momentum in bf16 at every stage (DeepSpeed's stage-3 accessor
+    # hands it back as fp32, an exact widening), Adam's moments in fp32.
+    stored = {"momentum_buffer": torch.bfloat16, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+    for key, values in truth["optimizer_states"].items():
+        for name, value in values.items():
+            assert state[name][key].dtype == stored[key], f"{name}.{key}"
+            assert_bitwise_equal(state[name][key].to(value.dtype), value, f"{name}.{key}")
+    for name, entry in state.items():
+        kept = {k for k, values in truth["optimizer_states"].items() if name in values}
+        assert set(entry) - {"step"} == kept, name  # no key of the other group (Muon keeps no step)
+    assert [g["name"] for g in optim["param_groups"]] == ["muon-params", "adam-params"]
+    assert [g["use_muon"] for g in optim["param_groups"]] == [True, False]
+    weights = zerofast.to_dcp(real_root(layout), tmp_path / "weights", optimizer=False).out_dir
+    dcp_to_torch_save(weights, tmp_path / "weights.pt")
+    assert set(torch.load(tmp_path / "weights.pt", weights_only=False)) == {"model"}

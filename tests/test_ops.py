@@ -160,7 +160,7 @@ def _read_args(tmp_path, device: str):
     return fd, sources, [fd, -1], offsets
 
 
-OPS = ["gather_cast", "read_cast", "read_cast_new", "read_cast_to_file"]
+OPS = ["gather_cast", "read_cast", "read_cast_new", "read_cast_to_file", "check_ranges"]
 CASES = [(op, d) for op in OPS for d in ("cpu", "cuda")]
 
 
@@ -185,6 +185,10 @@ def test_opcheck_each_op_on_each_built_device(tmp_path, op, device):
             rows = torch.tensor([[0, 0, 2, 0, 30], [1, 1, 0, 5, 40]], dtype=torch.int64)
             outs = [torch.zeros(30), torch.zeros(50, dtype=torch.bfloat16)]
             torch.library.opcheck(torch.ops.zerofast.read_cast.default, (sources, fds, offsets, rows, outs, 2, True))
+        elif op == "check_ranges":  # its fake's chunk count is data-dependent (a dynamic size)
+            rows = torch.tensor([[0, 0, 0, 0, 0, 40], [0, 1, 1, 0, 0, 40], [1, 0, 0, 40, 0, 24], [1, 1, 1, 8, 0, 24]])
+            args = (sources, fds, offsets, rows, torch.tensor([40, 24]), torch.bfloat16, True, 16, 2)
+            torch.library.opcheck(torch.ops.zerofast.check_ranges.default, args)
         elif op == "read_cast_new":
             rows = torch.tensor([[0, 0, 0, 0, 24], [1, 1, 8, 0, 20]], dtype=torch.int64)
             args = (sources, fds, offsets, rows, [4, 6, 20], [2, 1], torch.float32, 2, False)

@@ -4,7 +4,10 @@ An elastic save keeps, per rank, a list of one lean optimizer state per param gr
 share of the group padding stripped) instead of the torch optimizer's state_dict(). reshard
 writes that layout at the new size; DeepSpeed 0.19.8 loads it at that size with a plain
 ``engine.load_checkpoint`` and gives back the run's masters, Adam moments, steps, frozen params
-and buffers bit for bit, then trains a step (tests/dsgen/resume.py).
+and buffers bit for bit, then trains a step (tests/dsgen/resume.py). to-universal of the same saves is loaded with
+``load_universal`` at those sizes in the same jobs: an elastic save keeps no param groups, so the
+universal folder's groups hold ``params`` only and the loading engine keeps its hyperparameters,
+as DeepSpeed's own elastic resume does.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 
 import zerofast
 from zerofast.writers.reshard import reshard
+from zerofast.writers.universal import to_universal, universal_module_state
 
 from tests.conftest import needs_deepspeed
 from tests.helpers import assert_bitwise_equal, real_root, real_truth
@@ -30,6 +34,17 @@ def outputs(tmp_path_factory):
     base = tmp_path_factory.mktemp("elastic")
     return {(layout, world): reshard(real_root(layout), base / f"{layout}_w{world}", world).parent
             for layout, worlds in ELASTIC.items() for world in worlds}
+
+
+@pytest.fixture(scope="module")
+def universals(tmp_path_factory):
+    base = tmp_path_factory.mktemp("elastic_universal")
+    out = {}
+    for layout in ELASTIC:
+        folder = to_universal(real_root(layout), base / layout / real_truth(layout)["tag"]).parent
+        torch.save(universal_module_state(folder / real_truth(layout)["tag"]), folder / "module_state.pt")
+        out[layout] = folder
+    return out
 
 
 @pytest.mark.parametrize("layout,world", [(l, w) for l, ws in ELASTIC.items() for w in ws])
@@ -54,8 +69,9 @@ def test_written_elastic_at_the_new_size(outputs, layout, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_deepspeed_resumes_at_the_new_size(outputs, tmp_path, world):
+def test_deepspeed_resumes_at_the_new_size(outputs, universals, tmp_path, world):
     cases = [_case(layout, outputs[(layout, w)], w) for (layout, w) in outputs if w == world]
+    cases += [_case(layout, folder, world, universal=True) for layout, folder in universals.items()]
     results = _resume(tmp_path, world, cases)
     assert set(results) == {c["name"] for c in cases}
     assert {name: errors for name, errors in results.items() if errors} == {}

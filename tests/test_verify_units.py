@@ -1,6 +1,8 @@
 """The chunk checks of zerofast.verify against torch's own definitions, on every dtype they see."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -59,3 +61,17 @@ def test_bits_not_values():
 def test_chunks_cut_every_tensor_alike():
     assert T.cuts(0) == [(0, 0)]
     assert T.cuts(T.CHUNK + 1) == [(0, T.CHUNK), (T.CHUNK, T.CHUNK + 1)]
+
+
+def test_a_value_against_a_nan_reports_a_nan_difference():
+    # Python's max(0.0, nan) is 0.0: a NaN gap must not come out as "max abs 0".
+    from zerofast.checks.tensors import Difference
+
+    d = Difference()
+    d.add(torch.tensor([1.0, 2.0]), torch.tensor([1.0, float("nan")]))
+    assert d.changed == 1 and math.isnan(d.max_abs) and math.isnan(d.max_rel)
+    d.add(torch.tensor([1.0]), torch.tensor([5.0]))  # a later finite gap does not hide it
+    assert math.isnan(d.max_abs)
+    folded = Difference()
+    folded.add_figures([(0, 0, 1, 1)], [(float("nan"), float("nan"))])
+    assert folded.changed == 1 and math.isnan(folded.max_abs)

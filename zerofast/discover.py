@@ -97,7 +97,8 @@ def locate(ckpt_dir: str | os.PathLike, tag: str | None = None, follow_symlinks:
         found = ("a file; pass the folder that holds it, " + str(root.parent) if root.exists() and
                  root.suffix == ".pt" else "a file" if root.exists() else "no such directory")
         raise CheckpointNotFoundError(f"expected a DeepSpeed checkpoint folder, found {found}", root)
-    root = trainer_checkpoint(root)
+    if tag is None or not (root / tag).is_dir():  # a tag of this root named checkpoint-N is that tag
+        root = trainer_checkpoint(root)
     if tag is None and _holds_model_states(root):
         return Found(root.parent, root.name, root, tuple(sorted(os.listdir(root))))
     latest = None if tag is not None else next((n for n in LATEST_FILES if (root / n).is_file()), None)

@@ -168,6 +168,27 @@ def _read_cast_to_file_fake(sources, source_fds, source_offsets, segments, out_f
     return None
 
 
+def check_ranges(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
+                 segments: torch.Tensor, numels: torch.Tensor, dtype: torch.dtype, compare: bool,
+                 chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the schema in csrc/zerofast.cpp: per chunk, ``(counts [C, 5], maxima [C, 2])``."""
+    if not native_enabled():
+        return reference.check_ranges(sources, source_fds, source_offsets, segments, numels, dtype, compare, chunk)
+    load_native()
+    with _os_errors():
+        return torch.ops.zerofast.check_ranges(list(sources), list(source_fds), source_offsets, segments, numels,
+                                               dtype, compare, chunk, settings().readers)
+
+
+@_fake("check_ranges")
+def _check_ranges_fake(sources, source_fds, source_offsets, segments, numels, dtype, compare, chunk,
+                       readers=0) -> tuple[torch.Tensor, torch.Tensor]:
+    # The chunk count depends on the values of `numels`: a size the fake cannot know.
+    chunks = torch.library.get_ctx().new_dynamic_size()
+    return (torch.empty((chunks, 5), dtype=torch.int64, device=numels.device),
+            torch.empty((chunks, 2), dtype=torch.float64, device=numels.device))
+
+
 _ERRNO = re.compile(r"^zerofast: (.*) \[errno (\d+)\]$", re.M)
 
 

@@ -31,11 +31,15 @@
 
 #include "../gather_cast_checks.h"
 #include "cast.h"
+#include "file_read.h"
 
 namespace zerofast {
 namespace {
 
 using cpu::cast_piece;
+using cpu::io_error;
+using cpu::pread_all;
+using cpu::reader_threads;
 
 // One row of `segments`: (out index, source index, source offset, output offset, length), in
 // elements of the source and of the output.
@@ -69,27 +73,6 @@ struct Item {
 constexpr int64_t kItemBytes = 1 << 20;
 constexpr int64_t kCastElems = 32768;
 
-[[noreturn]] void io_error(const char* what, int err, int64_t offset, int64_t nbytes) {
-  // "[errno N]" lets the Python side turn this back into an OSError (ENOSPC, EFBIG, EIO).
-  TORCH_CHECK(false, "zerofast: ", what, " of ", nbytes, " bytes at offset ", offset, " failed: ",
-              std::strerror(err), " [errno ", err, "]");
-}
-
-void pread_all(int fd, char* dst, int64_t nbytes, int64_t offset) {
-  while (nbytes > 0) {
-    const ssize_t got = ::pread(fd, dst, static_cast<size_t>(nbytes), offset);
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) io_error("read", errno, offset, nbytes);
-    // The loader checked each storage against the file's size; a file that shrank since is an
-    // error here, where a mapping would have died of SIGBUS.
-    TORCH_CHECK(got > 0, "zerofast: a checkpoint file ended at offset ", offset,
-                " while reading it: it was truncated after it was opened [errno ", EIO, "]");
-    dst += got;
-    offset += got;
-    nbytes -= got;
-  }
-}
-
 void pwrite_all(int fd, const char* src, int64_t nbytes, int64_t offset) {
   while (nbytes > 0) {
     const ssize_t put = ::pwrite(fd, src, static_cast<size_t>(nbytes), offset);
@@ -122,13 +105,6 @@ bool copy_range(int in_fd, int64_t in_off, int out_fd, int64_t out_off, int64_t 
     nbytes -= done;
   }
   return true;
-}
-
-// `readers` <= 0 means torch's intra-op thread count. More readers than cores keeps several
-// requests in flight on a cold read; warm, the extra threads mostly wait their turn for a core.
-int reader_threads(size_t items, int64_t readers) {
-  const int64_t n = readers > 0 ? readers : at::get_num_threads();
-  return static_cast<int>(std::min<size_t>(static_cast<size_t>(n), std::max<size_t>(items, 1)));
 }
 
 class Batch {

@@ -2,7 +2,8 @@
 an export or a reshard right.
 
 - :mod:`.report`: the typed results (``Report``, ``Finding``, ``Diff``, ``TensorChange``);
-- :mod:`.tensors`: tensors read in bounded chunks and compared in lockstep;
+- :mod:`.ranges`: the checks run inside the native reader (``ops.check_ranges``), nothing held;
+- :mod:`.tensors`: the tensor sources, and the Python path: chunks read and compared in lockstep;
 - :mod:`.checkpoint`: a checkpoint checked on its own;
 - :mod:`.export_folder`: an export folder's files, checked and read;
 - :mod:`.against`: an export, reshard or universal output against its source;

@@ -28,6 +28,7 @@ from ..pipeline import Prepared
 from ..plan import TRAINABLE, Plan, SourceTable, TensorPlan, build_optimizer_plan, build_plan
 from ..plan.optimizer import available_keys, checked_states, scalar_states
 from .report import Report
+from .ranges import NATIVE_DTYPES, figures
 from .tensors import Difference, PlanSource, extremes, nonfinite, paired, same_bits
 
 STORED = "stored"  # kind of a model-dtype weight planned for the cross-check
@@ -124,9 +125,7 @@ def stored_weights(opened: Opened) -> tuple[dict[str, TensorPlan], int]:
 
 def _masters(opened: Opened, report: Report, strict: bool) -> None:
     """Masters with a saved weight are read cast to its dtype (the reader threads cast them, as
-    ``export`` does) and compared bit for bit; the cast chunk also answers "any NaN/Inf" (a cast
-    keeps both, and may turn a huge fp32 value into an fp16 infinity), so only a tensor it flags is
-    read again in fp32 to count them exactly."""
+    ``export`` does) and compared bit for bit; NaN/Inf are counted on the fp32 masters as read."""
     plan = opened.plan
     weights, without = stored_weights(opened)
     masters = [n for n in plan.tensors if plan.tensors[n].kind == TRAINABLE]
@@ -136,19 +135,62 @@ def _masters(opened: Opened, report: Report, strict: bool) -> None:
     fp32 = opened.source(plan)
     cast = PlanSource({n: dataclasses.replace(plan.tensors[n], out_dtype=weights[n].out_dtype) for n in crossed},
                       fp32.executor)
-    diffs: dict[str, Difference] = {}
-    health: dict[str, Health] = {}
-    for name, _, _, master, weight in paired(cast, PlanSource(weights, fp32.executor), [(n, n) for n in crossed]):
-        health.setdefault(name, Health()).add(master)
-        if not same_bits(master, weight):
-            diffs.setdefault(name, Difference()).add(master, weight)
-    flagged = [n for n in crossed if not health[n].finite]
-    health.update({n: Health() for n in flagged})
-    for name, _, master in fp32.chunks([n for n in masters if n not in weights] + flagged):
-        health.setdefault(name, Health()).add(master, count=True)
+    stored = PlanSource(weights, fp32.executor)
+    natively = all(plan.tensors[n].stored_dtype in NATIVE_DTYPES and weights[n].out_dtype in NATIVE_DTYPES
+                   for n in crossed)
+    diffs, health = (_cross_checked if natively else _cross_checked_here)(cast, stored, fp32, crossed)
+    health.update(counted(fp32, [n for n in masters if n not in weights]))
     _count(report, plan, masters, weights)
     _report_masters(report, plan, weights, diffs, len(masters), without)
     _report_nonfinite(report, health, strict, "master")
+
+
+def _cross_checked(cast: PlanSource, stored: PlanSource, fp32: PlanSource, names: list[str]):
+    """(differences, health) of each master against its saved weight, in one native pass per
+    weight dtype; the health is that of the fp32 elements, counted as they are read."""
+    diffs: dict[str, Difference] = {}
+    health: dict[str, Health] = {}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in names:
+        by_dtype.setdefault(stored.meta(name).dtype, []).append(name)
+    found = {}
+    for dtype, group in by_dtype.items():
+        found.update(zip(group, figures(cast, group, [cast.meta(n).numel for n in group], stored, group, dtype)))
+    for name in names:  # in the masters' order, whatever the dtypes
+        d = Difference()
+        d.add_figures(found[name].counts, found[name].maxima)
+        if d.differs:
+            diffs[name] = d
+        health[name] = Health().add_counts(found[name].counts)
+    return diffs, health
+
+
+def _cross_checked_here(cast: PlanSource, stored: PlanSource, fp32: PlanSource, names: list[str]):
+    """:func:`_cross_checked` in Python, for dtypes the native op does not know: the cast chunk
+    also answers "any NaN/Inf" (a cast keeps both, and may turn a huge fp32 value into an fp16
+    infinity), so only a tensor it flags is read again in fp32 to count them exactly."""
+    diffs: dict[str, Difference] = {}
+    health: dict[str, Health] = {}
+    for name, _, _, master, weight in paired(cast, stored, [(n, n) for n in names]):
+        health.setdefault(name, Health()).add(master)
+        if not same_bits(master, weight):
+            diffs.setdefault(name, Difference()).add(master, weight)
+    flagged = [n for n in names if not health[n].finite]
+    health.update({n: Health() for n in flagged})
+    for name, _, master in fp32.chunks(flagged):
+        health[name].add(master, count=True)
+    return diffs, health
+
+
+def counted(source: PlanSource, names: list[str]) -> dict[str, "Health"]:
+    """Each tensor's NaN/Inf counts and whether it is all zero: natively where its dtype allows."""
+    native = [n for n in names if source.plans[n].stored_dtype in NATIVE_DTYPES]
+    health = dict(zip(native, (Health().add_counts(f.counts)
+                               for f in figures(source, native, [source.meta(n).numel for n in native]))))
+    here = [n for n in names if n not in health]
+    for name, _, chunk in source.chunks(here):
+        health.setdefault(name, Health()).add(chunk, count=True)
+    return {n: health[n] for n in names if n in health}
 
 
 def _report_masters(report: Report, plan: Plan, weights: dict[str, TensorPlan], diffs: dict[str, Difference],
@@ -180,6 +222,15 @@ class Health:
     zero: bool = True
     nan: int = 0
     inf: int = 0
+
+    def add_counts(self, counts) -> "Health":
+        """The native op's per-chunk (nan, inf, nonzero, ...) rows (:mod:`.ranges`) folded in."""
+        for nan, inf, nonzero, *_ in counts:
+            self.finite &= nan == 0 and inf == 0
+            self.zero &= nonzero == 0
+            self.nan += nan
+            self.inf += inf
+        return self
 
     def add(self, chunk: torch.Tensor, count: bool = False) -> None:
         finite, zero = extremes(chunk)
@@ -239,9 +290,7 @@ def _number(value) -> float | None:
 def _moments(opened: Opened, report: Report, strict: bool, step: float | None) -> None:
     plan = opened.optimizer
     source = opened.source(plan)
-    health: dict[str, Health] = {}
-    for name, _, chunk in source.chunks(source.order):
-        health.setdefault(name, Health()).add(chunk, count=True)
+    health = counted(source, list(source.order))
     _count(report, plan, source.order, {})
     zero = [n for n, h in health.items() if h.zero and plan.tensors[n].numel and step]
     for name in zero:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from contextlib import ExitStack, contextmanager
 from typing import Iterator, Sequence
 
 from ..errors import ExportError
 from ..pipeline import plan_checkpoint, prepare
 from ..plan.optimizer import available_keys
 from .export_folder import ExportFolder, is_export
+from .ranges import Located, merged
 from .report import Diff, Report, TensorChange
 from .tensors import Chunk, Meta, PlanSource, TensorSource, compare
 
@@ -31,6 +33,14 @@ class Union:
 
     def meta(self, name: str) -> Meta:
         return self.owner[name].meta(name)
+
+    @contextmanager
+    def located(self, names: Sequence[str]) -> Iterator[Located]:
+        by_owner: dict[int, tuple[TensorSource, list[str]]] = {}
+        for name in names:
+            by_owner.setdefault(id(self.owner[name]), (self.owner[name], []))[1].append(name)
+        with ExitStack() as stack:
+            yield merged([stack.enter_context(owner.located(mine)) for owner, mine in by_owner.values()])
 
     def chunks(self, names: Sequence[str]) -> Iterator[Chunk]:
         run: list[str] = []

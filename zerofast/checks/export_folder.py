@@ -12,6 +12,7 @@ import json
 import os
 import struct
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -23,6 +24,7 @@ from ..hf import trainer as hf
 from ..hf.formats import FORMATS, TIED_KEY
 from ..hf.run import OPTIMIZER_NAMES
 from .report import Report
+from .ranges import Located
 from .tensors import BATCH_BYTES, Chunk, Meta, ahead, cuts
 
 _CODES = {code: dtype for dtype, code in dtypes.SAFETENSORS_CODES.items()}
@@ -233,6 +235,37 @@ class ExportFolder:
 
         try:
             yield from ahead(read, self._batches(names))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    @contextmanager
+    def located(self, names: Sequence[str]) -> Iterator[Located]:
+        """Where ``names`` are, for the native checks (:mod:`.ranges`): a safetensors tensor is read
+        from its file by offset (its source is a stand-in of its dtype and length), a torch-format
+        one from the file's mapping."""
+        fds: dict[Path, int] = {}
+        loaded: dict[Path, dict] = {}
+        found = Located([], [], [], {})
+        try:
+            for name in names:
+                where, meta = self.where[name], self.metas[name]
+                if self.format == "safetensors":
+                    if where.path not in fds:
+                        fds[where.path] = os.open(where.path, os.O_RDONLY)
+                    stand_in = torch.empty(min(meta.numel, 1), dtype=meta.dtype).expand(meta.numel)
+                    found.sources.append(stand_in)
+                    found.fds.append(fds[where.path])
+                    found.offsets.append(where.offset)
+                else:
+                    if where.path not in loaded:
+                        loaded[where.path] = torch.load(where.path, mmap=True, weights_only=True, map_location="cpu")
+                    # A tensor saved as a strided view loads as one; the op reads contiguous sources.
+                    found.sources.append(loaded[where.path][where.key].reshape(-1).contiguous())
+                    found.fds.append(-1)
+                    found.offsets.append(0)
+                found.rows[name] = [(len(found.sources) - 1, 0, 0, meta.numel)]
+            yield found
         finally:
             for fd in fds.values():
                 os.close(fd)

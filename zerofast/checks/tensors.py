@@ -1,10 +1,11 @@
 """Tensors read in bounded chunks, from a checkpoint's plan or from an export's files.
 
-Every check streams: a tensor is read ``CHUNK`` elements at a time (a checkpoint's through the
-native batch reader, ``pread`` of the rank files with the cast fused; an export's by ``pread`` of
-its safetensors data), so memory holds a few chunks whatever the model size. Both kinds cut a
-tensor at the same element offsets, so two sources can be walked in lockstep and compared chunk
-by chunk without holding either tensor.
+Every check streams. Where both sides can say where their elements sit (``located``), and their
+dtypes are ones the native op knows, the checks run in :mod:`.ranges`, inside the native reader;
+otherwise a tensor is read ``CHUNK`` elements at a time (a checkpoint's through the native batch
+reader, an export's by ``pread`` of its safetensors data) and checked here, with numpy and torch.
+Both ways cut a tensor at the same element offsets and report per chunk, so they give the same
+figures, and two sources can be walked in lockstep without holding either tensor.
 """
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ import torch
 
 from ..execute import Executor
 from ..plan.model import TensorPlan
-
-CHUNK = 1 << 22  # elements per chunk: 16 MiB of fp32
+from .ranges import CHUNK, NATIVE_DTYPES, can_check, figures, plan_located
 # At most this much output per native call. Two calls are in flight per source and two sources
 # are compared at a time, and the allocator keeps some freed chunks: at 16 MiB a 500M-parameter
 # verify stays near 200 MiB above the interpreter (``benchmarks/verify_bench.py``).
@@ -86,6 +86,9 @@ class PlanSource:
     def chunks(self, names: Sequence[str]) -> Iterator[Chunk]:
         return ahead(self._run, self._batches(names))
 
+    def located(self, names: Sequence[str]):
+        return plan_located(self.plans, self.executor, names)
+
     def _batches(self, names: Sequence[str]) -> Iterator[list[tuple[str, int, TensorPlan]]]:
         batch: list[tuple[str, int, TensorPlan]] = []
         size = 0
@@ -141,7 +144,21 @@ def paired(a: TensorSource, b: TensorSource, pairs: Sequence[tuple[str, str]]) -
 def compare(a: TensorSource, b: TensorSource, pairs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], "Difference"]:
     """How each pair's values differ (a :class:`Difference` per pair, zero counts when equal)."""
     out = {pair: Difference() for pair in pairs}
-    for na, nb, _, ca, cb in paired(a, b, pairs):
+    native: dict[torch.dtype, list[tuple[str, str]]] = {}
+    rest = []
+    for na, nb in pairs:
+        da, db = a.meta(na).dtype, b.meta(nb).dtype
+        if can_check(a) and can_check(b) and da in NATIVE_DTYPES and db in NATIVE_DTYPES:
+            # Two dtypes are compared as float64, as Difference.add compares them.
+            native.setdefault(da if da == db else torch.float64, []).append((na, nb))
+        else:
+            rest.append((na, nb))
+    for dtype, group in native.items():
+        found = figures(a, [na for na, _ in group], [a.meta(na).numel for na, _ in group], b,
+                        [nb for _, nb in group], dtype)
+        for pair, f in zip(group, found):
+            out[pair].add_figures(f.counts, f.maxima, retyped=a.meta(pair[0]).dtype != b.meta(pair[1]).dtype)
+    for na, nb, _, ca, cb in paired(a, b, rest):
         out[(na, nb)].add(ca, cb)
     return out
 
@@ -171,6 +188,17 @@ class Difference:
     max_rel: float = 0.0
     differs: bool = False  # any bit differs (a signed zero or a NaN payload counts, though not in ``changed``)
 
+    def add_figures(self, counts: Sequence[Sequence[int]], maxima: Sequence[Sequence[float]],
+                    retyped: bool = False) -> None:
+        """The native op's per-chunk figures (:mod:`.ranges`), folded as :meth:`add` folds a chunk;
+        ``retyped``: the sides' dtypes differ, so their bits do too."""
+        self.differs |= retyped
+        for (*_, differs, changed), (max_abs, max_rel) in zip(counts, maxima):
+            if differs:
+                self.differs = True
+                self.changed += changed
+                self.max_abs, self.max_rel = nan_max(self.max_abs, max_abs), nan_max(self.max_rel, max_rel)
+
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         if same_bits(a, b):
             return
@@ -182,9 +210,15 @@ class Difference:
         self.changed += int(same.numel() - same.sum())
         gap = (x - y).abs().masked_fill(same, 0)
         if gap.numel():
-            self.max_abs = max(self.max_abs, float(gap.max()))
+            self.max_abs = nan_max(self.max_abs, float(gap.max()))
             rel = gap / x.abs().clamp_min(torch.finfo(torch.float64).tiny)
-            self.max_rel = max(self.max_rel, float(rel.max()))
+            self.max_rel = nan_max(self.max_rel, float(rel.max()))
+
+
+def nan_max(current: float, new: float) -> float:
+    """The larger, a NaN winning: a value against a NaN is a change of unknown size, which
+    Python's ``max`` would drop (``max(0.0, nan)`` is 0.0)."""
+    return new if math.isnan(new) or new > current else current
 
 
 # 16-bit floats: the bits of |x| are at least these exactly when x is an infinity or a NaN.

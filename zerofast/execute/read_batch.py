@@ -43,7 +43,7 @@ class BatchReader:
         """Each of ``tps`` in fresh memory, in its shape: one call per output dtype, which makes
         the tensors too."""
         made: list[torch.Tensor | None] = [None] * len(tps)
-        with self._files() as (fds, offsets):
+        with self.opened() as (fds, offsets):
             for dtype, (where, group) in _by_dtype(tps).items():
                 dims = [d for tp in group for d in tp.shape]
                 ranks = [len(tp.shape) for tp in group]
@@ -54,14 +54,14 @@ class BatchReader:
 
     def write(self, fd: int, placed: Sequence[tuple[TensorPlan, int]]) -> None:
         """Each ``(tp, byte offset)`` into file ``fd``, one call per output dtype."""
-        with self._files() as (fds, offsets):
+        with self.opened() as (fds, offsets):
             for dtype, (where, group) in _by_dtype([tp for tp, _ in placed]).items():
                 ops.read_cast_to_file(self.sources, fds, offsets, _rows(group), fd,
                                       torch.tensor([placed[i][1] for i in where], dtype=torch.int64),
                                       torch.tensor([tp.numel for tp in group], dtype=torch.int64), dtype)
 
     @contextmanager
-    def _files(self) -> Iterator[tuple[list[int], torch.Tensor]]:
+    def opened(self) -> Iterator[tuple[list[int], torch.Tensor]]:
         """An fd per source (-1: read it from memory) and its byte offset, the files open meanwhile.
 
         A file whose identity changed since it was mapped (replaced, rewritten) is not read by

@@ -13,11 +13,13 @@ A sub-group whose fp32 partition holds at least ``max(1 MiB, aio.block_size)`` b
   first and last parameter.
 
 A ``ds_id`` is the order in which ``zero.Init`` converted the parameter, which the save does not
-record (a module's own parameters come after its children's). So each swapped sub-group gets
-the file its ids name when estimated from ``module`` (parameters in model order, frozen ones
-included, all shifted alike), if that names a distinct file for every one; else the file of its
-byte size, if the sizes single each one out; else the save is refused. Every file read must have
-its sub-group's size.
+record: ``_post_init_method`` numbers a module's own parameters when its ``__init__`` ends, so
+after its children's. So the ids are estimated from ``module`` in that post-order (and, as a
+second guess, in the state dict's own pre-order), frozen ones included, all shifted alike; each
+swapped sub-group gets the file its estimated ids name when the guesses that name a distinct
+file for every sub-group agree on one pairing. Otherwise each gets the file of its byte size,
+if the sizes single each one out; else the save is refused. Every file read must have its
+sub-group's size.
 
 Loading fills the empty entries with the swap files' elements (mapped copy-on-write, not read up
 front), so planning, every reader and the writers see a plain ZeRO-3 save: reshard and to-universal
@@ -131,12 +133,35 @@ def _refuse_swapped_frozen(ckpt: LoadedCheckpoint) -> None:
                     "offload_param keeps on NVMe that way); its optimizer state can still be read", ms.path)
 
 
-def _estimated_ids(ckpt: LoadedCheckpoint) -> dict[str, int]:
-    """name -> its index among the model's parameters: ``module`` order, keeping the names that
-    ``param_shapes`` or ``frozen_param_shapes`` list (a tied alias is in neither at stage 3)."""
+def _estimated_ids(ckpt: LoadedCheckpoint) -> list[dict[str, int]]:
+    """Guesses of name -> ``ds_id`` (up to a shift): DeepSpeed's post-order, then the module's
+    pre-order, over the names ``param_shapes`` or ``frozen_param_shapes`` list (a tied alias is
+    in neither at stage 3)."""
     meta = ckpt.meta
     params = {n for group in meta.param_shapes for n in group} | set(meta.frozen_param_shapes or {})
-    return {name: i for i, name in enumerate(n for n in meta.module if n in params)}
+    pre = [n for n in meta.module if n in params]
+    guesses = [post_order(pre), pre]
+    return [{name: i for i, name in enumerate(order)} for order in guesses]
+
+
+def post_order(names: list[str]) -> list[str]:
+    """``names`` (a state dict's order: a module's own parameters, then its children's) with
+    every module's own parameters after its children's, as ``zero.Init`` converts them."""
+    root: tuple[list, dict] = ([], {})
+    for name in names:
+        node = root
+        for part in name.split(".")[:-1]:
+            node = node[1].setdefault(part, ([], {}))
+        node[0].append(name)
+    out, stack = [], [(root, False)]
+    while stack:  # iterative, so a deep module tree cannot hit the recursion limit
+        (own, children), visited = stack.pop()
+        if visited:
+            out.extend(own)
+            continue
+        stack.append(((own, children), True))
+        stack.extend((child, False) for child in reversed(list(children.values())))
+    return out
 
 
 def _intra_op_parallelism(ckpt: LoadedCheckpoint) -> int:
@@ -150,7 +175,7 @@ def _intra_op_parallelism(ckpt: LoadedCheckpoint) -> int:
 
 
 def _swapped_in(o: OptimStates, ckpt: LoadedCheckpoint, folder: Path, files: tuple[Path, ...],
-                ids: dict[str, int], align: int, used: set[Path]) -> OptimStates:
+                ids: list[dict[str, int]], align: int, used: set[Path]) -> OptimStates:
     """``o`` with every swapped sub-group's master and per-element states read from ``files`` in
     ``folder`` (each file read is added to ``used``)."""
     shapes, W = ckpt.meta.param_shapes, ckpt.world_size
@@ -162,8 +187,8 @@ def _swapped_in(o: OptimStates, ckpt: LoadedCheckpoint, folder: Path, files: tup
     swapped = [i for i, g in enumerate(o.flat_groups) if g.numel() == 0 and sizes[i] > 0]
     dtype = next((g.dtype for g in o.flat_groups if g.numel() > 0), torch.float32)
     masters = {(int(m.group(1)), int(m.group(2))): p for p in files if (m := _MASTER.match(p.name))}
-    stems = _pair(folder, swapped, masters, [(sizes[i] * dtype.itemsize, _id_range(shapes[i], ids)) for i in swapped],
-                  align)
+    stems = _pair(folder, swapped, masters, [sizes[i] * dtype.itemsize for i in swapped],
+                  [[_id_range(shapes[i], guess) for i in swapped] for guess in ids], align)
     flat_groups = list(o.flat_groups)
     osd = dict(o.raw[K.OPTIMIZER_STATE_DICT])
     inner = dict(osd[K.ZERO3_INNER])
@@ -180,23 +205,24 @@ def _swapped_in(o: OptimStates, ckpt: LoadedCheckpoint, folder: Path, files: tup
     return dataclasses.replace(o, flat_groups=flat_groups, raw={**o.raw, K.OPTIMIZER_STATE_DICT: osd})
 
 
-def _id_range(group: dict, ids: dict[str, int]) -> tuple[int, int]:
+def _id_range(group: dict, ids: dict[str, int]) -> tuple[int, int] | None:
     names = list(group)
-    return ids.get(names[0], -1), ids.get(names[-1], -1)
+    first, last = ids.get(names[0]), ids.get(names[-1])
+    return None if first is None or last is None else (first, last)
 
 
-def _pair(folder: Path, swapped: list[int], masters: dict[tuple[int, int], Path],
-          wanted: list[tuple[int, tuple[int, int]]], align: int) -> list[str]:
+def _pair(folder: Path, swapped: list[int], masters: dict[tuple[int, int], Path], nbytes: list[int],
+          guesses: list[list[tuple[int, int] | None]], align: int) -> list[str]:
     """The file stem (``A_B``) of each swapped sub-group, in ``swapped`` order (module docstring)."""
     if len(masters) != len(swapped):
         raise IncompleteCheckpointError(
             f"expected {len(swapped)} fp32 swap files ({{first}}_{{last}}.tensor.swp) for the sub-groups the rank's "
             f"optimizer file leaves empty ({swapped}), found {len(masters)}", folder)
-    exact = _by_name(set(masters), [ids for _, ids in wanted])
-    if exact is not None:
-        return [f"{a}_{b}" for a, b in exact]
+    named = {tuple(p) for guess in guesses if None not in guess and (p := _by_name(set(masters), guess)) is not None}
+    if len(named) == 1:  # every guess that names the files names the same ones
+        return [f"{a}_{b}" for a, b in named.pop()]
     files = sorted(masters)
-    fits = [[f for f in files if _fits(masters[f].stat().st_size, nbytes, align)] for nbytes, _ in wanted]
+    fits = [[f for f in files if _fits(masters[f].stat().st_size, n, align)] for n in nbytes]
     if any(len(c) != 1 for c in fits) or len({c[0] for c in fits}) != len(fits):
         raise InconsistentCheckpointError(
             f"cannot tell which swap file holds which of the swapped sub-groups {swapped}: the parameters' order "

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ExportError, UnsupportedCheckpointError
+from ..errors import ExportError, UnplacedOptimizerStateError, UnsupportedCheckpointError
 from ..execute import Executor
 from ..keys import PARAMS
 from ..output.transaction import checkpoint_inputs, os_error, output_dir
@@ -133,24 +133,40 @@ def _optim_state(weights: Prepared, lazy: _Lazy) -> dict[str, Any]:
     scalars = scalar_states(ckpt)
     if keys:
         ckpt.layout.refuse_unplaced(ckpt, keys, "to-dcp")  # never a partition copied through
-    if keys and len({tuple(g["keys"]) for g in ckpt.layout.optimizer_groups(ckpt)}) > 1:
-        keys = []  # kept per param group (Muon beside Adam): not yet written to DCP, refused below
     if not keys or not scalars["param_groups"]:
         # set_state_dict needs both: the per-parameter states and the groups that own them.
-        missing = "no per-element state kept for every param group" if not keys else \
+        missing = "no per-element state" if not keys else \
             "no param groups (an elastic_checkpoint save)"
         raise UnsupportedCheckpointError(f"the optimizer state has {missing}, which get_state_dict's layout "
                                          "needs; pass optimizer=False (--no-optimizer) for the weights alone",
                                          ckpt.files.tag_dir)
     states = plan_checkpoint(ckpt, None, optimizer_keys=keys, qualified=True)
     executor = states.streaming_executor()
+    own = _group_keys(ckpt, scalars["param_groups"])
     per_param: dict[str, dict[str, Any]] = {}
     for name, values in scalars["state"].items():
-        entry = {k: lazy.placeholder(f"{OPTIM}.state.{name}.{k}", states.plan.tensors[f"{name}.{k}"], executor)
-                 for k in keys}
+        # Each parameter gets the keys of its own group (Muon's momentum_buffer, Adam's moments),
+        # each in the dtype and shape the save keeps it in; one its group keeps but the plan
+        # lacks is an error, never left out.
+        entry = {}
+        for k in own.get(name, ()):
+            tp = states.plan.tensors.get(f"{name}.{k}")
+            if tp is None:
+                raise UnplacedOptimizerStateError(f"to-dcp found no place for {k!r} of {name!r}, which its param "
+                                                  "group keeps", ckpt.files.tag_dir)
+            entry[k] = lazy.placeholder(f"{OPTIM}.state.{name}.{k}", tp, executor)
         entry.update({k: _scalar(v) for k, v in values.items()})
         per_param[name] = entry
     return {"state": per_param, "param_groups": _param_groups(scalars["param_groups"])}
+
+
+def _group_keys(ckpt, named: list[dict]) -> dict[str, list[str]]:
+    """Parameter name -> the per-element state keys of its param group."""
+    groups = ckpt.layout.optimizer_groups(ckpt)
+    if len(groups) != len(named):
+        raise UnplacedOptimizerStateError(f"to-dcp found {len(groups)} optimizer groups of state keys for "
+                                          f"{len(named)} param groups", ckpt.files.tag_dir)
+    return {name: list(g["keys"]) for g, group in zip(groups, named) for name in group[PARAMS]}
 
 
 def _param_groups(named: list[dict]) -> list[dict]:

@@ -90,17 +90,11 @@ def write_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
 def refuse_per_group_state(source: Source) -> None:
     """DeepSpeed 0.19.8's universal loader restores the same states for every parameter, each
     sliced like its fp32 partition (stage 3: ``exp_avg`` and ``exp_avg_sq`` only, with the step
-    of sub-group 0 and the hyperparameters of group 0 for all), and reads the param groups. A
-    state kept by some param groups only (Muon's ``momentum_buffer`` beside Adam's moments), or
-    laid out over whole parameters, would come back wrong or not at all, and an elastic save has
-    no param groups; such saves are refused, like any value a writer cannot place. ``reshard``
-    writes them at the new world size instead."""
+    of sub-group 0 and the hyperparameters of group 0 for all). A state kept by some param groups
+    only (Muon's ``momentum_buffer`` beside Adam's moments), or laid out over whole parameters,
+    would come back wrong or not at all; such saves are refused, like any value a writer cannot
+    place. ``reshard`` writes them at the new world size instead."""
     first = source.ckpt.optim_states[0]
-    inner = first.raw[keys.OPTIMIZER_STATE_DICT].get(keys.inner_key(source.ckpt.stage))
-    if isinstance(inner, (list, tuple)):
-        raise UnsupportedCheckpointError(
-            "to-universal needs the wrapped optimizer's param groups, which an elastic_checkpoint save does not "
-            "keep (DeepSpeed's universal loader reads them); use reshard to change the world size", first.path)
     for key, plans in source.moments.items():
         whole = source.whole.get(key)
         if whole or set(plans) != set(source.masters):
@@ -163,9 +157,19 @@ def _optimizer_state(source: Source) -> tuple[dict, Skeleton]:
         out[keys.PARAM_GROUPS] = reduced[keys.PARAM_GROUPS]
     else:
         out = {k: _global(source, first, k, v, sk) for k, v in osd.items() if k not in _SHARDED}
-        out[keys.PARAM_GROUPS] = source.copy(osd[keys.ZERO12_INNER][keys.PARAM_GROUPS], first.path,
-                                          keys.PARAM_GROUPS, sk)
+        out[keys.PARAM_GROUPS] = _param_groups(source, first, osd[keys.ZERO12_INNER], sk)
     return out, sk
+
+
+def _param_groups(source: Source, first, inner, sk: Skeleton) -> list:
+    """The wrapped optimizer's param groups (stages 1-2). An elastic_checkpoint save keeps none:
+    its per-group states stand in for the optimizer's state_dict, and DeepSpeed resumes it with
+    the hyperparameters of the engine that loads it. The universal loader pairs the engine's
+    groups with these and copies every key but ``params``, so groups holding ``params`` alone do
+    the same: every state is restored, the new engine's hyperparameters are kept."""
+    if isinstance(inner, (list, tuple)):
+        return [{"params": [g]} for g in range(len(inner))]
+    return source.copy(inner[keys.PARAM_GROUPS], first.path, keys.PARAM_GROUPS, sk)
 
 
 def _global(source: Source, first, key, value, sk: Skeleton):
