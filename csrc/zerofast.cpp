@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "load/unpickle.h"
+#include "load/zip_directory.h"
 
 #ifndef ZEROFAST_TORCH_VERSION
 #define ZEROFAST_TORCH_VERSION "unknown"
@@ -87,5 +88,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("torch_version", [] { return std::string(ZEROFAST_TORCH_VERSION); },
         "torch version this extension was compiled against");
   m.def("built_devices", &built_devices, "device types with compiled gather_cast kernels, e.g. ['cpu', 'cuda']");
+  zerofast::load::register_zip_directory(m);
   zerofast::load::register_unpickle(m);
 }

@@ -10,13 +10,18 @@ from typing import Iterable, Iterator
 import torch
 
 from .execute import Executor
+from .load.reader import collector_paused
 from .plan.model import Plan, TensorPlan
 
 
 def eager_state_dict(plan: Plan, executor: Executor) -> "OrderedDict[str, torch.Tensor]":
     """Every tensor materialized into fresh memory, in the model's key order; ties share storage."""
-    made = dict(zip(plan.tensors, executor.run_all(list(plan.tensors.values()))))
-    return OrderedDict((name, made[plan.aliases.get(name, name)]) for name in plan.order)
+    with collector_paused():
+        outs = executor.run_all(list(plan.tensors.values()))
+        if not plan.aliases and plan.order == tuple(plan.tensors):
+            return OrderedDict(zip(plan.order, outs))
+        made = dict(zip(plan.tensors, outs))
+        return OrderedDict((name, made[plan.aliases.get(name, name)]) for name in plan.order)
 
 
 @dataclass(frozen=True)

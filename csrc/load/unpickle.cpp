@@ -16,6 +16,7 @@
 
 #include "opcodes.h"
 #include "pickle_scan.h"
+#include "zip_directory.h"
 
 namespace py = pybind11;
 
@@ -29,6 +30,7 @@ constexpr size_t kMaxDims = 64;
 struct Hooks {
   PyObject* resolve;         // (module, name) -> the allowlisted object, or raises
   PyObject* storage_offset;  // (key, nbytes) -> file offset of that storage, or raises
+  const ZipDirectory* zip;   // or, where that hook is a native ZipDirectory, looked up here
   PyObject* rebuild_tensor;
   PyObject* rebuild_parameter;
   PyObject* from_type_v2;
@@ -195,6 +197,7 @@ class Reader {
   Val newobj(const Val& cls, const Val& args);
   void build(const Val& state);
   Val persistent(const Val& pid);
+  int64_t storage_offset_py(PyObject* key, int64_t nbytes) const;
   Val rebuild_tensor(const std::vector<Val>& args);
   Val rebuild_parameter(const std::vector<Val>& args);
   Val rebuild_from_type(const std::vector<Val>& args);
@@ -450,15 +453,19 @@ Val Reader::persistent(const Val& pid) {  // _Storages.__call__
     if (s.nbytes != nbytes || s.dtype != dtype) throw Declined("storage declared twice differently");
     return Val{py::object(), found->second};
   }
-  py::object nb = own(PyLong_FromLongLong(nbytes), "int");
-  py::object at = own(PyObject_CallFunctionObjArgs(hooks_.storage_offset, key, nb.ptr(), nullptr), "storage entry");
-  int64_t offset = 0;
-  if (!index_value(Val{at}, &offset) || offset > int64_t(base_.nbytes()) - nbytes)
-    throw Declined("storage outside the mapping");
+  int64_t offset = hooks_.zip ? hooks_.zip->storage_offset(k, nbytes) : storage_offset_py(key, nbytes);
+  if (offset < 0 || offset > int64_t(base_.nbytes()) - nbytes) throw Declined("storage outside the mapping");
   storages_.push_back({dtype, numel, nbytes, view_of(base_, offset, nbytes)});
   int32_t index = int32_t(storages_.size() - 1);
   by_key_.emplace(std::move(k), index);
   return Val{py::object(), index};
+}
+
+int64_t Reader::storage_offset_py(PyObject* key, int64_t nbytes) const {  // the reference's own lookup
+  py::object nb = own(PyLong_FromLongLong(nbytes), "int");
+  py::object at = own(PyObject_CallFunctionObjArgs(hooks_.storage_offset, key, nb.ptr(), nullptr), "storage entry");
+  int64_t offset = -1;
+  return index_value(Val{at}, &offset) ? offset : -1;
 }
 
 void Reader::dims(const Val& v, std::vector<int64_t>* out) const {  // _dims
@@ -523,7 +530,8 @@ Val Reader::rebuild_from_type(const std::vector<Val>& args) {  // _rebuild_from_
 
 Hooks hooks_from(const py::tuple& t) {
   if (t.size() != 10) throw std::invalid_argument("unpickle: expected 10 hooks");
-  return Hooks{t[0].ptr(), t[1].ptr(), t[2].ptr(), t[3].ptr(), t[4].ptr(), t[5].ptr(), t[6].ptr(), t[7].ptr(),
+  const ZipDirectory* zip = py::isinstance<ZipDirectory>(t[1]) ? t[1].cast<const ZipDirectory*>() : nullptr;
+  return Hooks{t[0].ptr(), t[1].ptr(), zip, t[2].ptr(), t[3].ptr(), t[4].ptr(), t[5].ptr(), t[6].ptr(), t[7].ptr(),
                t[8].ptr(), t[9].cast<int64_t>()};
 }
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from itertools import chain
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from .. import ops
@@ -106,6 +108,9 @@ def _open_same(path: str, identity: tuple[int, int, int, int]) -> int:
 
 def _by_dtype(tps: Sequence[TensorPlan]) -> dict[torch.dtype, tuple[list[int], list[TensorPlan]]]:
     """``tps`` grouped by output dtype: (their positions in ``tps``, the plans)."""
+    dtypes = [tp.out_dtype for tp in tps]
+    if len(set(dtypes)) == 1:  # the usual batch: one call, no regrouping
+        return {dtypes[0]: (list(range(len(tps))), list(tps))}
     groups: dict[torch.dtype, tuple[list[int], list[TensorPlan]]] = {}
     for i, tp in enumerate(tps):
         where, group = groups.setdefault(tp.out_dtype, ([], []))
@@ -115,10 +120,12 @@ def _by_dtype(tps: Sequence[TensorPlan]) -> dict[torch.dtype, tuple[list[int], l
 
 
 def _rows(tps: Sequence[TensorPlan]) -> torch.Tensor:
-    """The plan as the op's table: (output, source, source offset, output offset, length)."""
-    flat: list[int] = []
-    for i, tp in enumerate(tps):
-        for seg in tp.segments:
-            flat.append(i)
-            flat.extend(seg)
-    return torch.tensor(flat, dtype=torch.int64).view(-1, 5)
+    """The plan as the op's table: (output, source, source offset, output offset, length).
+    Built from flat columns, not a list per row: a batch can hold hundreds of thousands."""
+    segments = [tp.segments for tp in tps]
+    counts = np.fromiter(map(len, segments), dtype=np.int64, count=len(segments))
+    table = np.empty((int(counts.sum()), 5), dtype=np.int64)
+    table[:, 0] = np.repeat(np.arange(len(tps), dtype=np.int64), counts)
+    table[:, 1:] = np.fromiter(chain.from_iterable(chain.from_iterable(segments)), dtype=np.int64,
+                               count=4 * len(table)).reshape(-1, 4)
+    return torch.from_numpy(table)

@@ -7,6 +7,11 @@ offsets and checks the things a memory map would otherwise trust: every entry li
 file, no name appears twice (torch's own reader matches names case-insensitively, so two copies
 could be read differently by two readers), the pickle and the storages are stored, and each
 storage has exactly the size the pickle declares for it.
+
+The native core reads the directory the same way (csrc/load/zip_directory.cpp) without a Python
+object per entry. Wherever it declines (a failed check, a name that is not ASCII, and also two
+entries sharing bytes, which torch.save never writes), this module's reader decides and words
+the verdict.
 """
 from __future__ import annotations
 
@@ -14,10 +19,13 @@ import mmap
 import os
 import stat
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
-from ..errors import CorruptCheckpointError, first_line
+from .. import ops
+from ..errors import CorruptCheckpointError, NativeExtensionError, first_line
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
 
@@ -36,11 +44,16 @@ class ArchiveIndex:
     path: Path
     file_size: int
     prefix: str
-    entries: dict[str, _Entry]  # by lower-cased name
+    entries: Mapping[str, _Entry]  # by lower-cased name
     pickle_bytes: bytes
+    directory: Any = None  # the native core's ZipDirectory, when it read the zip directory
 
     def storage_offset(self, key: str, nbytes: int) -> int:
         """File offset of storage ``key``, whose pickle declares ``nbytes`` for it."""
+        if self.directory is not None:
+            offset = self.directory.storage_offset(key, nbytes)
+            if offset >= 0:
+                return offset
         entry = _find(self.path, self.entries, f"{self.prefix}/data/{key}")
         if entry.compressed:
             raise CorruptCheckpointError(
@@ -63,6 +76,10 @@ def index_archive(path: Path, start: int = 0, length: int | None = None) -> Arch
     file holds one ``torch.save`` archive per item back to back); offsets stay the file's."""
     size = _regular_file_size(path)
     end = size if length is None else start + length
+    native = _native_directory(path, start, end) if 0 <= start <= end <= size else None
+    if native is not None:
+        directory, data = native
+        return ArchiveIndex(path, size, directory.prefix, _NativeEntries(directory), data, directory)
     try:
         if not 0 <= start <= end <= size:
             raise _BadZip(f"the archive's bytes [{start}, {end}) are not inside the file ({size} bytes)")
@@ -84,6 +101,42 @@ def index_archive(path: Path, start: int = 0, length: int | None = None) -> Arch
 
 class _BadZip(Exception):
     pass
+
+
+def _native_directory(path: Path, start: int, end: int) -> tuple[Any, bytes] | None:
+    """``(ZipDirectory, data.pkl bytes)`` from the native core, or None where it declines or is not there."""
+    try:
+        read = getattr(ops.load_native(), "zip_directory", None) if ops.native_enabled() else None
+    except NativeExtensionError:
+        return None
+    if read is None:
+        return None
+    ok, directory, data = read(os.fsencode(path), start, end)
+    return (directory, data) if ok else None
+
+
+class _NativeEntries(Mapping):
+    """A native ZipDirectory's entries as :func:`_entries` returns them, made only when asked for
+    (error messages, the Python reader after the native one declines)."""
+
+    def __init__(self, directory: Any) -> None:
+        self._directory = directory
+        self._made: dict[str, _Entry] | None = None
+
+    def _all(self) -> dict[str, _Entry]:
+        if self._made is None:
+            self._made = {name.lower(): _Entry(name, offset, stored, size, compressed)
+                          for name, offset, stored, size, compressed in self._directory.entries()}
+        return self._made
+
+    def __getitem__(self, key: str) -> _Entry:
+        return self._all()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._directory)
 
 
 _EOCD = struct.Struct("<4s4H2LH")  # signature, disks, entries here, entries, directory size, offset, comment

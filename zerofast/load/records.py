@@ -32,6 +32,7 @@ from ..errors import (
     short_repr,
     some,
 )
+from .bulk_checks import all_instances, all_shapes
 from .pickle_bounds import BoundsExceeded
 from .stand_ins import RefusedState
 from .reader import load_archive
@@ -129,6 +130,8 @@ def _expect_names(path: Path, obj: Any, what: str) -> list[str]:
 
 def expect_mapping(path: Path, obj: Any, what: str, value_type: type, value_what: str) -> dict:
     mapping = expect_dict(path, obj, what)
+    if all_instances(mapping, str) and all_instances(mapping.values(), value_type):
+        return mapping
     for k, v in mapping.items():
         if not isinstance(k, str) or not isinstance(v, value_type):
             raise CorruptCheckpointError(
@@ -159,7 +162,10 @@ def _shape(path: Path, name: str, value: Any) -> tuple[int, ...]:
 
 
 def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:
-    return {name: _shape(path, name, s) for name, s in expect_mapping(path, mapping, what, object, "shapes").items()}
+    mapping = expect_mapping(path, mapping, what, object, "shapes")
+    if all_shapes(mapping.values()):
+        return dict(zip(mapping, map(tuple, mapping.values())))
+    return {name: _shape(path, name, s) for name, s in mapping.items()}
 
 
 def read_model_states(path: Path, module_optional: bool = False) -> ModelStates:
@@ -169,7 +175,7 @@ def read_model_states(path: Path, module_optional: bool = False) -> ModelStates:
         raise CorruptCheckpointError(f"expected a 'module' entry, found keys {_keys(raw)}", path)
     found = raw[K.MODULE]
     module = expect_mapping(path, {} if found is None and module_optional else found, "'module'", object, "tensors")
-    for name, value in module.items():
+    for name, value in ({} if all_instances(module.values(), torch.Tensor) else module).items():
         if not isinstance(value, torch.Tensor):
             raise UnsupportedCheckpointError(
                 f"expected every 'module' entry to be a tensor, found a {type(value).__name__} for {short_repr(name)} "

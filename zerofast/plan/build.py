@@ -49,11 +49,13 @@ def assemble(ckpt: LoadedCheckpoint, entries: dict[str, tuple[str, Entry]], orde
     if exclude_frozen:
         order = [n for n in order if entries.get(aliases.get(n, n), (None,))[0] != FROZEN]
     tensors = {}
+    out_dtypes: dict[torch.dtype, torch.dtype] = {}
     for name in order:
         if name in aliases:
             continue
         kind, (shape, stored, segs) = entries[name]
-        tensors[name] = TensorPlan(name, shape, kind, stored, out_dtype_for(stored, dtype), tuple(segs))
+        out = out_dtypes.get(stored) or out_dtypes.setdefault(stored, out_dtype_for(stored, dtype))
+        tensors[name] = TensorPlan(name, shape, kind, stored, out, tuple(segs))
     kept_aliases = {a: s for a, s in aliases.items() if a in order}
     return Plan(tensors, kept_aliases, tuple(order), ckpt.stage, ckpt.world_size, **flags)
 
@@ -89,9 +91,13 @@ def _classify_module(ckpt: LoadedCheckpoint, trainable: dict, frozen: dict):
     absent: set[str] = set()
     by_identity: dict[tuple, str] = {}
     kinds: dict[str, None] = {}
+    # Identities only tell the entries none of the lists below name: when there are none (the
+    # usual case), tens of thousands of them need not be made.
+    need_identity = bool(meta.module.keys() - trainable.keys() - frozen.keys() - meta.shared_params.keys()
+                         - buffer_names)
     for name, value in meta.module.items():
         kinds[name] = None
-        identity = tensor_identity(value)
+        identity = tensor_identity(value) if need_identity else None
         if name in trainable or name in frozen:
             by_identity.setdefault(identity, name)
         elif name in meta.shared_params:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 TRAINABLE, FROZEN, BUFFER = "trainable", "frozen", "buffer"
@@ -117,6 +118,19 @@ class VirtualBuffer:
                 out.append((self.sources[i], lo - starts[i], dst + lo - offset, hi - lo))
             i += 1
         return out
+
+
+    def single_pieces(self, offsets: np.ndarray, lengths: np.ndarray) -> tuple[list[int], list[int], np.ndarray]:
+        """:meth:`pieces` of many ranges at once, for those that lie in one source: per range its
+        source and the offset there, and a mask of the ranges this does not cover (empty, past
+        the end, or crossing into the next source), to be cut with :meth:`pieces` one by one."""
+        starts = np.array(self.starts, dtype=np.int64)
+        last = len(self.sources) - 1
+        at = np.searchsorted(starts, offsets, side="right") - 1
+        odd = (lengths == 0) | (at > last) | (offsets + lengths > starts[np.minimum(at + 1, last + 1)])
+        at = np.minimum(at, last)
+        sources = np.array(self.sources, dtype=np.int64)[at]
+        return sources.tolist(), (offsets - starts[at]).tolist(), odd
 
 
 def tensor_identity(t) -> tuple:

@@ -6,10 +6,15 @@ Parameters follow each other in ``param_shapes`` order; after parameter i come
 from __future__ import annotations
 
 import math
+from itertools import repeat
+
+import numpy as np
 
 from ...errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
 from ..model import Entry, FlatGroups, SourceTable, VirtualBuffer
+
+INT64_MAX = 2 ** 63 - 1
 
 
 def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGroups) -> dict[str, Entry]:
@@ -19,6 +24,10 @@ def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGro
         buf = VirtualBuffer([table.add(str(o.path), groups[g][0], groups[g][1])
                              for o, groups in zip(ckpt.optim_states, flats)], [p.numel() for p in parts])
         pads = _alignment_paddings(ckpt, g, len(group))
+        fast = _columns(group, pads, buf, parts[0].dtype)
+        if fast is not None:
+            out.update(fast)
+            continue
         offset = 0
         for i, (name, shape) in enumerate(group.items()):
             n = math.prod(shape)
@@ -41,3 +50,24 @@ def _alignment_paddings(ckpt: LoadedCheckpoint, group: int, count: int) -> list[
             f"expected {count} 'param_alignment_paddings' for group {group}, found "
             f"{len(pads[group]) if group < len(pads) else 'none'}", o.path)
     return [int(p) for p in pads[group]]
+
+
+def _columns(group: dict, pads: list[int], buf: VirtualBuffer, dtype) -> dict[str, Entry] | None:
+    """The loop's entries for one group by array arithmetic (tens of thousands of parameters), or
+    None where the loop would raise or the sums could leave int64. A parameter that crosses from
+    one rank's partition into the next gets its segments from :meth:`VirtualBuffer.pieces`."""
+    if not group or not buf.sources:
+        return None
+    sizes = list(map(math.prod, group.values()))
+    if (max(sizes) + max(pads)) * len(sizes) > INT64_MAX:
+        return None
+    n = np.array(sizes, dtype=np.int64)
+    step = n + np.array(pads, dtype=np.int64)
+    offsets = np.cumsum(step) - step
+    if bool((offsets + n > buf.numel).any()):
+        return None  # the loop names the parameter
+    src, src_off, odd = buf.single_pieces(offsets, n)
+    segs = [[row] for row in zip(src, src_off, repeat(0), sizes)]
+    for i in np.flatnonzero(odd).tolist():
+        segs[i] = buf.pieces(int(offsets[i]), sizes[i], 0)
+    return dict(zip(group, zip(group.values(), repeat(dtype), segs)))

@@ -1,0 +1,250 @@
+// See zip_directory.h. Each step mirrors one of archive.py's (_central_directory, _zip64_end,
+// _zip64_fields, _entries, index_archive); where archive.py would raise, this declines.
+#include "zip_directory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+#include "pickle_scan.h"
+
+namespace py = pybind11;
+
+namespace zerofast::load {
+namespace {
+
+constexpr uint64_t kSat32 = 0xFFFFFFFFu;
+constexpr int64_t kEocd = 22, kLocator = 20, kZip64Eocd = 56, kCentral = 46, kLocal = 30;
+constexpr int64_t kMaxComment = 0xFFFF;
+
+uint64_t le(const uint8_t* p, int width) {
+  uint64_t v = 0;
+  for (int i = width - 1; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+std::string lower_ascii(std::string s) {
+  for (char& c : s)
+    if (c >= 'A' && c <= 'Z') c = char(c - 'A' + 'a');
+  return s;
+}
+
+// The file mapped read-only for one call: the local headers sit all over it.
+class Mapped {
+ public:
+  explicit Mapped(const std::string& path) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) throw Declined("cannot open");
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) throw Declined("not a regular file");
+    size_ = st.st_size;
+    void* p = ::mmap(nullptr, size_t(size_), PROT_READ, MAP_PRIVATE, fd_, 0);
+    if (p == MAP_FAILED) throw Declined("cannot map");
+    data_ = static_cast<const uint8_t*>(p);
+  }
+  ~Mapped() {
+    if (data_) ::munmap(const_cast<uint8_t*>(data_), size_t(size_));
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Mapped(const Mapped&) = delete;
+  Mapped& operator=(const Mapped&) = delete;
+  const uint8_t* data() const { return data_; }
+  int64_t size() const { return size_; }
+
+ private:
+  int fd_ = -1;
+  int64_t size_ = 0;
+  const uint8_t* data_ = nullptr;
+};
+
+struct Raw {  // one central-directory entry, offsets relative to the archive's start
+  std::string name;
+  __int128 header_offset;
+  uint64_t stored_size, size;
+  bool compressed;
+};
+
+class Parser {
+ public:
+  Parser(const uint8_t* file, int64_t start, int64_t end) : f_(file), start_(start), end_(end) {}
+
+  ZipDirectory run() {
+    std::vector<Raw> raw = central_directory();
+    return entries(raw);
+  }
+
+ private:
+  const uint8_t* f_;
+  int64_t start_, end_;
+
+  // Bytes [pos, pos + len) of the archive; archive.py's reads there would come back short.
+  const uint8_t* at(__int128 pos, __int128 len) const {
+    if (pos < start_ || len < 0 || pos + len > end_) throw Declined("a read outside the archive");
+    return f_ + int64_t(pos);
+  }
+
+  std::vector<Raw> central_directory() {
+    const int64_t tail_size = std::min<int64_t>(end_ - start_, kEocd + kMaxComment);
+    const uint8_t* tail = at(end_ - tail_size, tail_size);
+    int64_t found = -1;
+    for (int64_t i = tail_size - 4; i >= 0; --i)
+      if (std::memcmp(tail + i, "PK\x05\x06", 4) == 0) {
+        found = i;
+        break;
+      }
+    if (found < 0 || found + kEocd > tail_size) throw Declined("no end of central directory record");
+    const int64_t eocd = end_ - tail_size + found;
+    const uint8_t* e = f_ + eocd;
+    uint64_t count = le(e + 10, 2), cd_size = le(e + 12, 4), cd_offset = le(e + 16, 4);
+    __int128 cd_end = eocd;
+    const int64_t locator = eocd - kLocator;
+    bool has_locator = locator >= start_ && std::memcmp(f_ + locator, "PK\x06\x07", 4) == 0;
+    if (has_locator || count == 0xFFFF || cd_size == kSat32 || cd_offset == kSat32) {
+      if (!has_locator) throw Declined("zip64 without a locator");
+      __int128 record = __int128(le(f_ + locator + 8, 8)) + start_;
+      if (record + kZip64Eocd > locator) throw Declined("zip64 end record misplaced");
+      const uint8_t* r = at(record, kZip64Eocd);
+      if (std::memcmp(r, "PK\x06\x06", 4) != 0) throw Declined("no zip64 end record");
+      count = le(r + 32, 8);
+      cd_size = le(r + 40, 8);
+      cd_offset = le(r + 48, 8);
+      cd_end = record;
+    }
+    if (__int128(cd_offset) + __int128(cd_size) != cd_end - start_) throw Declined("directory misplaced");
+    const uint8_t* dir = at(__int128(start_) + cd_offset, cd_size);
+    std::vector<Raw> out;
+    uint64_t pos = 0;
+    for (uint64_t i = 0; i < count; ++i) out.push_back(central_entry(dir, cd_size, &pos));
+    if (pos != cd_size) throw Declined("bytes after the directory's entries");
+    return out;
+  }
+
+  static Raw central_entry(const uint8_t* dir, uint64_t dir_size, uint64_t* pos) {
+    if (*pos + kCentral > dir_size) throw Declined("directory entry cut short");
+    const uint8_t* c = dir + *pos;
+    if (std::memcmp(c, "PK\x01\x02", 4) != 0) throw Declined("not a directory entry");
+    uint64_t method = le(c + 10, 2), csize = le(c + 20, 4), usize = le(c + 24, 4);
+    uint64_t name_len = le(c + 28, 2), extra_len = le(c + 30, 2), comment_len = le(c + 32, 2);
+    uint64_t offset = le(c + 42, 4);
+    uint64_t name_at = *pos + kCentral;
+    if (name_at + name_len + extra_len > dir_size) throw Declined("directory entry cut short");
+    std::string name(reinterpret_cast<const char*>(dir + name_at), size_t(name_len));
+    for (unsigned char ch : name)
+      if (ch >= 0x80) throw Declined("a name that is not ASCII");
+    if (csize == kSat32 || usize == kSat32 || offset == kSat32)
+      zip64_fields(dir + name_at + name_len, extra_len, &usize, &csize, &offset);
+    *pos = name_at + name_len + extra_len + comment_len;
+    return Raw{std::move(name), __int128(offset), csize, usize, method != 0};
+  }
+
+  static void zip64_fields(const uint8_t* extra, uint64_t len, uint64_t* usize, uint64_t* csize, uint64_t* offset) {
+    uint64_t pos = 0;
+    while (pos + 4 <= len) {
+      uint64_t tag = le(extra + pos, 2), length = le(extra + pos + 2, 2);
+      if (tag == 1) {
+        uint64_t n = length / 8;
+        if (pos + 4 + 8 * n > len) throw Declined("zip64 field cut short");
+        uint64_t used = 0;
+        for (uint64_t* field : {usize, csize, offset}) {
+          if (*field != kSat32) continue;
+          if (used == n) throw Declined("zip64 field too short");
+          *field = le(extra + pos + 4 + 8 * used++, 8);
+        }
+        return;
+      }
+      pos += 4 + length;
+    }
+    throw Declined("no zip64 field");
+  }
+
+  ZipDirectory entries(std::vector<Raw>& raw) {
+    if (raw.empty() || raw[0].name.find('/') == std::string::npos) throw Declined("not entries in one folder");
+    ZipDirectory d;
+    d.entries.reserve(raw.size());
+    d.by_lower.reserve(raw.size());
+    for (Raw& r : raw) {
+      __int128 header = r.header_offset + start_;
+      if (!d.by_lower.emplace(lower_ascii(r.name), d.entries.size()).second) throw Declined("a name twice");
+      const uint8_t* h = at(header, kLocal);
+      if (std::memcmp(h, "PK\x03\x04", 4) != 0) throw Declined("no local header");
+      __int128 data = header + kLocal + le(h + 26, 2) + le(h + 28, 2);
+      if (data + __int128(r.stored_size) > end_) throw Declined("entry past the end");
+      if (r.size > uint64_t(INT64_MAX)) throw Declined("entry size");
+      d.entries.push_back(ZipEntry{std::move(r.name), int64_t(header), int64_t(data), int64_t(r.stored_size),
+                                   int64_t(r.size), r.compressed});
+    }
+    no_overlaps(d.entries);
+    d.prefix = d.entries[0].name.substr(0, d.entries[0].name.find('/'));
+    auto pkl = d.by_lower.find(lower_ascii(d.prefix + "/data.pkl"));
+    if (pkl == d.by_lower.end() || d.entries[pkl->second].compressed) throw Declined("no stored data.pkl");
+    d.pickle_offset = d.entries[pkl->second].data_offset;
+    d.pickle_size = d.entries[pkl->second].stored_size;
+    return d;
+  }
+
+  static void no_overlaps(const std::vector<ZipEntry>& entries) {
+    std::vector<const ZipEntry*> order;
+    order.reserve(entries.size());
+    for (const ZipEntry& e : entries) order.push_back(&e);
+    std::sort(order.begin(), order.end(),
+              [](const ZipEntry* a, const ZipEntry* b) { return a->header_offset < b->header_offset; });
+    for (size_t i = 1; i < order.size(); ++i)
+      if (order[i - 1]->data_offset + order[i - 1]->stored_size > order[i]->header_offset)
+        throw Declined("entries overlap");
+  }
+};
+
+py::tuple zip_directory(const std::string& path, int64_t start, int64_t end) {
+  try {
+    std::shared_ptr<ZipDirectory> d;
+    std::string pickle;
+    {
+      py::gil_scoped_release unlocked;  // touches no Python object
+      Mapped file(path);
+      if (start < 0 || start > end || end > file.size()) throw Declined("archive bounds");
+      d = std::make_shared<ZipDirectory>(Parser(file.data(), start, end).run());
+      pickle.assign(reinterpret_cast<const char*>(file.data() + d->pickle_offset), size_t(d->pickle_size));
+    }
+    return py::make_tuple(true, d, py::bytes(pickle));
+  } catch (const Declined& e) {
+    return py::make_tuple(false, std::string(e.what()), py::none());
+  }
+}
+
+py::list entry_tuples(const ZipDirectory& d) {
+  py::list out;
+  for (const ZipEntry& e : d.entries)
+    out.append(py::make_tuple(e.name, e.data_offset, e.stored_size, e.size, e.compressed));
+  return out;
+}
+
+}  // namespace
+
+int64_t ZipDirectory::storage_offset(const std::string& key, int64_t nbytes) const {
+  for (unsigned char ch : key)
+    if (ch >= 0x80) return -1;
+  auto found = by_lower.find(lower_ascii(prefix + "/data/" + key));
+  if (found == by_lower.end()) return -1;
+  const ZipEntry& e = entries[found->second];
+  if (e.compressed || e.stored_size != e.size || e.size != nbytes) return -1;
+  return e.data_offset;
+}
+
+void register_zip_directory(py::module_& m) {
+  py::class_<ZipDirectory, std::shared_ptr<ZipDirectory>>(m, "ZipDirectory")
+      .def_readonly("prefix", &ZipDirectory::prefix)
+      .def("__len__", [](const ZipDirectory& d) { return d.entries.size(); })
+      .def("entries", &entry_tuples, "(name, data offset, stored size, size, compressed) per entry, in order")
+      .def("storage_offset", &ZipDirectory::storage_offset, py::arg("key"), py::arg("nbytes"),
+           "file offset of a storage, or -1 where archive.py's check would raise");
+  m.def("zip_directory", &zip_directory, py::arg("path"), py::arg("start"), py::arg("end"),
+        "Read and check a torch.save zip directory natively: (True, ZipDirectory, data.pkl bytes), or "
+        "(False, why, None) when archive.py must decide");
+}
+
+}  // namespace zerofast::load

@@ -1,0 +1,182 @@
+"""The native zip-directory reader (csrc/load/zip_directory.cpp) against archive.py's.
+
+On every real rank file of a few suite checkpoints the two must build the same index (entries,
+prefix, data.pkl bytes, storage offsets); on damaged copies (byte edits of the end records, the
+central directory and the local headers) the native one either builds exactly the reference's
+index or declines, and ``index_archive`` then raises the reference's error, naming the file.
+ZEROFAST_DIFF_CASES scales the number of damaged copies (a tenth of it, at least 30).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import needs_deepspeed
+from tests.dsgen.catalog import ensure_checkpoint
+from tests.planting import member, patch_central_directory
+from zerofast import ops
+from zerofast.errors import CorruptCheckpointError, ZeroFastError
+from zerofast.load.archive import index_archive
+from zerofast.load.reader import native_core
+
+pytestmark = needs_deepspeed
+
+LAYOUTS = ("s2_bf16_w2_frozen_tied", "s3_bf16_w2_frozen_tied", "s3_fp32_w3_3groups_subgroups")
+CASES = max(int(os.environ.get("ZEROFAST_DIFF_CASES", "300")) // 10, 30)
+SEED = int(os.environ.get("ZEROFAST_DIFF_SEED", "0"))
+needs_core = pytest.mark.skipif(native_core() is None, reason="no native core to test: it could not be built "
+                                                              "here (`zerofast doctor` says why) or ZEROFAST_NATIVE=0")
+
+
+def _rank_files(layout: str) -> list[Path]:
+    root = ensure_checkpoint(layout)
+    return sorted((root / (root / "latest").read_text().strip()).glob("*.pt"))
+
+
+def _reference(path: Path, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setenv("ZEROFAST_NATIVE", "0")
+        return index_archive(path)
+
+
+def _native(path: Path) -> tuple:
+    return ops.load_native().zip_directory(os.fsencode(path), 0, path.stat().st_size)
+
+
+def _same_index(native, reference) -> None:
+    assert native.directory is not None and reference.directory is None
+    assert (native.path, native.file_size, native.prefix) == (reference.path, reference.file_size, reference.prefix)
+    assert native.pickle_bytes == reference.pickle_bytes
+    assert dict(native.entries) == dict(reference.entries)
+
+
+@needs_core
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_real_files_get_the_reference_index(layout, monkeypatch):
+    for path in _rank_files(layout):
+        native, reference = index_archive(path), _reference(path, monkeypatch)
+        _same_index(native, reference)
+        for name, entry in reference.entries.items():
+            if "/data/" in name:
+                key = entry.name.rsplit("/", 1)[1]
+                assert native.directory.storage_offset(key, entry.size) == reference.storage_offset(key, entry.size)
+                assert native.directory.storage_offset(key, entry.size + 1) == -1
+
+
+def _verdict(fn):
+    try:
+        return "ok", fn()
+    except ZeroFastError as e:
+        return type(e), str(e)
+
+
+def _damage(rng: random.Random, data: bytearray, hot: list[int]) -> str:
+    at = rng.choice(hot) + rng.randrange(-4, 46)
+    at = min(max(at, 0), len(data) - 1)
+    kind = rng.randrange(3)
+    if kind == 0:
+        data[at] ^= 1 << rng.randrange(8)
+        return f"flip a bit at {at}"
+    if kind == 1:
+        value = rng.choice([0, 0xFF, 0x7F, 0x80, rng.randrange(256)])
+        data[at] = value
+        return f"byte {at} -> {value}"
+    del data[at:]
+    return f"truncate at {at}"
+
+
+@needs_core
+def test_damaged_directories_get_the_reference_verdict(tmp_path, monkeypatch):
+    rng = random.Random(SEED)
+    files = _rank_files(LAYOUTS[0])[:2] + _rank_files(LAYOUTS[1])[:2]
+    victim = tmp_path / "victim.pt"
+    accepted = declined = 0
+    for case in range(CASES):
+        source = rng.choice(files)
+        data = bytearray(source.read_bytes())
+        # The records the reader parses: local headers, central entries, the end records.
+        hot = [i for sig in (b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07")
+               for i in _find_all(data, sig)]
+        what = _damage(rng, data, hot)
+        victim.write_bytes(data)
+        reference = _verdict(lambda: _reference(victim, monkeypatch))
+        if _native(victim)[0]:
+            accepted += 1
+            assert reference[0] == "ok", f"case {case} ({what}): native accepted what the reference refuses: {reference}"
+            _same_index(index_archive(victim), reference[1])
+        else:
+            declined += 1
+            through = _verdict(lambda: index_archive(victim))
+            if reference[0] == "ok":
+                assert through[0] == "ok" and dict(through[1].entries) == dict(reference[1].entries), what
+            else:
+                assert through == reference, f"case {case} ({what}): {through} vs {reference}"
+    assert accepted and declined, (accepted, declined)
+
+
+def _find_all(data: bytes, sig: bytes) -> list[int]:
+    out, at = [], data.find(sig)
+    while at >= 0:
+        out.append(at)
+        at = data.find(sig, at + 1)
+    return out
+
+
+@pytest.fixture
+def victim(tmp_path) -> Path:
+    path = tmp_path / "model_states.pt"
+    shutil.copy(_rank_files(LAYOUTS[0])[0], path)
+    return path
+
+
+def _refused(path: Path, reason: str, message: str) -> None:
+    ok, why, _ = _native(path)
+    assert not ok and why == reason
+    with pytest.raises(CorruptCheckpointError, match=message) as e:
+        index_archive(path)
+    assert e.value.path == str(path)
+
+
+@needs_core
+def test_truncated_file_is_declined_and_refused_naming_it(victim):
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size - 30)
+    _refused(victim, "no end of central directory record", ": expected a torch.save zip archive; the file is truncated")
+
+
+@needs_core
+def test_duplicate_names_are_declined_and_refused_naming_it(victim):
+    import zipfile
+
+    name = member(victim, "/data.pkl").filename
+    with zipfile.ZipFile(victim, "a") as zf:
+        zf.writestr(name.replace("/data.pkl", "/DATA.PKL"), b"\x80\x02N.")
+    _refused(victim, "a name twice", "expected unique zip entry names, found '.*/DATA.PKL' twice")
+
+
+@needs_core
+def test_overlapping_entries_are_declined(victim):
+    """Two entries sharing bytes: torch.save never writes that, so the native reader leaves it to
+    the reference (which reads data.pkl past its end and refuses the extra bytes)."""
+    info = member(victim, "/data.pkl")
+    patch_central_directory(victim, "/data.pkl", compress_size=info.file_size + 64, file_size=info.file_size + 64)
+    assert _native(victim)[:2] == (False, "entries overlap")
+    index = index_archive(victim)
+    assert index.directory is None and len(index.pickle_bytes) == info.file_size + 64
+
+
+@needs_core
+def test_storage_checks_fall_back_to_the_reference_messages(victim):
+    index = index_archive(victim)
+    assert index.directory is not None
+    entry = next(e for e in index.entries.values() if "/data/" in e.name)
+    key = entry.name.rsplit("/", 1)[1]
+    with pytest.raises(CorruptCheckpointError, match=rf"the pickle declares {entry.size + 2} bytes for storage"):
+        index.storage_offset(key, entry.size + 2)
+    with pytest.raises(CorruptCheckpointError, match="expected zip entry '.*/data/nope'"):
+        index.storage_offset("nope", 4)
+
