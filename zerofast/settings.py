@@ -57,8 +57,10 @@ class Settings:
     # ZEROFAST_READERS: reader threads of the batched pread reader; 0 (default) is torch's
     # intra-op thread count.
     readers: int = 0
-    # ZEROFAST_HUGEPAGES=0: do not ask for transparent huge pages on the eager dict's outputs.
-    hugepages: bool = True
+    # ZEROFAST_HUGEPAGES=1: ask for transparent huge pages on the eager dict's outputs (default
+    # off: with defrag=madvise a huge-page fault may compact memory synchronously, which cost
+    # more than it saved on a machine whose page cache holds the checkpoint; README, Settings).
+    hugepages: bool = False
     # ZEROFAST_COPY_FILE_RANGE=0: export through pread/pwrite only, never copy_file_range.
     copy_file_range: bool = True
     # ZEROFAST_DIST_TIMEOUT: seconds a rank of a shared export waits for the slowest (default
@@ -97,7 +99,7 @@ def from_environment(env: Mapping[str, str]) -> Settings:
         cuda_arch_list=env.get("TORCH_CUDA_ARCH_LIST") or None,
         follow_symlinks=env.get(FOLLOW_SYMLINKS_ENV) == "1",
         readers=_count(env.get(READERS_ENV)),
-        hugepages=env.get(HUGEPAGES_ENV, "1") != "0",
+        hugepages=env.get(HUGEPAGES_ENV, "0") == "1",
         copy_file_range=env.get(COPY_FILE_RANGE_ENV, "1") != "0",
         dist_timeout=env.get(DIST_TIMEOUT_ENV, str(DEFAULT_DIST_TIMEOUT_S)),
     )
