@@ -187,13 +187,18 @@ def test_world_size_that_cannot_hold_the_partitions(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_elastic_checkpoints_are_refused_by_to_universal(tmp_path):
-    """They keep no param groups, which DeepSpeed's universal loader reads; reshard writes them
-    (tests/test_reshard_elastic.py)."""
-    with pytest.raises(zerofast.UnsupportedCheckpointError, match="elastic_checkpoint"):
-        to_universal(real_root("s2_fp32_w3_elastic"), tmp_path / "out" / "global_step3")
-    assert not (tmp_path / "out" / "global_step3").exists() or not [
-        p for p in os.listdir(tmp_path / "out" / "global_step3") if not p.startswith(".zerofast")]
+def test_elastic_checkpoints_get_param_groups_of_params_alone(tmp_path):
+    """An elastic save keeps no param groups; its universal folder gets one per flat group with
+    ``params`` only, so DeepSpeed's loader keeps the engine's hyperparameters (loaded by DeepSpeed
+    in tests/test_reshard_elastic.py), and every parameter's values equal the source's."""
+    root = real_root("s2_fp32_w3_elastic")
+    out = to_universal(root, tmp_path / "out" / "global_step3")
+    groups = torch.load(out / "zero" / "optimizer_state.pt", weights_only=False)["param_groups"]
+    assert groups == [{"params": [0]}, {"params": [1]}]
+    got, want = zerofast.reconstruct(tmp_path / "out", dtype=None), zerofast.reconstruct(root, dtype=None)
+    assert list(got) == list(want)
+    for name in want:
+        assert_bitwise_equal(got[name], want[name], name)
 
 
 def test_output_folder_is_not_clobbered(tmp_path):
