@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import subprocess
 from pathlib import Path
 from typing import Iterator
@@ -82,3 +83,31 @@ def small_tmpfs(mnt: Path, size: str, elsewhere: str) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def every_writer_refuses(root: Path, tmp_path: Path, key: str, planted: list) -> None:
+    """Each checkpoint writer (reshard, to-universal, export --optimizer-states, to-dcp) refuses
+    ``root`` with an UnplacedOptimizerStateError naming ``key``, the writer and one of the
+    ``planted`` files, and leaves nothing under its output folder."""
+    from zerofast.writers.reshard import reshard
+    from zerofast.writers.universal import to_universal
+
+    writers = [
+        ("reshard", lambda: reshard(root, tmp_path / "reshard", 3), tmp_path / "reshard"),
+        ("to-universal", lambda: to_universal(root, tmp_path / "universal" / "t"), tmp_path / "universal"),
+        ("export --optimizer-states", lambda: zerofast.export(root, tmp_path / "export", optimizer_states=True),
+         tmp_path / "export"),
+        ("to-dcp", lambda: zerofast.to_dcp(root, tmp_path / "dcp"), tmp_path / "dcp"),
+    ]
+    for writer, run, out in writers:
+        with pytest.raises(zerofast.UnplacedOptimizerStateError) as e:
+            run()
+        message = str(e.value)
+        assert key in message and writer in message, message
+        assert e.value.path in {str(p) for p in planted}, (e.value.path, planted)
+        assert nothing_written(out), (writer, sorted(os.listdir(out)))
+
+
+def nothing_written(out: Path) -> bool:
+    """``out`` is absent or holds nothing but zerofast's own leftovers (its lock, a temp folder)."""
+    return not out.exists() or not [p for p in os.listdir(out) if not p.startswith(".zerofast")]

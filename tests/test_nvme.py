@@ -29,7 +29,7 @@ from tests import planting
 from tests.conftest import needs_deepspeed, needs_nvme
 from tests.dsgen.catalog import NVME_LAYOUTS
 from tests.dsgen.models import build_model
-from tests.helpers import assert_bitwise_equal, real_root, real_truth, stored_values
+from tests.helpers import assert_bitwise_equal, every_writer_refuses, nothing_written, real_root, real_truth, stored_values
 from tests.test_reshard import _model_states_name, _resume
 
 NAME = "s3_bf16_w2_nvme"
@@ -189,14 +189,6 @@ def test_keep_nvme_is_refused(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 # A per-element value no rule places (issue 25, item 1) makes every writer refuse here too.
 
-def _writers(root, tmp_path):
-    yield "reshard", lambda: reshard(root, tmp_path / "reshard", 3), tmp_path / "reshard"
-    yield "to-universal", lambda: to_universal(root, tmp_path / "universal" / "t"), tmp_path / "universal"
-    yield "export --optimizer-states", (lambda: zerofast.export(root, tmp_path / "export", optimizer_states=True)), \
-        tmp_path / "export"
-    yield "to-dcp", (lambda: zerofast.to_dcp(root, tmp_path / "dcp")), tmp_path / "dcp"
-
-
 def _plant_in_file(tag, ranks, group: int, value) -> list:
     planted = []
     for r in ranks:
@@ -221,10 +213,6 @@ def _plant_group0(tag, ranks) -> None:
     _plant_in_file(tag, ranks, 2, lambda obj: obj[K.OPTIMIZER_STATE_DICT][K.ZERO3_FLAT][2].clone())
 
 
-def _nothing_written(out) -> bool:
-    return not out.exists() or not [p for p in os.listdir(out) if not p.startswith(".zerofast")]
-
-
 @pytest.mark.parametrize("plant", ["in_file_one_rank", "in_file_no_layout", "orphan_swap_file"])
 def test_every_writer_refuses_a_value_it_cannot_place(tmp_path, plant):
     root, tag = planting.copy_checkpoint(real_root(NAME), tmp_path / "src")
@@ -235,13 +223,7 @@ def test_every_writer_refuses_a_value_it_cannot_place(tmp_path, plant):
     else:  # a swap file that no optimizer state names: dropping it would lose a value
         shutil.copy(_swap_dir(tag, 1) / "0_3.tensor.swp", _swap_dir(tag, 1) / f"{PLANTED}-0_3.tensor.swp")
         planted = [_swap_dir(tag, 1) / f"{PLANTED}-0_3.tensor.swp"]
-    for writer, run, out in _writers(root, tmp_path):
-        with pytest.raises(zerofast.UnplacedOptimizerStateError) as e:
-            run()
-        message = str(e.value)
-        assert PLANTED in message and writer in message, message
-        assert e.value.path in {str(p) for p in planted}, (e.value.path, planted)
-        assert _nothing_written(out), (writer, sorted(os.listdir(out)))
+    every_writer_refuses(root, tmp_path, PLANTED, planted)
     exp_avg = zerofast.optimizer_state(root, "exp_avg")
     for name, value in real_truth(NAME)["optimizer_states"]["exp_avg"].items():
         assert_bitwise_equal(exp_avg[name], value, name)
@@ -274,7 +256,7 @@ def test_reshard_refuses_a_key_of_one_sub_group(tmp_path):
     assert list(zerofast.optimizer_state(root, PLANTED)) == ["blocks.0.fc2.weight"]
     with pytest.raises(zerofast.UnplacedOptimizerStateError, match="sub-group 1"):
         reshard(root, tmp_path / "out", 3)
-    assert _nothing_written(tmp_path / "out")
+    assert nothing_written(tmp_path / "out")
 
 
 def _rename_ids(tag, renames: dict[str, str]) -> None:

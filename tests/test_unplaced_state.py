@@ -9,7 +9,6 @@ the masters, is placed: it is carried per group, like Muon's momentum.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -18,11 +17,10 @@ import zerofast
 from zerofast import keys as K
 from zerofast.cli import main
 from zerofast.writers.reshard import reshard
-from zerofast.writers.universal import to_universal
 
 from tests import planting
 from tests.conftest import needs_deepspeed
-from tests.helpers import assert_bitwise_equal, real_root
+from tests.helpers import assert_bitwise_equal, every_writer_refuses, real_root
 
 SOURCES = {1: "s1_bf16_w2_frozen", 2: "s2_bf16_w2_frozen_tied", 3: "s3_bf16_w2_frozen_tied"}
 KEY = "shadow_sum"
@@ -51,18 +49,6 @@ def _plant(tmp_path, stage: int, ranks, length) -> tuple:
     return root, planted
 
 
-def _writers(root, tmp_path):
-    yield "reshard", lambda: reshard(root, tmp_path / "reshard", 3), tmp_path / "reshard"
-    yield "to-universal", lambda: to_universal(root, tmp_path / "universal" / "t"), tmp_path / "universal"
-    yield "export --optimizer-states", (lambda: zerofast.export(root, tmp_path / "export", optimizer_states=True)), \
-        tmp_path / "export"
-    yield "to-dcp", (lambda: zerofast.to_dcp(root, tmp_path / "dcp")), tmp_path / "dcp"
-
-
-def _nothing_written(out) -> bool:
-    return not out.exists() or not [p for p in os.listdir(out) if not p.startswith(".zerofast")]
-
-
 @pytest.mark.parametrize("stage", sorted(SOURCES))
 @pytest.mark.parametrize("plant", ["one_rank", "no_layout"])
 def test_every_writer_refuses_a_value_it_cannot_place(tmp_path, stage, plant):
@@ -70,13 +56,7 @@ def test_every_writer_refuses_a_value_it_cannot_place(tmp_path, stage, plant):
         root, planted = _plant(tmp_path, stage, [1], lambda n: n)
     else:  # kept by every rank, but 3 elements long: neither the masters' layout nor any other
         root, planted = _plant(tmp_path, stage, [0, 1], lambda n: 3)
-    for writer, run, out in _writers(root, tmp_path):
-        with pytest.raises(zerofast.UnplacedOptimizerStateError) as e:
-            run()
-        message = str(e.value)
-        assert KEY in message and writer in message, message
-        assert e.value.path in {str(p) for p in planted}, (e.value.path, planted)
-        assert _nothing_written(out), (writer, sorted(os.listdir(out)))
+    every_writer_refuses(root, tmp_path, KEY, planted)
     # Reading the states the save does keep stays possible; the planted one is refused by name.
     exp_avg = zerofast.optimizer_state(root, "exp_avg")
     assert exp_avg == {} or all(v.dtype == torch.float32 for v in exp_avg.values())
