@@ -106,7 +106,7 @@ class _BadZip(Exception):
 def _native_directory(path: Path, start: int, end: int) -> tuple[Any, bytes] | None:
     """``(ZipDirectory, data.pkl bytes)`` from the native core, or None where it declines or is not there."""
     try:
-        read = getattr(ops.load_native(), "zip_directory", None) if ops.native_enabled() else None
+        read = getattr(ops.native_module(), "zip_directory", None)
     except NativeExtensionError:
         return None
     if read is None:

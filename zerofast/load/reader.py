@@ -30,9 +30,7 @@ from .unpickle import ALLOWED, REBUILD_PARAMETER, REBUILD_TENSOR, load_indexed, 
 def native_core() -> Callable | None:
     """The native core's reader, or None: ``ZEROFAST_NATIVE=0``, no core, or one built without it."""
     try:
-        if not ops.native_enabled():
-            return None
-        return getattr(ops.load_native(), "unpickle", None)
+        return getattr(ops.native_module(), "unpickle", None)
     except NativeExtensionError:
         return None  # the first reconstruct says what is missing; reading needs no core
 
