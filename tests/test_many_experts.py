@@ -18,6 +18,7 @@ from safetensors.torch import load_file as load_safetensors
 
 import zerofast
 import zerofast.layouts.moe as moe_layout
+import zerofast.load.parallel as parallel
 from zerofast.layouts import discover
 
 from tests.conftest import HAVE_DEEPSPEED
@@ -29,8 +30,8 @@ SMALL_MOE = "moe_s2_bf16_w2_ep2"
 pytestmark = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed 0.19.8 makes the real checkpoints")
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: the files are read one by one, as they should")
-def test_expert_files_are_read_on_the_thread_pool(monkeypatch):
+def _expert_readers(monkeypatch) -> dict[str, str]:
+    """Each expert file of the small MoE save, by the name of the thread that read it."""
     root = real_root(SMALL_MOE)
     readers: dict[str, str] = {}
     read = moe_layout.load_file
@@ -43,7 +44,28 @@ def test_expert_files_are_read_on_the_thread_pool(monkeypatch):
     zerofast.reconstruct(root)
     experts = {p.name for p in discover(root).expert_files}
     assert experts and set(readers) >= experts
-    assert all(readers[name].startswith("zerofast-read") for name in experts)
+    return {name: readers[name] for name in experts}
+
+
+def test_small_expert_files_are_read_in_turn(monkeypatch):
+    """Files of a few KiB that read quickly: the pool's hand-offs would cost more than they hide."""
+    me = threading.current_thread().name
+    assert set(_expert_readers(monkeypatch).values()) == {me}
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: the files are read one by one, as they should")
+@pytest.mark.parametrize("knob", ["POOL_FILE_BYTES", "POOL_FILE_SECONDS"])
+def test_expert_files_are_read_on_the_thread_pool_where_they_are_large_or_slow(monkeypatch, knob):
+    # Every file counts as large (all go to the pool), or as slow to read (all but the first two,
+    # read in turn to find that out).
+    monkeypatch.setattr(parallel, knob, 0)
+    monkeypatch.setattr(parallel, "PROBE_FILES", 2)
+    readers = _expert_readers(monkeypatch)
+    order = [p.name for p in discover(real_root(SMALL_MOE)).expert_files]
+    probed = 0 if knob == "POOL_FILE_BYTES" else 2
+    me = threading.current_thread().name
+    assert [readers[n] for n in order[:probed]] == [me] * probed
+    assert all(readers[n].startswith("zerofast-read") for n in order[probed:])
 
 
 def _many_experts_root() -> Path:
