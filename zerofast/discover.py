@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .errors import (
     AmbiguousTagError,
@@ -173,7 +173,7 @@ def check_all_inside(root: Path, paths, follow_symlinks: bool | None = None) -> 
     for path in paths:
         by_folder.setdefault(os.path.dirname(str(path)), []).append(path)
     for folder, here in by_folder.items():
-        links = _links(folder, here)
+        links = links_among(folder, here)
         real_folder = None
         for path in here:
             name = path.name
@@ -193,7 +193,7 @@ def check_all_inside(root: Path, paths, follow_symlinks: bool | None = None) -> 
 LISTED_FROM = 16
 
 
-def _links(folder: str, paths: list[Path]) -> set[str]:
+def links_among(folder: str, paths: Sequence[Path]) -> set[str]:
     """The names among ``paths`` (all in ``folder``) that are symbolic links."""
     if len(paths) >= LISTED_FROM:
         try:
@@ -201,7 +201,7 @@ def _links(folder: str, paths: list[Path]) -> set[str]:
                 return {e.name for e in entries if e.is_symlink()}
         except OSError:
             pass  # unreadable: each path on its own, as below
-    return {p.name for p in paths if os.path.islink(p)}
+    return {os.path.basename(os.fspath(p)) for p in paths if os.path.islink(p)}
 
 
 def _resolved(path: Path) -> Path:
