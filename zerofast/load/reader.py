@@ -47,7 +47,7 @@ def _hooks(index: ArchiveIndex) -> tuple:
 
 def read_native(path: Path, index: ArchiveIndex, core: Callable) -> tuple[bool, Any]:
     """``(True, result)``, or ``(False, why)`` where the native reader declines."""
-    mapping = map_file(path)
+    mapping = map_file(path, index.stat)
     whole = torch.empty(0, dtype=torch.uint8).set_(mapping)
     return core(index.pickle_bytes, whole, _hooks(index))
 

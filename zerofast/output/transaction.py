@@ -158,7 +158,7 @@ def refuse_input(out: Path, inputs: Sequence[Path]) -> None:
         by_folder.setdefault(os.path.dirname(os.fspath(path)), []).append(path)
     for folder, here in by_folder.items():
         for path, real in zip(here, _resolved_in(folder, here)):
-            real_in = os.path.join(real, "")
+            real_in = real if real.endswith(os.sep) else real + os.sep  # os.path.join(real, ""), per file
             if real == real_out or out_in.startswith(real_in) or real.startswith(out_in):
                 how = "is" if real == real_out else ("lies inside" if out_in.startswith(real_in) else "holds")
                 raise OutputExistsError(f"the output folder {how} the checkpoint being read ({path}); writing "
@@ -176,8 +176,8 @@ def _resolved_in(folder: str, paths: Sequence[Path]) -> Iterator[str]:
         if tail in ("", ".", "..") or tail in links:
             yield _resolve(path)
         else:
-            real_folder = real_folder or _resolve(Path(folder or "."))
-            yield os.path.join(real_folder, tail)
+            real_folder = real_folder or os.path.join(_resolve(Path(folder or ".")), "")
+            yield real_folder + tail
 
 
 def _resolve(path: Path) -> str:
