@@ -13,6 +13,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from safetensors.torch import load_file as load_safetensors
 
@@ -99,3 +101,25 @@ def test_a_thousand_expert_files_read_back_bit_for_bit(tmp_path):
     for name, value in exported.items():
         assert_bitwise_equal(value, expected_value(want[truth["tied"].get(name, name)], torch.float32), name)
     assert set(exported) | set(truth["tied"]) >= set(truth["state_dict_keys"])
+
+
+def _by_pattern(name: str):
+    m = moe_layout.EXPERT_NAME.match(name)
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([moe_layout.EXPERTS, moe_layout.EXPERTS[:-1], "layers.0", "7", "12", ".", "w",
+                                 "\n", "\u0663", "é", "deepspeed_experts."]), max_size=8).map("".join))
+def test_split_expert_finds_what_the_pattern_finds(name):
+    """The string search that splits every tensor name of a thousand-file save agrees with the
+    pattern it stands in for, on names built from its pieces (newlines, non-ASCII digits too)."""
+    assert moe_layout.split_expert(name) == _by_pattern(name)
+
+
+@pytest.mark.parametrize("name", [f"m.layers.1{moe_layout.EXPERTS}3.w1.weight",
+                                  f"a{moe_layout.EXPERTS}1.b{moe_layout.EXPERTS}2.c",
+                                  f"a{moe_layout.EXPERTS}1.b{moe_layout.EXPERTS}x.c",
+                                  f"a{moe_layout.EXPERTS}12.w\n", f"a{moe_layout.EXPERTS}.w"])
+def test_split_expert_on_names_that_pick_an_occurrence(name):
+    assert moe_layout.split_expert(name) == _by_pattern(name)
