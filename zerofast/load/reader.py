@@ -19,7 +19,7 @@ import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -134,41 +134,34 @@ class Template:
     result: Any
 
 
-def load_template(path: Path) -> tuple[Any, Template | None]:
-    """:func:`load_archive`, and the :class:`Template` :func:`load_twin` compares other files
-    with (None where the native reader did not read it)."""
-    index = index_archive(path)
-    core = native_core()
-    if core is None or index.directory is None:
-        return _read(path, index), None
-    whole = _whole_file(path)
-    with collector_paused():
-        ok, result = core(index.pickle_bytes, whole, _hooks(index))
-        if ok:
-            return result, Template(index, whole, result)
-        return load_indexed(path, index), None
-
-
 # What the copy of a template's tree shares with it: the allowlisted objects, which the
 # reference resolves to the same objects too; and the types it knows beyond the builtins.
 _SHARED = tuple(ALLOWED.values())
 _TYPES = (torch.Size, collections.OrderedDict, DeepSpeedRecord)
 
 
-def load_twin(path: Path, template: Template) -> tuple[Any, bool]:
-    """``(tree, True)`` where ``path`` repeats the template's file outside its storages: its zip
-    directory, read and checked as any other, holds the template's entries but for the archive's
-    folder name, and its data.pkl is the template's (ZeRO-3's per-rank model-states files). The
-    tree is then the template's copied, each storage cut from this file's entry of the same key,
-    which is what reading the file would build. Otherwise ``(load_archive(path), False)``."""
+def load_like(path: Path, templates: Sequence[Template]) -> tuple[Any, int | Template | None]:
+    """Read ``path`` as the twin of the first template it repeats outside its storages, else in full.
+
+    A twin's zip directory, read and checked as any other, holds the template's entries but for
+    the archive's folder name, and its data.pkl is the template's (ZeRO-3's per-rank model-states
+    files). Its tree is the template's copied, each storage cut from this file's entry of the
+    same key: what reading the file would build. Returns ``(tree, i)`` for a twin of
+    ``templates[i]``; else ``(tree, Template)`` where the native reader read it in full (a
+    template for the files after it), or ``(tree, None)``."""
     index = index_archive(path)
-    core = ops.load_native() if native_core() is not None else None
-    like = template.index.directory
-    if (core is not None and index.directory is not None and like is not None
-            and index.pickle_bytes == template.index.pickle_bytes and core.same_archive(like, index.directory)):
-        with collector_paused():
-            ok, result = core.rebase(template.result, template.mapping, _whole_file(path), like, index.directory,
-                                     _SHARED, _TYPES)
+    core = ops.load_native() if native_core() is not None and index.directory is not None else None
+    if core is None:
+        return _read(path, index), None
+    whole = _whole_file(path)
+    with collector_paused():
+        for i, t in enumerate(templates):
+            if index.pickle_bytes == t.index.pickle_bytes and core.same_archive(t.index.directory, index.directory):
+                ok, result = core.rebase(t.result, t.mapping, whole, t.index.directory, index.directory, _SHARED,
+                                         _TYPES)
+                if ok:
+                    return result, i
+        ok, result = core.unpickle(index.pickle_bytes, whole, _hooks(index))
         if ok:
-            return result, True
-    return _read(path, index), False
+            return result, Template(index, whole, result)
+        return load_indexed(path, index), None

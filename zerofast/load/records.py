@@ -29,8 +29,7 @@ from ..errors import (
     some,
 )
 from .bulk_checks import all_instances, all_shapes
-from .parallel import read_all
-from .reader import load_file, load_template, load_twin, read_errors
+from .reader import Template, load_file, load_like, read_errors
 
 # ---------------------------------------------------------------------------------------------
 # Typed views of the two kinds of file. Only what planning needs is lifted out of the pickles;
@@ -142,23 +141,28 @@ def read_model_states(path: Path, module_optional: bool = False) -> ModelStates:
     return _model_states(path, load_file(path), module_optional)
 
 
+# Distinct pickles kept to compare rank files with: rank 0's, and the one other ranks share
+# where rank 0 alone records something (DeepSpeed writes shared_params on rank 0 only).
+MAX_TEMPLATES = 4
+
+
 def read_rank_model_states(paths: Sequence[Path]) -> list[ModelStates]:
-    """ZeRO-3's model-states files, one per rank. Each normally repeats rank 0's pickle byte for
-    byte (the placeholders, the same param_shapes and config): rank 0's is read in full, and a
-    file proven to repeat it is read as its twin (:func:`~.reader.load_twin`), keeping rank 0's
-    checked metadata; a file that differs is read in full."""
-    with read_errors(paths[0]):
-        raw, template = load_template(paths[0])
-    first = _model_states(paths[0], raw, False)
-    if template is None:
-        return [first, *read_all(read_model_states, paths[1:])]
-
-    def read(path: Path) -> ModelStates:
+    """ZeRO-3's model-states files, one per rank. They normally repeat one pickle byte for byte
+    (the placeholders, the same param_shapes and config): a file proven to repeat one read before
+    is read as its twin (:func:`~.reader.load_like`), keeping that file's checked metadata; any
+    other is read in full."""
+    known: list[tuple[Template, ModelStates]] = []
+    states = []
+    for path in paths:
         with read_errors(path):
-            raw, same = load_twin(path, template)
-        return _twin_states(first, path, raw) if same else _model_states(path, raw, False)
-
-    return [first, *read_all(read, paths[1:])]
+            raw, how = load_like(path, [t for t, _ in known])
+        if isinstance(how, int):
+            states.append(_twin_states(known[how][1], path, raw))
+            continue
+        states.append(_model_states(path, raw, False))
+        if how is not None and len(known) < MAX_TEMPLATES:
+            known.append((how, states[-1]))
+    return states
 
 
 def _twin_states(first: ModelStates, path: Path, raw: dict) -> ModelStates:
