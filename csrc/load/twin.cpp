@@ -4,7 +4,10 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -79,7 +82,8 @@ class Rebase {
     made_.reserve(2 * from_dir.entries.size());
     storages_.reserve(from_dir.entries.size());
     entry_at_.reserve(from_dir.entries.size());
-    for (size_t i = 0; i < from_dir.entries.size(); ++i) entry_at_.emplace(from_dir.entries[i].data_offset, i);
+    for (size_t i = 0; i < from_dir.entries.size(); ++i) entry_at_.emplace_back(from_dir.entries[i].data_offset, i);
+    if (!std::is_sorted(entry_at_.begin(), entry_at_.end())) std::sort(entry_at_.begin(), entry_at_.end());
     for (const auto& o : shared) shared_.insert(o.ptr());
     if (types.size() != 3) throw std::invalid_argument("rebase: expected (Size, OrderedDict, DeepSpeedRecord)");
     size_type_ = types[0].ptr();
@@ -110,7 +114,7 @@ class Rebase {
   int64_t from_size_;
   at::Storage to_;
   const ZipDirectory& to_dir_;
-  std::unordered_map<int64_t, size_t> entry_at_;  // the template's data offsets -> entry index
+  std::vector<std::pair<int64_t, size_t>> entry_at_;  // the template's (data offset, entry index), sorted
   std::unordered_set<PyObject*> shared_;
   PyObject *size_type_, *ordered_dict_, *record_type_;
   std::unordered_map<PyObject*, py::object> made_;  // template object -> its copy (memo sharing)
@@ -148,8 +152,8 @@ class Rebase {
   // The storage the reader cut for the same key from this file: the entry whose data the
   // template's storage starts, at its offset here.
   at::Storage storage_like(int64_t offset, int64_t nbytes) {
-    auto e = entry_at_.find(offset);
-    if (e == entry_at_.end()) throw Declined("a storage that is no zip entry's data");
+    auto e = std::lower_bound(entry_at_.begin(), entry_at_.end(), std::make_pair(offset, size_t(0)));
+    if (e == entry_at_.end() || e->first != offset) throw Declined("a storage that is no zip entry's data");
     const ZipEntry& here = to_dir_.entries[e->second];
     if (here.size != nbytes || here.data_offset > int64_t(to_.nbytes()) - nbytes) throw Declined("storage size");
     return view_of(to_, here.data_offset, nbytes);
@@ -172,7 +176,23 @@ class Rebase {
     return remember(o, own(PyFrozenSet_New(copies.ptr()), "frozenset"));
   }
 
+  // Whether every value (and key) of a dict is a leaf: then a plain copy of it is the copy.
+  bool leaves_only(PyObject* d) const {
+    Py_ssize_t i = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(d, &i, &k, &v))
+      if (!leaf(k) || !leaf(v)) return false;
+    return true;
+  }
+
+  bool leaf_items(PyObject* list) const {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); ++i)
+      if (!leaf(PyList_GET_ITEM(list, i))) return false;
+    return true;
+  }
+
   py::object list(PyObject* o, int depth) {
+    if (leaf_items(o)) return remember(o, own(PyList_GetSlice(o, 0, PyList_GET_SIZE(o)), "list"));
     py::object out = remember(o, own(PyList_New(0), "list"));
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); ++i)
       if (PyList_Append(out.ptr(), copy(PyList_GET_ITEM(o, i), depth + 1).ptr()) < 0) own(nullptr, "append");
@@ -180,12 +200,18 @@ class Rebase {
   }
 
   py::object dict(PyObject* o, int depth) {
+    if (leaves_only(o)) return remember(o, own(PyDict_Copy(o), "dict"));
     py::object out = remember(o, own(PyDict_New(), "dict"));
     fill(out.ptr(), o, depth, true);
     return out;
   }
 
   py::object ordered(PyObject* o, int depth) {  // an OrderedDict, and what BUILD put in its __dict__
+    if (leaves_only(o)) {  // OrderedDict(o) copies in o's order, several times faster than item by item
+      py::object out = remember(o, own(PyObject_CallOneArg(ordered_dict_, o), "OrderedDict"));
+      attributes(out.ptr(), o, depth);
+      return out;
+    }
     py::object out = remember(o, own(PyObject_CallNoArgs(ordered_dict_), "OrderedDict"));
     py::object items = own(PyObject_CallMethod(o, "items", nullptr), "items");
     py::object it = own(PyObject_GetIter(items.ptr()), "iter");
