@@ -15,7 +15,7 @@ from ..dtypes import out_dtype_for
 from ..errors import InconsistentCheckpointError
 from ..load import LoadedCheckpoint
 from .builders.frozen import declared as frozen_entries
-from .model import BUFFER, FROZEN, TRAINABLE, Entry, Plan, SourceTable, TensorPlan, tensor_identity
+from .model import BUFFER, FROZEN, TRAINABLE, Entry, Plan, SourceTable, TableSegments, TensorPlan, tensor_identity
 
 
 def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
@@ -48,14 +48,11 @@ def assemble(ckpt: LoadedCheckpoint, entries: dict[str, tuple[str, Entry]], orde
     names, the dtype policy applied; ``exclude_frozen`` drops the frozen ones (and their aliases)."""
     if exclude_frozen:
         order = [n for n in order if entries.get(aliases.get(n, n), (None,))[0] != FROZEN]
-    tensors = {}
-    out_dtypes: dict[torch.dtype, torch.dtype] = {}
-    for name in order:
-        if name in aliases:
-            continue
-        kind, (shape, stored, segs) = entries[name]
-        out = out_dtypes.get(stored) or out_dtypes.setdefault(stored, out_dtype_for(stored, dtype))
-        tensors[name] = TensorPlan(name, shape, kind, stored, out, tuple(segs))
+    out_dtypes = {stored: out_dtype_for(stored, dtype) for _, (_, stored, _) in entries.values()}
+    named = order if not aliases else [n for n in order if n not in aliases]
+    tensors = {name: TensorPlan(name, shape, kind, stored, out_dtypes[stored],
+                                segs if type(segs) is TableSegments else tuple(segs))
+               for name, (kind, (shape, stored, segs)) in zip(named, map(entries.__getitem__, named))}
     kept_aliases = {a: s for a, s in aliases.items() if a in order}
     return Plan(tensors, kept_aliases, tuple(order), ckpt.stage, ckpt.world_size, **flags)
 
@@ -85,19 +82,41 @@ def _classify_module(ckpt: LoadedCheckpoint, trainable: dict, frozen: dict):
     """
     meta = ckpt.meta
     buffer_names = set(meta.buffer_names)
+    unplaced = meta.module.keys() - trainable.keys() - frozen.keys()
+    # Identities only tell the entries none of the lists below name: when there are none (the
+    # usual case), tens of thousands of them need not be made.
+    if unplaced - meta.shared_params.keys() - buffer_names:
+        sorted_ = _classify_by_identity(ckpt, trainable, frozen, buffer_names)
+    else:
+        sorted_ = _classify_named(meta, unplaced)
+    return _resolve_aliases(ckpt, *sorted_, trainable, frozen)
+
+
+def _classify_named(meta, unplaced: set[str]):
+    """The module's keys when each is named by some list: only those the builders did not place
+    (ties and buffers, a few) are looked at one by one."""
+    kinds = dict.fromkeys(meta.module)
+    aliases: dict[str, str] = {}
+    buffers: dict[str, None] = {}
+    for name in (unplaced and [n for n in kinds if n in unplaced]):
+        if name in meta.shared_params:
+            aliases[name] = meta.shared_params[name]
+        else:
+            buffers[name] = None
+    return kinds, aliases, [], buffers, set()
+
+
+def _classify_by_identity(ckpt: LoadedCheckpoint, trainable: dict, frozen: dict, buffer_names: set[str]):
+    meta = ckpt.meta
     aliases: dict[str, str] = {}
     undeclared_frozen: list[str] = []
     buffers: dict[str, None] = {}
     absent: set[str] = set()
     by_identity: dict[tuple, str] = {}
     kinds: dict[str, None] = {}
-    # Identities only tell the entries none of the lists below name: when there are none (the
-    # usual case), tens of thousands of them need not be made.
-    need_identity = bool(meta.module.keys() - trainable.keys() - frozen.keys() - meta.shared_params.keys()
-                         - buffer_names)
     for name, value in meta.module.items():
         kinds[name] = None
-        identity = tensor_identity(value) if need_identity else None
+        identity = tensor_identity(value)
         if name in trainable or name in frozen:
             by_identity.setdefault(identity, name)
         elif name in meta.shared_params:
@@ -116,6 +135,12 @@ def _classify_module(ckpt: LoadedCheckpoint, trainable: dict, frozen: dict):
             raise InconsistentCheckpointError(
                 f"module entry {name!r} has no data: it is not in 'param_shapes', 'frozen_param_shapes', "
                 "'shared_params' or 'buffer_names'", meta.path)
+    return kinds, aliases, undeclared_frozen, buffers, absent
+
+
+def _resolve_aliases(ckpt: LoadedCheckpoint, kinds, aliases, undeclared_frozen, buffers, absent, trainable, frozen):
+    """Check that every tie points at a tensor; drop the ties of frozen weights the save left out."""
+    meta = ckpt.meta
     for alias, source in list(aliases.items()):
         if source in trainable or source in frozen or source in undeclared_frozen:
             continue

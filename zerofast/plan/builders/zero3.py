@@ -16,7 +16,7 @@ import torch
 
 from ...errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
-from ..model import Entry, FlatGroups, SourceTable, VirtualBuffer, ceil_div, rank_share
+from ..model import Entry, FlatGroups, SegmentTable, SourceTable, VirtualBuffer, ceil_div, rank_share
 
 INT64_MAX = 2 ** 63 - 1
 
@@ -66,14 +66,13 @@ def _columns(names: list[str], dims: list, rank_bufs: list[VirtualBuffer], dtype
     offsets = np.cumsum(k) - k
     if int(offsets[-1] + k[-1]) > min(buf.numel for buf in rank_bufs):
         return None  # the loop names the parameter and the rank
-    rows, odd = [], np.zeros(len(names), dtype=bool)
+    rows, odd = np.empty((len(names), W, 4), dtype=np.int64), np.zeros(len(names), dtype=bool)
     for r, buf in enumerate(rank_bufs):
         share = np.clip(n - r * k, 0, k)
-        src, src_off, crossing = buf.single_pieces(offsets, share)
+        rows[:, r, 0], rows[:, r, 1], crossing = buf.single_pieces(offsets, share)
+        rows[:, r, 2], rows[:, r, 3] = r * k, share
         odd |= crossing
-        rows.append(zip(src, src_off, (r * k).tolist(), share.tolist()))
-    segs = list(map(list, zip(*rows)))
-    for i in np.flatnonzero(odd).tolist():
-        off, size, per = int(offsets[i]), sizes[i], int(k[i])
-        segs[i] = [p for r, buf in enumerate(rank_bufs) for p in buf.pieces(off, rank_share(size, per, r), r * per)]
-    return dict(zip(names, zip(dims, repeat(dtype), segs)))
+    cut = [[p for r, buf in enumerate(rank_bufs)
+            for p in buf.pieces(int(offsets[i]), rank_share(sizes[i], int(k[i]), r), r * int(k[i]))]
+           for i in np.flatnonzero(odd).tolist()]
+    return dict(zip(names, zip(dims, repeat(dtype), SegmentTable.regular(rows, odd, cut).views())))
