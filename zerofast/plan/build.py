@@ -48,13 +48,19 @@ def assemble(ckpt: LoadedCheckpoint, entries: dict[str, tuple[str, Entry]], orde
     names, the dtype policy applied; ``exclude_frozen`` drops the frozen ones (and their aliases)."""
     if exclude_frozen:
         order = [n for n in order if entries.get(aliases.get(n, n), (None,))[0] != FROZEN]
-    out_dtypes = {stored: out_dtype_for(stored, dtype) for _, (_, stored, _) in entries.values()}
     named = order if not aliases else [n for n in order if n not in aliases]
-    tensors = {name: TensorPlan(name, shape, kind, stored, out_dtypes[stored],
-                                segs if type(segs) is TableSegments else tuple(segs))
-               for name, (kind, (shape, stored, segs)) in zip(named, map(entries.__getitem__, named))}
+    # Column by column: tens of thousands of tensors, no Python frame per tensor but the plan's.
+    kinds, placed = zip(*map(entries.__getitem__, named)) if named else ((), ())
+    shapes, stored, segments = zip(*placed) if named else ((), (), ())
+    out_dtypes = {s: out_dtype_for(s, dtype) for s in set(stored)}
+    tensors = dict(zip(named, map(TensorPlan, named, shapes, kinds, stored, map(out_dtypes.__getitem__, stored),
+                                  map(_immutable, segments))))
     kept_aliases = {a: s for a, s in aliases.items() if a in order}
     return Plan(tensors, kept_aliases, tuple(order), ckpt.stage, ckpt.world_size, **flags)
+
+
+def _immutable(segments):
+    return segments if type(segments) is TableSegments else tuple(segments)
 
 
 def frozen_excluded(ckpt: LoadedCheckpoint) -> bool:
