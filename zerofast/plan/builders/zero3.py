@@ -9,7 +9,7 @@ the per-parameter loop (:func:`_loop`) remains for what that does not cover and 
 from __future__ import annotations
 
 import math
-from itertools import repeat
+from itertools import chain, repeat
 
 import numpy as np
 import torch
@@ -26,8 +26,8 @@ def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGro
                                [t.numel() for _, t in groups])
                  for o, groups in zip(ckpt.optim_states, flats)]
     dtype = flats[0][0][1].dtype if flats and flats[0] else torch.float32
-    names = [name for group in shapes for name in group]
-    dims = [shape for group in shapes for shape in group.values()]
+    names = list(chain.from_iterable(shapes))
+    dims = list(chain.from_iterable(group.values() for group in shapes))
     out = _columns(names, dims, rank_bufs, dtype)
     return out if out is not None else _loop(ckpt, shapes, rank_bufs, dtype)
 
