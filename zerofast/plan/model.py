@@ -82,18 +82,18 @@ class SegmentTable:
 class TableSegments(Sequence):
     """One tensor's segments, read from its :class:`SegmentTable` as tuples when asked."""
 
-    __slots__ = ("table", "index")
+    __slots__ = ("table", "number")
 
-    def __init__(self, table: SegmentTable, index: int):
+    def __init__(self, table: SegmentTable, number: int):
         self.table = table
-        self.index = index
+        self.number = number
 
     def tuples(self) -> tuple[Segment, ...]:
         starts = self.table.starts
-        return tuple(map(tuple, self.table.rows[starts[self.index]:starts[self.index + 1]].tolist()))
+        return tuple(map(tuple, self.table.rows[starts[self.number]:starts[self.number + 1]].tolist()))
 
     def __len__(self) -> int:
-        return int(self.table.starts[self.index + 1] - self.table.starts[self.index])
+        return int(self.table.starts[self.number + 1] - self.table.starts[self.number])
 
     def __getitem__(self, k):
         return self.tuples()[k]
