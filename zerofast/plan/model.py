@@ -93,10 +93,16 @@ class TableSegments(Sequence):
         return tuple(map(tuple, self.table.rows[starts[self.number]:starts[self.number + 1]].tolist()))
 
     def __len__(self) -> int:
-        return int(self.table.starts[self.number + 1] - self.table.starts[self.number])
+        starts = self.table.starts
+        return int(starts[self.number + 1]) - int(starts[self.number])
 
     def __getitem__(self, k):
-        return self.tuples()[k]
+        if not isinstance(k, int):
+            return self.tuples()[k]
+        n = len(self)  # one row without the others: Executor.may_view looks at the first of each tensor
+        if not -n <= k < n:
+            raise IndexError("segment index out of range")
+        return tuple(self.table.rows[int(self.table.starts[self.number]) + k % n].tolist())
 
     def __iter__(self):
         return iter(self.tuples())
