@@ -11,6 +11,7 @@
 #include <vector>
 #include <unordered_map>
 #include <unordered_set>
+#include <memory>
 
 #include "opcodes.h"
 #include "pickle_scan.h"
@@ -242,19 +243,23 @@ py::object own(PyObject* p, const char* what) {
   return py::reinterpret_steal<py::object>(p);
 }
 
-// The template's tree again, each tensor cut from `to` where the template's is cut from `from`.
+// The template's tree again, each tensor cut from `to` where the template's is cut from `from`:
+// a whole tree, or parts of it in several calls, which share what they copied (one memo), so
+// that parts copied now and the rest copied later are one tree.
 class Rebase {
  public:
-  Rebase(const at::Tensor& from, const at::Tensor& to, const ZipDirectory& from_dir, const ZipDirectory& to_dir,
+  using Dir = std::shared_ptr<ZipDirectory>;
+  Rebase(const at::Tensor& from, const at::Tensor& to, const Dir& from_dir, const Dir& to_dir,
          const py::tuple& shared, const py::tuple& types)
-      : from_(file_bytes(from)), from_size_(from.numel()), to_(to.storage()), to_dir_(to_dir) {
+      : from_t_(from), to_t_(to), from_(file_bytes(from)), from_size_(from.numel()), to_(to.storage()),
+        to_dir_(to_dir), shared_objects_(shared), types_(types) {
     file_bytes(to);
-    if (!same_entries(from_dir, to_dir)) throw Declined("the zip directories differ");
+    if (!same_entries(*from_dir, *to_dir)) throw Declined("the zip directories differ");
     // Sized for a tree of a few objects per entry: rehashing was a tenth of a copy's time.
-    made_.reserve(2 * from_dir.entries.size());
-    storages_.reserve(from_dir.entries.size());
-    entry_at_.reserve(from_dir.entries.size());
-    for (size_t i = 0; i < from_dir.entries.size(); ++i) entry_at_.emplace_back(from_dir.entries[i].data_offset, i);
+    made_.reserve(2 * from_dir->entries.size());
+    storages_.reserve(from_dir->entries.size());
+    entry_at_.reserve(from_dir->entries.size());
+    for (size_t i = 0; i < from_dir->entries.size(); ++i) entry_at_.emplace_back(from_dir->entries[i].data_offset, i);
     if (!std::is_sorted(entry_at_.begin(), entry_at_.end())) std::sort(entry_at_.begin(), entry_at_.end());
     for (const auto& o : shared) shared_.insert(o.ptr());
     if (types.size() != 3) throw std::invalid_argument("rebase: expected (Size, OrderedDict, DeepSpeedRecord)");
@@ -281,10 +286,12 @@ class Rebase {
   }
 
  private:
+  at::Tensor from_t_, to_t_;  // the two mappings, alive while this copies
   const uint8_t* from_;
   int64_t from_size_;
   at::Storage to_;
-  const ZipDirectory& to_dir_;
+  Dir to_dir_;
+  py::tuple shared_objects_, types_;
   std::vector<std::pair<int64_t, size_t>> entry_at_;  // the template's (data offset, entry index), sorted
   std::unordered_set<PyObject*> shared_;
   PyObject *size_type_, *ordered_dict_, *record_type_;
@@ -325,7 +332,7 @@ class Rebase {
   at::Storage storage_like(int64_t offset, int64_t nbytes) {
     auto e = std::lower_bound(entry_at_.begin(), entry_at_.end(), std::make_pair(offset, size_t(0)));
     if (e == entry_at_.end() || e->first != offset) throw Declined("a storage that is no zip entry's data");
-    const ZipEntry& here = to_dir_.entries[e->second];
+    const ZipEntry& here = to_dir_->entries[e->second];
     if (here.size != nbytes || here.data_offset > int64_t(to_.nbytes()) - nbytes) throw Declined("storage size");
     return view_of(to_, here.data_offset, nbytes);
   }
@@ -427,11 +434,10 @@ class Rebase {
   }
 };
 
-py::tuple rebase(const py::object& tree, const at::Tensor& from, const at::Tensor& to, const ZipDirectory& from_dir,
-                 const ZipDirectory& to_dir, const py::tuple& shared, const py::tuple& types) {
+template <typename F>
+py::tuple declining(F&& f) {
   try {
-    Rebase r(from, to, from_dir, to_dir, shared, types);
-    return py::make_tuple(true, r.copy(tree.ptr(), 0));
+    return py::make_tuple(true, f());
   } catch (const Declined& e) {
     return py::make_tuple(false, std::string(e.what()));
   } catch (const c10::Error& e) {  // never the file's fault: the file is then read in full
@@ -447,10 +453,21 @@ void register_twin(py::module_& m) {
   m.def("same_pickle", &same_pickle, py::arg("a"), py::arg("b"),
         "Whether two data.pkl read the same to zerofast's readers: equal, or equal but for the location strings of "
         "storage ids that nothing else refers to");
-  m.def("rebase", &rebase, py::arg("tree"), py::arg("from"), py::arg("to"), py::arg("from_dir"), py::arg("to_dir"),
-        py::arg("shared"), py::arg("types"),
-        "The tree read from mapping `from` (directory `from_dir`) again, each storage cut from `to` where "
-        "`to_dir` puts the same entry: (True, copy), or (False, why) where it holds what the copy does not know");
+  py::class_<Rebase>(m, "Twin").def(
+      "copy", [](Rebase& r, const py::object& o) { return declining([&] { return r.copy(o.ptr(), 0); }); },
+      py::arg("tree"),
+      "(True, copy) of a part of the template's tree, sharing what earlier calls copied; (False, why) where it "
+      "holds what the copy does not know");
+  m.def(
+      "twin",
+      [](const at::Tensor& from, const at::Tensor& to, const Rebase::Dir& from_dir, const Rebase::Dir& to_dir,
+         const py::tuple& shared, const py::tuple& types) {
+        return declining([&] { return py::cast(new Rebase(from, to, from_dir, to_dir, shared, types),
+                                               py::return_value_policy::take_ownership); });
+      },
+      py::arg("from"), py::arg("to"), py::arg("from_dir"), py::arg("to_dir"), py::arg("shared"), py::arg("types"),
+      "(True, Twin): copies of the tree read from mapping `from` (directory `from_dir`), each storage cut from `to` "
+      "where `to_dir` puts the same entry; (False, why)");
 }
 
 }  // namespace zerofast::load

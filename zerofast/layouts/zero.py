@@ -14,8 +14,9 @@ import torch
 from ..discover import CheckpointFiles, Found, plain_files
 from ..load import LoadedCheckpoint
 from ..load.parallel import read_all
+from ..load.rank_states import read_rank_model_states
 from ..load.records import (agree_with_config, check_flat_groups, check_parallelism, read_model_states,
-                            read_optim_states, read_rank_model_states, settle_stage, settle_world_size)
+                            read_optim_states, settle_stage, settle_world_size)
 from ..plan.build import plain_plan
 from ..plan.builders import flat_entries, master_flat_groups, stage0
 from ..plan.model import Entry, FlatGroups, Plan, SourceTable

@@ -138,15 +138,43 @@ _SHARED = tuple(ALLOWED.values())
 _TYPES = (torch.Size, collections.OrderedDict, DeepSpeedRecord)
 
 
+class TwinDeclined(Exception):
+    """A part of a template's tree that the twin copy does not know (the file is read in full)."""
+
+
+@dataclass(frozen=True)
+class Twin:
+    """A file proven to repeat a template's pickle: copies of parts of the template's tree onto
+    this file's storages, one memo for all of them, so that parts copied at different times
+    make one tree."""
+
+    path: Path
+    template: Template
+    copier: Any  # the native core's Twin
+
+    def copy(self, part: Any) -> Any:
+        """The copy of ``part`` of ``template.result``; :class:`TwinDeclined` where it holds what
+        the copy does not know."""
+        ok, result = self.copier.copy(part)
+        if not ok:
+            raise TwinDeclined(result)
+        return result
+
+    def tree(self) -> Any:
+        """The whole tree: what reading the file would build."""
+        return self.copy(self.template.result)
+
+
 def load_like(path: Path, templates: Sequence[Template]) -> tuple[Any, int | Template | None]:
     """Read ``path`` as the twin of the first template it repeats outside its storages, else in full.
 
     A twin's zip directory, read and checked as any other, holds the template's entries but for
     the archive's folder name, and its data.pkl is the template's but for the storages' device
-    strings, which no reader uses (ZeRO-3's per-rank model-states files; ``cuda:<rank>`` on a GPU). Its tree is the template's copied, each storage cut from this file's entry of the
-    same key: what reading the file would build. Returns ``(tree, i)`` for a twin of
-    ``templates[i]``; else ``(tree, Template)`` where the native reader read it in full (a
-    template for the files after it), or ``(tree, None)``."""
+    strings, which no reader uses (ZeRO-3's per-rank model-states files; ``cuda:<rank>`` on a
+    GPU). Its tree is the template's copied, each storage cut from this file's entry of the same
+    key: what reading the file would build. Returns ``(Twin, i)`` for a twin of ``templates[i]``
+    (the caller copies what it needs); else ``(tree, Template)`` where the native reader read it
+    in full (a template for the files after it), or ``(tree, None)``."""
     index = index_archive(path)
     core = ops.native_module() if native_core() is not None and index.directory is not None else None
     if core is None:
@@ -158,10 +186,9 @@ def load_like(path: Path, templates: Sequence[Template]) -> tuple[Any, int | Tem
             # multiple of its size) is then at least the bound the template's tree was read under.
             if (index.file_size >= t.index.file_size and core.same_archive(t.index.directory, index.directory)
                     and core.same_pickle(t.index.pickle_bytes, index.pickle_bytes)):
-                ok, result = core.rebase(t.result, t.mapping, whole, t.index.directory, index.directory, _SHARED,
-                                         _TYPES)
+                ok, copier = core.twin(t.mapping, whole, t.index.directory, index.directory, _SHARED, _TYPES)
                 if ok:
-                    return result, i
+                    return Twin(path, t, copier), i
         ok, result = core.unpickle(index.pickle_bytes, whole, _hooks(index))
         if ok:
             return result, Template(index, whole, result)

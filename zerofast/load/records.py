@@ -9,11 +9,10 @@ type-checked here, with the file in hand.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -29,8 +28,7 @@ from ..errors import (
     some,
 )
 from .bulk_checks import all_instances, all_shapes
-from .parallel import read_all
-from .reader import Template, load_file, load_like, read_errors
+from .reader import load_file
 
 # ---------------------------------------------------------------------------------------------
 # Typed views of the two kinds of file. Only what planning needs is lifted out of the pickles;
@@ -139,47 +137,11 @@ def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:
 
 def read_model_states(path: Path, module_optional: bool = False) -> ModelStates:
     """``module_optional``: a pipeline stage's file saves ``module`` as None (its layers have files)."""
-    return _model_states(path, load_file(path), module_optional)
+    return model_states_from(path, load_file(path), module_optional)
 
 
-# Distinct pickles kept to compare rank files with: rank 0's, and the one other ranks share
-# where rank 0 alone records something (DeepSpeed writes shared_params on rank 0 only).
-MAX_TEMPLATES = 4
-
-
-def read_rank_model_states(paths: Sequence[Path]) -> list[ModelStates]:
-    """ZeRO-3's model-states files, one per rank. They normally repeat one pickle (the
-    placeholders, the same param_shapes and config): a file proven to repeat one read before is
-    read as its twin (:func:`~.reader.load_like`), keeping that file's checked metadata. Where
-    two files in a row repeat none, the rest are read in full, several at a time."""
-    known: list[tuple[Template, ModelStates]] = []
-    states: list[ModelStates] = []
-    misses = 0
-    for i, path in enumerate(paths):
-        if misses == 2:
-            return states + read_all(read_model_states, paths[i:])
-        with read_errors(path):
-            raw, how = load_like(path, [t for t, _ in known])
-        if isinstance(how, int):
-            states.append(_twin_states(known[how][1], path, raw))
-            misses = 0
-            continue
-        misses += i > 0
-        states.append(_model_states(path, raw, False))
-        if how is not None and len(known) < MAX_TEMPLATES:
-            known.append((how, states[-1]))
-    return states
-
-
-def _twin_states(first: ModelStates, path: Path, raw: dict) -> ModelStates:
-    # The tree is the template's with this file's storages, so the template's checks hold for it
-    # as they are. Its checked lists and dicts (param_shapes, ...) are shared, not copied:
-    # nothing changes them once read.
-    return dataclasses.replace(first, path=path, module=raw[K.MODULE], raw=raw,
-                               frozen_param_fragments=dict(_default(raw.get(K.FROZEN_PARAM_FRAGMENTS), {})))
-
-
-def _model_states(path: Path, raw: Any, module_optional: bool) -> ModelStates:
+def model_states_from(path: Path, raw: Any, module_optional: bool = False) -> ModelStates:
+    """The typed view of a model-states file's tree ``raw``, checked."""
     raw = expect_dict(path, raw, "the model-states file")
     if K.MODULE not in raw:
         raise CorruptCheckpointError(f"expected a 'module' entry, found keys {_keys(raw)}", path)
