@@ -10,6 +10,8 @@
 #include <torch/csrc/Size.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <c10/util/SmallVector.h>
+
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -121,6 +123,15 @@ bool index_value(PyObject* p, int64_t* out) {
 
 bool index_value(const Val& v, int64_t* out) { return index_value(v.obj, out); }
 
+// A call's arguments, in place: a native tuple's items, or a Python tuple's copied out.
+struct Items {
+  const Val* data;
+  size_t n;
+  size_t size() const { return n; }
+  bool empty() const { return n == 0; }
+  const Val& operator[](size_t i) const { return data[i]; }
+};
+
 // What _plain accepts by type alone (stand_ins._PLAIN): None, bool, int, float, str, exactly.
 bool plain_scalar(PyObject* v) {
   PyTypeObject* t = Py_TYPE(v);
@@ -165,7 +176,8 @@ class Reader {
   py::object record_setstate_;  // DeepSpeedRecord.__setstate__, the stand-ins' own
   std::vector<Val> stack_, memo_;
   std::vector<size_t> marks_;
-  std::vector<std::vector<Val>> tuples_;
+  std::vector<Val> tuple_items_;  // every native tuple's items, one after another
+  std::vector<std::pair<size_t, size_t>> tuples_;  // (first item, count) per native tuple
   std::vector<Val> lazies_;  // the empty OrderedDicts once made: one object per REDUCE, shared
   std::vector<Stored> storages_;
   std::vector<int32_t> by_number_;  // storage index by numbered key (see ZipDirectory::numbered)
@@ -210,7 +222,9 @@ class Reader {
     bool native = false;
     for (size_t i = start; i < stack_.size(); ++i) native = native || stack_[i].native();
     if (native) {
-      tuples_.emplace_back(std::make_move_iterator(stack_.begin() + start), std::make_move_iterator(stack_.end()));
+      tuples_.emplace_back(tuple_items_.size(), stack_.size() - start);
+      tuple_items_.insert(tuple_items_.end(), std::make_move_iterator(stack_.begin() + start),
+                          std::make_move_iterator(stack_.end()));
       stack_.resize(start);
       return Val::of_tuple(int32_t(tuples_.size() - 1));
     }
@@ -224,11 +238,15 @@ class Reader {
     return t;
   }
   // A call's argument tuple: a native one in place, a Python one's items copied to `scratch`.
-  const std::vector<Val>& items_of(const Val& v, std::vector<Val>& scratch) const {
-    if (v.tuple >= 0) return tuples_[size_t(v.tuple)];
+  // (Valid until the next native tuple is made.)
+  Items items_of(const Val& v, std::vector<Val>& scratch) const {
+    if (v.tuple >= 0) {
+      const auto& [first, count] = tuples_[size_t(v.tuple)];
+      return Items{tuple_items_.data() + first, count};
+    }
     if (!v.obj || !PyTuple_Check(v.obj)) throw Declined("call arguments are not a tuple");
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v.obj); ++i) scratch.push_back(borrowed(PyTuple_GET_ITEM(v.obj, i)));
-    return scratch;
+    return Items{scratch.data(), scratch.size()};
   }
 
   void step(uint8_t op);
@@ -251,10 +269,10 @@ class Reader {
   at::ScalarType dtype_of(PyObject* kind);
   int32_t& declared(const char* key, size_t len);
   int64_t storage_offset_py(PyObject* key, int64_t nbytes) const;
-  Val rebuild_tensor(const std::vector<Val>& args);
-  Val rebuild_parameter(const std::vector<Val>& args);
-  Val rebuild_from_type(const std::vector<Val>& args);
-  void dims(const Val& v, std::vector<int64_t>* out);
+  Val rebuild_tensor(const Items& args);
+  Val rebuild_parameter(const Items& args);
+  Val rebuild_from_type(const Items& args);
+  void dims(const Val& v, c10::SmallVector<int64_t, 8>* out);
 };
 
 void Reader::step(uint8_t op) {
@@ -592,7 +610,7 @@ int64_t Reader::storage_offset_py(PyObject* key, int64_t nbytes) const {  // the
   return index_value(at.ptr(), &offset) ? offset : -1;
 }
 
-void Reader::dims(const Val& v, std::vector<int64_t>* out) {  // _dims
+void Reader::dims(const Val& v, c10::SmallVector<int64_t, 8>* out) {  // _dims
   PyObject* p = to_py(v);
   bool tuple = PyTuple_Check(p);
   if (!tuple && !PyList_Check(p)) throw Declined("sizes are not a tuple");
@@ -606,11 +624,11 @@ void Reader::dims(const Val& v, std::vector<int64_t>* out) {  // _dims
   }
 }
 
-Val Reader::rebuild_tensor(const std::vector<Val>& args) {  // _rebuild_tensor
+Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
   if (args.size() < 4 || args[0].storage < 0) throw Declined("not a tensor rebuild");
   const Stored& s = storages_[args[0].storage];
   int64_t offset = 0;
-  std::vector<int64_t> size, stride;
+  c10::SmallVector<int64_t, 8> size, stride;
   if (!index_value(args[1], &offset)) throw Declined("storage offset");
   dims(args[2], &size);
   dims(args[3], &stride);
@@ -637,12 +655,12 @@ Val Reader::rebuild_tensor(const std::vector<Val>& args) {  // _rebuild_tensor
   return py_val(THPVariable_Wrap(at::Tensor(std::move(impl))), "tensor");
 }
 
-Val Reader::rebuild_parameter(const std::vector<Val>& args) {  // _rebuild_parameter
+Val Reader::rebuild_parameter(const Items& args) {  // _rebuild_parameter
   if (args.empty() || !args[0].obj || !THPVariable_Check(args[0].obj)) throw Declined("not a tensor");
   return args[0];
 }
 
-Val Reader::rebuild_from_type(const std::vector<Val>& args) {  // _rebuild_from_type_v2
+Val Reader::rebuild_from_type(const Items& args) {  // _rebuild_from_type_v2
   if (args.size() != 4 || !args[0].obj || !args[1].obj || args[1].obj != hooks_.tensor_type)
     throw Declined("not a plain tensor rebuild");
   PyObject* func = args[0].obj;

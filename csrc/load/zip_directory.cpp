@@ -34,6 +34,15 @@ std::string lower_ascii(std::string s) {
   return s;
 }
 
+char lower_char(char c) { return c >= 'A' && c <= 'Z' ? char(c - 'A' + 'a') : c; }
+
+bool lower_prefix(const std::string& s, const std::string& lowered) {  // lower_ascii(s) starts with it
+  if (s.size() < lowered.size()) return false;
+  for (size_t i = 0; i < lowered.size(); ++i)
+    if (lower_char(s[i]) != lowered[i]) return false;
+  return true;
+}
+
 // The file mapped read-only for one call: the local headers sit all over it.
 class Mapped {
  public:
@@ -195,7 +204,7 @@ class Parser {
     d.numbered.assign(d.entries.size(), -1);
     for (size_t i = 0; i < d.entries.size(); ++i) {
       const std::string& name = d.entries[i].name;
-      if (name.size() <= folder.size() || lower_ascii(name.substr(0, folder.size())) != folder) continue;
+      if (name.size() <= folder.size() || !lower_prefix(name, folder)) continue;
       int64_t n = numbered_key(name.data() + folder.size(), name.size() - folder.size(), d.entries.size());
       if (n >= 0) d.numbered[size_t(n)] = int32_t(i);
     }
@@ -273,7 +282,10 @@ void register_zip_directory(py::module_& m) {
       .def_readonly("prefix", &ZipDirectory::prefix)
       .def("__len__", [](const ZipDirectory& d) { return d.entries.size(); })
       .def("entries", &entry_tuples, "(name, data offset, stored size, size, compressed) per entry, in order")
-      .def("storage_offset", py::overload_cast<const std::string&, int64_t>(&ZipDirectory::storage_offset, py::const_),
+      .def("storage_offset",  // the unpickler's lookup (by number where the key is one)
+           [](const ZipDirectory& d, const std::string& key, int64_t nbytes) {
+             return d.storage_offset(key.data(), key.size(), nbytes);
+           },
            py::arg("key"), py::arg("nbytes"),
            "file offset of a storage, or -1 where archive.py's check would raise");
   m.def("zip_directory", &zip_directory, py::arg("path"), py::arg("start"), py::arg("end"),
