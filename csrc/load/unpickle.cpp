@@ -28,6 +28,7 @@ namespace {
 
 constexpr int64_t kInt64Max = INT64_MAX;
 constexpr size_t kMaxDims = 64;
+constexpr int kMaxDepth = 3;  // native tuples inside native tuples, at most
 
 // The reference's objects, by identity, and its two callbacks (see native_reader.py).
 struct Hooks {
@@ -44,9 +45,10 @@ struct Hooks {
   int64_t byte_limit;      // bytes all the file's tensors may hold together
 };
 
-// One stack or memo slot: a Python object, or a value that stays native (a storage
-// reference, or a tuple holding one: the argument tuples of the rebuild functions), or an
-// empty OrderedDict not made yet (`lazy`: a tensor's backward hooks, which the rebuild drops).
+// One stack or memo slot: a Python object, a storage reference (native), a tuple kept native
+// (its items in the reader's arena: made a Python tuple only when something other than a
+// rebuild, a storage reference or torch.Size takes it, and never where it holds a storage), or
+// an empty OrderedDict not made yet (`lazy`: a tensor's backward hooks, which the rebuild drops).
 // Owns its reference by hand: pybind11's handles check the GIL on every copy, and the stack
 // and memo copy a value per opcode.
 struct Val {
@@ -65,7 +67,6 @@ struct Val {
     return *this;
   }
   ~Val() { Py_XDECREF(obj); }
-  bool native() const { return storage >= 0 || tuple >= 0; }
   static Val of_storage(int32_t i) { Val v; v.storage = i; return v; }
   static Val of_tuple(int32_t i) { Val v; v.tuple = i; return v; }
   static Val of_lazy(int32_t i) { Val v; v.lazy = i; return v; }
@@ -177,7 +178,13 @@ class Reader {
   std::vector<Val> stack_, memo_;
   std::vector<size_t> marks_;
   std::vector<Val> tuple_items_;  // every native tuple's items, one after another
-  std::vector<std::pair<size_t, size_t>> tuples_;  // (first item, count) per native tuple
+  struct Tuple {
+    size_t first, count;  // its items in tuple_items_
+    bool native;          // holds a storage reference, however deep: never a Python tuple
+    int depth;            // 1 + the deepest native tuple among its items: how far making it recurses
+    Val made;             // its Python tuple once made: one object, however often it is taken
+  };
+  std::vector<Tuple> tuples_;
   std::vector<Val> lazies_;  // the empty OrderedDicts once made: one object per REDUCE, shared
   std::vector<Stored> storages_;
   std::vector<int32_t> by_number_;  // storage index by numbered key (see ZipDirectory::numbered)
@@ -210,39 +217,54 @@ class Reader {
     marks_.pop_back();
     return m;
   }
-  // A Python object (borrowed: `v` or the reader holds it), making a lazy OrderedDict now.
+  // A Python object (borrowed: `v` or the reader holds it), making a lazy one now.
   PyObject* to_py(const Val& v) {
     if (v.obj) return v.obj;
-    if (v.lazy < 0) throw Declined("a storage reference where a Python object is expected");
-    Val& made = lazies_[size_t(v.lazy)];
-    if (!made.obj) made = py_val(PyObject_CallNoArgs(hooks_.ordered_dict), "OrderedDict");
-    return made.obj;
+    if (v.lazy >= 0) {
+      Val& made = lazies_[size_t(v.lazy)];
+      if (!made.obj) made = py_val(PyObject_CallNoArgs(hooks_.ordered_dict), "OrderedDict");
+      return made.obj;
+    }
+    if (v.tuple < 0 || tuples_[size_t(v.tuple)].native)
+      throw Declined("a storage reference where a Python object is expected");
+    if (!tuples_[size_t(v.tuple)].made.obj) {
+      const Tuple t = {tuples_[size_t(v.tuple)].first, tuples_[size_t(v.tuple)].count, false, 0, Val()};
+      Val made = py_val(PyTuple_New(Py_ssize_t(t.count)), "tuple");
+      for (size_t i = 0; i < t.count; ++i) {
+        PyObject* item = to_py(tuple_items_[t.first + i]);  // recurses at most kMaxDepth deep
+        Py_INCREF(item);
+        PyTuple_SET_ITEM(made.obj, Py_ssize_t(i), item);
+      }
+      tuples_[size_t(v.tuple)].made = std::move(made);
+    }
+    return tuples_[size_t(v.tuple)].made.obj;
   }
-  Val tuple_from(size_t start) {  // the stack from `start` on, taken off it as one tuple
+  bool holds_storage(const Val& v) const {
+    return v.storage >= 0 || (v.tuple >= 0 && tuples_[size_t(v.tuple)].native);
+  }
+  int depth_of(const Val& v) const { return v.tuple >= 0 && !v.obj ? tuples_[size_t(v.tuple)].depth : 0; }
+  // The stack from `start` on, taken off it as one native tuple. A Python-able item nested too
+  // deep is made a Python object first, so making this one later recurses a bounded depth.
+  Val tuple_from(size_t start) {
     bool native = false;
-    for (size_t i = start; i < stack_.size(); ++i) native = native || stack_[i].native();
-    if (native) {
-      tuples_.emplace_back(tuple_items_.size(), stack_.size() - start);
-      tuple_items_.insert(tuple_items_.end(), std::make_move_iterator(stack_.begin() + start),
-                          std::make_move_iterator(stack_.end()));
-      stack_.resize(start);
-      return Val::of_tuple(int32_t(tuples_.size() - 1));
-    }
-    Val t = py_val(PyTuple_New(Py_ssize_t(stack_.size() - start)), "tuple");
+    int depth = 0;
     for (size_t i = start; i < stack_.size(); ++i) {
-      PyObject* item = to_py(stack_[i]);
-      Py_INCREF(item);
-      PyTuple_SET_ITEM(t.obj, Py_ssize_t(i - start), item);
+      if (!holds_storage(stack_[i]) && depth_of(stack_[i]) >= kMaxDepth) stack_[i] = borrowed(to_py(stack_[i]));
+      native = native || holds_storage(stack_[i]);
+      depth = std::max(depth, depth_of(stack_[i]));
     }
+    tuples_.push_back(Tuple{tuple_items_.size(), stack_.size() - start, native, depth + 1, Val()});
+    tuple_items_.insert(tuple_items_.end(), std::make_move_iterator(stack_.begin() + start),
+                        std::make_move_iterator(stack_.end()));
     stack_.resize(start);
-    return t;
+    return Val::of_tuple(int32_t(tuples_.size() - 1));
   }
   // A call's argument tuple: a native one in place, a Python one's items copied to `scratch`.
   // (Valid until the next native tuple is made.)
   Items items_of(const Val& v, std::vector<Val>& scratch) const {
     if (v.tuple >= 0) {
-      const auto& [first, count] = tuples_[size_t(v.tuple)];
-      return Items{tuple_items_.data() + first, count};
+      const Tuple& t = tuples_[size_t(v.tuple)];
+      return Items{tuple_items_.data() + t.first, t.count};
     }
     if (!v.obj || !PyTuple_Check(v.obj)) throw Declined("call arguments are not a tuple");
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v.obj); ++i) scratch.push_back(borrowed(PyTuple_GET_ITEM(v.obj, i)));
@@ -260,7 +282,7 @@ class Reader {
   void set_items(ptrdiff_t x);
   void add_items(size_t mark);
   Val reduce(const Val& callee, const Val& args);
-  Val make_size(PyObject* args);
+  Val make_size(const Val& args);
   Val newobj(const Val& cls, const Val& args);
   void build(const Val& state);
   bool default_setstate(PyTypeObject* type);
@@ -462,29 +484,31 @@ Val Reader::reduce(const Val& callee, const Val& args) {
   if (f == hooks_.from_type_v2) return rebuild_from_type(items_of(args, scratch));
   // Any other allowlisted object (OrderedDict, set, torch.Size, a stand-in), called as the C
   // unpickler calls it; what is not callable fails and declines.
+  if (f == reinterpret_cast<PyObject*>(&THPSizeType) && args.tuple >= 0 && !holds_storage(args)) return make_size(args);
+  bool empty = args.tuple >= 0 && !args.obj && tuples_[size_t(args.tuple)].count == 0;
   PyObject* a = to_py(args);
   if (!PyTuple_Check(a)) throw Declined("REDUCE arguments are not a tuple");
-  if (f == hooks_.ordered_dict && PyTuple_CheckExact(a) && PyTuple_GET_SIZE(a) == 0) {
+  if (f == hooks_.ordered_dict && (empty || (PyTuple_CheckExact(a) && PyTuple_GET_SIZE(a) == 0))) {
     lazies_.emplace_back();  // made only if something other than a tensor rebuild takes it
     return Val::of_lazy(int32_t(lazies_.size() - 1));
   }
-  if (f == reinterpret_cast<PyObject*>(&THPSizeType)) return make_size(a);
   return py_val(PyObject_CallObject(f, a), "call");
 }
 
-Val Reader::make_size(PyObject* args) {
-  // torch.Size(t) of an exact tuple of exact ints is a torch.Size holding t's very items (its
+Val Reader::make_size(const Val& args) {
+  // torch.Size(t) of a tuple of exact ints is a torch.Size holding t's very items (its
   // constructor copies them and checks each is an int); anything else goes through the call.
-  PyObject* dims = PyTuple_GET_SIZE(args) == 1 ? PyTuple_GET_ITEM(args, 0) : nullptr;
-  bool plain = dims && PyTuple_CheckExact(dims);
-  for (Py_ssize_t i = 0; plain && i < PyTuple_GET_SIZE(dims); ++i) plain = PyLong_CheckExact(PyTuple_GET_ITEM(dims, i));
-  if (!plain) return py_val(PyObject_CallObject(reinterpret_cast<PyObject*>(&THPSizeType), args), "call");
-  Py_ssize_t n = PyTuple_GET_SIZE(dims);
-  Val size = py_val(THPSizeType.tp_alloc(&THPSizeType, n), "torch.Size");
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* d = PyTuple_GET_ITEM(dims, i);
-    Py_INCREF(d);
-    PyTuple_SET_ITEM(size.obj, i, d);
+  std::vector<Val> scratch, inner;
+  Items outer = items_of(args, scratch);
+  const Val* dims = outer.size() == 1 ? &outer[0] : nullptr;
+  bool plain = dims && ((dims->tuple >= 0 && !holds_storage(*dims)) || (dims->obj && PyTuple_CheckExact(dims->obj)));
+  Items items = plain ? items_of(*dims, inner) : Items{nullptr, 0};
+  for (size_t i = 0; plain && i < items.size(); ++i) plain = items[i].obj && PyLong_CheckExact(items[i].obj);
+  if (!plain) return py_val(PyObject_CallObject(reinterpret_cast<PyObject*>(&THPSizeType), to_py(args)), "call");
+  Val size = py_val(THPSizeType.tp_alloc(&THPSizeType, Py_ssize_t(items.size())), "torch.Size");
+  for (size_t i = 0; i < items.size(); ++i) {
+    Py_INCREF(items[i].obj);
+    PyTuple_SET_ITEM(size.obj, Py_ssize_t(i), items[i].obj);
   }
   return size;
 }
@@ -574,13 +598,15 @@ int32_t& Reader::declared(const char* key, size_t len) {  // the storage index o
 }
 
 Val Reader::persistent(const Val& pid) {  // _Storages.__call__
-  PyObject* p = to_py(pid);
-  if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 5) throw Declined("not a storage reference");
-  PyObject *tag = PyTuple_GET_ITEM(p, 0), *kind = PyTuple_GET_ITEM(p, 1), *key = PyTuple_GET_ITEM(p, 2);
+  if (holds_storage(pid) || !(pid.tuple >= 0 || (pid.obj && PyTuple_Check(pid.obj)))) throw Declined("not a storage reference");
+  std::vector<Val> scratch;
+  Items p = items_of(pid, scratch);
+  if (p.size() != 5 || !p[0].obj || !p[1].obj || !p[2].obj) throw Declined("not a storage reference");
+  PyObject *tag = p[0].obj, *kind = p[1].obj, *key = p[2].obj;
   int64_t numel = 0;
   if (!PyUnicode_CheckExact(tag) || PyUnicode_CompareWithASCIIString(tag, "storage") != 0 ||
       Py_TYPE(kind) != reinterpret_cast<PyTypeObject*>(hooks_.storage_type) || !PyUnicode_Check(key) ||
-      !index_value(PyTuple_GET_ITEM(p, 4), &numel))
+      !index_value(p[4], &numel))
     throw Declined("not a storage reference");
   at::ScalarType dtype = dtype_of(kind);
   __int128 nbytes128 = __int128(numel) * int64_t(c10::elementSize(dtype));
@@ -611,6 +637,18 @@ int64_t Reader::storage_offset_py(PyObject* key, int64_t nbytes) const {  // the
 }
 
 void Reader::dims(const Val& v, c10::SmallVector<int64_t, 8>* out) {  // _dims
+  if (v.tuple >= 0 && !v.obj) {
+    if (holds_storage(v)) throw Declined("sizes are not a tuple");
+    std::vector<Val> scratch;
+    Items items = items_of(v, scratch);
+    if (items.size() > kMaxDims) throw Declined("too many dimensions");
+    for (size_t i = 0; i < items.size(); ++i) {
+      int64_t d = 0;
+      if (!index_value(items[i], &d)) throw Declined("a size is not an int in [0, 2**63)");
+      out->push_back(d);
+    }
+    return;
+  }
   PyObject* p = to_py(v);
   bool tuple = PyTuple_Check(p);
   if (!tuple && !PyList_Check(p)) throw Declined("sizes are not a tuple");
