@@ -4,8 +4,9 @@ against --baseline, in the same run.
 Each round starts one fresh process per checkout (alternating); in it, after imports and one
 warm-up, ``index_archive`` + ``reader.read_native`` of FILE runs --loops times with the cyclic
 collector paused (as ``load_archive`` runs it), and ``pipeline.prepare`` of CKPT --loops times;
-the process reports the median of each. The table gives the median over rounds and the ratio
-baseline / this checkout, which the machine's load moves less than either figure.
+the process reports the median of each, wall and CPU (``time.process_time``, all threads: what
+a machine shared with other jobs moves least). The table gives the median over rounds and the
+ratio baseline / this checkout, which the machine's load moves less than either figure.
 
     python benchmarks/native_read.py --baseline /work/wt/base --rounds 5 \\
         --file /work/bench-data/many_small-50M-w4/global_step1/zero_pp_rank_0_mp_rank_00_model_states.pt \\
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+KINDS = ("read", "prepare", "read_cpu", "prepare_cpu")  # wall seconds; CPU seconds of all threads
 
 CHILD = """
 import gc, json, statistics, sys, time
@@ -37,22 +39,24 @@ assert core is not None, "no native core"
 
 def read():
     with reader.collector_paused():
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         ok, tree = reader.read_native(path, index_archive(path), core)
-        took = time.perf_counter() - t
+        took = time.perf_counter() - t, time.process_time() - c
     assert ok, tree
     del tree
     return took
 
 def prep():
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     prepare(ckpt)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 read(), prep()
 reads = [read() for _ in range(loops)]
 preps = [prep() for _ in range(loops)]
-print(json.dumps({"read": statistics.median(reads), "prepare": statistics.median(preps), "zerofast": zerofast.__file__}))
+med = lambda xs, i: statistics.median(x[i] for x in xs)
+print(json.dumps({"read": med(reads, 0), "prepare": med(preps, 0), "read_cpu": med(reads, 1),
+                  "prepare_cpu": med(preps, 1), "zerofast": zerofast.__file__}))
 """
 
 
@@ -77,16 +81,16 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, checkout in checkouts.items():
             runs[name].append(measure(checkout, args.file, args.ckpt, args.loops))
-    medians = {name: {k: statistics.median(r[k] for r in rs) for k in ("read", "prepare")} for name, rs in runs.items()}
+    medians = {name: {k: statistics.median(r[k] for r in rs) for k in KINDS} for name, rs in runs.items()}
     result = {"file": str(args.file), "ckpt": str(args.ckpt), "rounds": args.rounds, "loops": args.loops,
               "runs": runs, "medians": medians,
-              "baseline_over_this": {k: medians["baseline"][k] / medians["this"][k] for k in ("read", "prepare")}}
+              "baseline_over_this": {k: medians["baseline"][k] / medians["this"][k] for k in KINDS}}
     args.out.mkdir(parents=True, exist_ok=True)
     target = args.out / f"native-read-{time.strftime('%Y%m%d-%H%M%S')}.json"
     target.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{'':10} {'this s':>8} {'baseline s':>10} {'ratio':>6}")
-    for k in ("read", "prepare"):
-        print(f"{k:10} {medians['this'][k]:8.4f} {medians['baseline'][k]:10.4f} {result['baseline_over_this'][k]:5.2f}x")
+    print(f"{'':12} {'this s':>8} {'baseline s':>10} {'ratio':>6}")
+    for k in KINDS:
+        print(f"{k:12} {medians['this'][k]:8.4f} {medians['baseline'][k]:10.4f} {result['baseline_over_this'][k]:5.2f}x")
     print(f"results: {target}")
 
 
