@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "load/twin.h"
 #include "load/unpickle.h"
 #include "load/zip_directory.h"
 
@@ -90,4 +91,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("built_devices", &built_devices, "device types with compiled gather_cast kernels, e.g. ['cpu', 'cuda']");
   zerofast::load::register_zip_directory(m);
   zerofast::load::register_unpickle(m);
+  zerofast::load::register_twin(m);
 }

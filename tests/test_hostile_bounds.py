@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import zerofast
+import zerofast.discover as discover_module
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
 from tests.planting import LOSS_SCALER, REPO_ROOT, Call, copy_checkpoint, replace_member, rewrite
@@ -405,7 +406,15 @@ def test_follow_symlinks_keyword_allows_and_refuses_over_the_variable(ckpt, tmp_
     assert list(zerofast.reconstruct(root)) == list(truth)
 
 
-def test_a_rank_file_linked_outside_is_refused(ckpt, tmp_path):
+# Which names are links: an lstat per file, or (from discover.LISTED_FROM files in a folder, a
+# thousand-file MoE save) one listing of the folder.
+BY_LISTING = pytest.mark.parametrize("listed_from", [None, 1], ids=["lstat", "listing"])
+
+
+@BY_LISTING
+def test_a_rank_file_linked_outside_is_refused(ckpt, tmp_path, monkeypatch, listed_from):
+    if listed_from is not None:
+        monkeypatch.setattr(discover_module, "LISTED_FROM", listed_from)
     root, tag_dir = ckpt
     outside = tmp_path / "outside.pt"
     (tag_dir / OPTIM0).rename(outside)
@@ -414,7 +423,10 @@ def test_a_rank_file_linked_outside_is_refused(ckpt, tmp_path):
         zerofast.reconstruct(root)
 
 
-def test_links_inside_the_checkpoint_are_followed(ckpt):
+@BY_LISTING
+def test_links_inside_the_checkpoint_are_followed(ckpt, monkeypatch, listed_from):
+    if listed_from is not None:
+        monkeypatch.setattr(discover_module, "LISTED_FROM", listed_from)
     root, tag_dir = ckpt
     (root / "real").mkdir()
     moved = root / "real" / OPTIM0

@@ -13,11 +13,14 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from safetensors.torch import load_file as load_safetensors
 
 import zerofast
 import zerofast.layouts.moe as moe_layout
+import zerofast.load.parallel as parallel
 from zerofast.layouts import discover
 
 from tests.conftest import HAVE_DEEPSPEED
@@ -29,8 +32,8 @@ SMALL_MOE = "moe_s2_bf16_w2_ep2"
 pytestmark = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed 0.19.8 makes the real checkpoints")
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: the files are read one by one, as they should")
-def test_expert_files_are_read_on_the_thread_pool(monkeypatch):
+def _expert_readers(monkeypatch) -> dict[str, str]:
+    """Each expert file of the small MoE save, by the name of the thread that read it."""
     root = real_root(SMALL_MOE)
     readers: dict[str, str] = {}
     read = moe_layout.load_file
@@ -43,7 +46,28 @@ def test_expert_files_are_read_on_the_thread_pool(monkeypatch):
     zerofast.reconstruct(root)
     experts = {p.name for p in discover(root).expert_files}
     assert experts and set(readers) >= experts
-    assert all(readers[name].startswith("zerofast-read") for name in experts)
+    return {name: readers[name] for name in experts}
+
+
+def test_small_expert_files_are_read_in_turn(monkeypatch):
+    """Files of a few KiB that read quickly: the pool's hand-offs would cost more than they hide."""
+    me = threading.current_thread().name
+    assert set(_expert_readers(monkeypatch).values()) == {me}
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: the files are read one by one, as they should")
+@pytest.mark.parametrize("knob", ["POOL_FILE_BYTES", "POOL_FILE_SECONDS"])
+def test_expert_files_are_read_on_the_thread_pool_where_they_are_large_or_slow(monkeypatch, knob):
+    # Every file counts as large (all go to the pool), or as slow to read (all but the first two,
+    # read in turn to find that out).
+    monkeypatch.setattr(parallel, knob, 0)
+    monkeypatch.setattr(parallel, "PROBE_FILES", 2)
+    readers = _expert_readers(monkeypatch)
+    order = [p.name for p in discover(real_root(SMALL_MOE)).expert_files]
+    probed = 0 if knob == "POOL_FILE_BYTES" else 2
+    me = threading.current_thread().name
+    assert [readers[n] for n in order[:probed]] == [me] * probed
+    assert all(readers[n].startswith("zerofast-read") for n in order[probed:])
 
 
 def _many_experts_root() -> Path:
@@ -77,3 +101,25 @@ def test_a_thousand_expert_files_read_back_bit_for_bit(tmp_path):
     for name, value in exported.items():
         assert_bitwise_equal(value, expected_value(want[truth["tied"].get(name, name)], torch.float32), name)
     assert set(exported) | set(truth["tied"]) >= set(truth["state_dict_keys"])
+
+
+def _by_pattern(name: str):
+    m = moe_layout.EXPERT_NAME.match(name)
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([moe_layout.EXPERTS, moe_layout.EXPERTS[:-1], "layers.0", "7", "12", ".", "w",
+                                 "\n", "\u0663", "é", "deepspeed_experts."]), max_size=8).map("".join))
+def test_split_expert_finds_what_the_pattern_finds(name):
+    """The string search that splits every tensor name of a thousand-file save agrees with the
+    pattern it stands in for, on names built from its pieces (newlines, non-ASCII digits too)."""
+    assert moe_layout.split_expert(name) == _by_pattern(name)
+
+
+@pytest.mark.parametrize("name", [f"m.layers.1{moe_layout.EXPERTS}3.w1.weight",
+                                  f"a{moe_layout.EXPERTS}1.b{moe_layout.EXPERTS}2.c",
+                                  f"a{moe_layout.EXPERTS}1.b{moe_layout.EXPERTS}x.c",
+                                  f"a{moe_layout.EXPERTS}12.w\n", f"a{moe_layout.EXPERTS}.w"])
+def test_split_expert_on_names_that_pick_an_occurrence(name):
+    assert moe_layout.split_expert(name) == _by_pattern(name)

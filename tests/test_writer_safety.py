@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zerofast
+import zerofast.discover as discover_module
 from zerofast.cli import human_bytes, main
 from zerofast.errors import CheckpointNotFoundError, DeviceError, ExportError, OutputExistsError
 from zerofast.hf.shards import parse_size
@@ -164,6 +165,23 @@ def test_no_writer_writes_over_its_own_input(tmp_path):
     # Next to the tag folder, as ds_to_universal writes by default, is not over the input.
     zerofast.to_universal(root, root / "global_step3_universal")
     assert (root / "latest_universal").read_text() == "global_step3_universal"
+
+
+@pytest.mark.parametrize("listed_from", [None, 1], ids=["lstat", "listing"])
+def test_an_input_file_linked_into_the_output_folder_is_refused(tmp_path, monkeypatch, listed_from):
+    """A rank file that is a link into the output folder: writing there would destroy it, whether
+    the links of its folder are found by an lstat each or by one listing (many files)."""
+    if listed_from is not None:
+        monkeypatch.setattr(discover_module, "LISTED_FROM", listed_from)
+    root, tag_dir = copy_checkpoint(real_root(SMALL), tmp_path / "ck")
+    out = root / "hf"
+    out.mkdir()
+    linked = tag_dir / optim_name(1, bf16=True)
+    linked.rename(out / "rank1.pt")
+    linked.symlink_to(out / "rank1.pt")
+    with pytest.raises(OutputExistsError, match=r"the output folder holds the checkpoint being read \(.*rank_1"):
+        zerofast.export(root, out, overwrite=True)
+    assert (out / "rank1.pt").is_file() and linked.is_symlink()
 
 
 def test_cli_refuses_its_input_in_one_line(tmp_path, capsys):

@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .errors import (
     AmbiguousTagError,
@@ -163,24 +163,45 @@ def check_inside(root: Path, path: Path, follow_symlinks: bool | None = None) ->
 
 def check_all_inside(root: Path, paths, follow_symlinks: bool | None = None) -> None:
     """:func:`check_inside` for each of ``paths``. A path that is not itself a link lies where its
-    folder resolves to, so a folder of thousands of expert files is resolved once, not per file."""
+    folder resolves to, so a folder of thousands of expert files is resolved once, not per file,
+    and which of its names are links is read from one listing of it, not one lstat per file."""
     if settings().follow_symlinks if follow_symlinks is None else follow_symlinks:
         return
-    real_root = _resolved(root)
-    inside = os.path.join(str(real_root), "")  # with its trailing separator
-    folders: dict[Path, Path] = {}
+    real_root = str(_resolved(root))
+    inside = os.path.join(real_root, "")  # with its trailing separator
+    by_folder: dict[str, list[Path]] = {}
     for path in paths:
-        if path.name in ("", ".", "..") or path.is_symlink():
-            real = _resolved(path)
-        else:
-            if path.parent not in folders:
-                folders[path.parent] = _resolved(path.parent)
-            real = folders[path.parent] / path.name
-        if real != real_root and not str(real).startswith(inside):
-            raise UnsafeCheckpointError(
-                f"{path.relative_to(root)} is a symbolic link (or lies in a linked folder) that leads out of the "
-                f"checkpoint folder, to {short_repr(str(real), 200)}; refused (pass follow_symlinks=True, or set "
-                f"{FOLLOW_SYMLINKS_ENV}=1, to follow such links)", root)
+        by_folder.setdefault(os.path.dirname(str(path)), []).append(path)
+    for folder, here in by_folder.items():
+        links = links_among(folder, here)
+        real_folder = None
+        for path in here:
+            name = path.name
+            if name in ("", ".", "..") or name in links:
+                real = str(_resolved(path))
+            else:
+                real_folder = real_folder or str(_resolved(Path(folder or ".")))
+                real = os.path.join(real_folder, name)
+            if real != real_root and not real.startswith(inside):
+                raise UnsafeCheckpointError(
+                    f"{path.relative_to(root)} is a symbolic link (or lies in a linked folder) that leads out of the "
+                    f"checkpoint folder, to {short_repr(real, 200)}; refused (pass follow_symlinks=True, or set "
+                    f"{FOLLOW_SYMLINKS_ENV}=1, to follow such links)", root)
+
+
+# From this many paths in one folder, one listing of it is cheaper than an lstat each.
+LISTED_FROM = 16
+
+
+def links_among(folder: str, paths: Sequence[Path]) -> set[str]:
+    """The names among ``paths`` (all in ``folder``) that are symbolic links."""
+    if len(paths) >= LISTED_FROM:
+        try:
+            with os.scandir(folder or ".") as entries:  # the file type comes with each name
+                return {e.name for e in entries if e.is_symlink()}
+        except OSError:
+            pass  # unreadable: each path on its own, as below
+    return {os.path.basename(os.fspath(p)) for p in paths if os.path.islink(p)}
 
 
 def _resolved(path: Path) -> Path:

@@ -31,10 +31,18 @@ _FAKES_LOCK = threading.Lock()  # files are read on a pool's threads; fakes are 
 
 def native_enabled() -> bool:
     """Whether the ops run natively: the core loads (or builds), and ZEROFAST_NATIVE is not 0."""
-    if loader.load() is None:
-        return False
-    load_native()
-    return True
+    return native_module() is not None
+
+
+def native_module():
+    """The native core's module where the ops run natively (as :func:`load_native`), else None:
+    one call for the readers that ask it of every file."""
+    core = loader.load()
+    if core is None:
+        return None
+    if not _loaded:
+        load_native()
+    return core.module
 
 
 def load_native():
@@ -42,10 +50,11 @@ def load_native():
     :class:`NativeExtensionError` that says why if it cannot be had."""
     global _loaded
     module = loader.load(required=True).module
-    with _FAKES_LOCK:
-        if not _loaded:
-            _register_fakes()
-            _loaded = True
+    if not _loaded:
+        with _FAKES_LOCK:
+            if not _loaded:
+                _register_fakes()
+                _loaded = True
     return module
 
 

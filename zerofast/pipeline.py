@@ -20,6 +20,7 @@ from .layouts import discover, load_checkpoint
 from .load import LoadedCheckpoint
 from .load.reader import collector_paused
 from .plan import Plan, SourceTable, build_optimizer_plan, build_plan
+from .settings import read_once
 
 
 @dataclass
@@ -59,10 +60,11 @@ def prepare(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float
     left its frozen weights out warns (``FrozenWeightsAbsentWarning``) unless ``warn_absent`` is off.
     ``follow_symlinks``: follow links that leave the checkpoint folder (None: the setting)."""
     dtype = dtypes.output_dtype(dtype)  # one vocabulary: torch.bfloat16, "bf16", "BFloat16", ...
-    files = discover(ckpt_dir, tag, follow_symlinks=follow_symlinks)
-    with collector_paused():
-        prepared = plan_checkpoint(load_checkpoint(files), dtype, exclude_frozen=exclude_frozen,
-                                   optimizer_keys=optimizer_keys)
+    with read_once():  # not a dozen environment lookups per rank file of a thousand-file save
+        files = discover(ckpt_dir, tag, follow_symlinks=follow_symlinks)
+        with collector_paused():
+            prepared = plan_checkpoint(load_checkpoint(files), dtype, exclude_frozen=exclude_frozen,
+                                       optimizer_keys=optimizer_keys)
     plan = prepared.plan
     if plan.frozen_excluded and optimizer_keys is None and not exclude_frozen and warn_absent:
         _warn_frozen_absent(plan, prepared.checkpoint.files.tag_dir)

@@ -8,15 +8,20 @@ kernels never read the environment either: their knobs are op arguments, filled 
 :mod:`zerofast.ops`, so an op is a function of its arguments.
 
 A public keyword (``follow_symlinks=``) wins over its variable. A variable changed while the
-process runs (a test's monkeypatch) is seen at the next call. The README's "Settings" table
-lists the same variables.
+process runs (a test's monkeypatch) is seen at the next public call: inside one
+(:func:`read_once`, around the per-file reading of a save of thousands of files) the reading made
+where it began stands, so the files are not each charged a dozen environment lookups. The
+README's "Settings" table lists the same variables.
 """
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from .errors import NativeExtensionError
 
@@ -67,7 +72,7 @@ class Settings:
     # 1800), as written; dist_timeout_s() checks it where it is used.
     dist_timeout: str = str(DEFAULT_DIST_TIMEOUT_S)
 
-    @property
+    @cached_property  # read on every native op: strip and lower once per reading
     def mode(self) -> str:
         """The native core's mode, "auto", "required" or "off"; a NativeExtensionError for any
         other ZEROFAST_NATIVE."""
@@ -115,13 +120,42 @@ def _count(value: str | None) -> int:
 _VARIABLES = (NATIVE_ENV, CACHE_DIR_ENV, "XDG_CACHE_HOME", "HOME", "CXX", "FORCE_CUDA", "TORCH_CUDA_ARCH_LIST",
               FOLLOW_SYMLINKS_ENV, READERS_ENV, HUGEPAGES_ENV, COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV)
 _cache: tuple[tuple, Settings] | None = None
+# The reading that stands while a public call runs (read_once), and how many such calls are in
+# flight; a plain global, not thread-local, so that the call's reader threads see it too.
+_held: Settings | None = None
+_holders = 0
+_HOLD_LOCK = threading.Lock()
 
 
 def settings() -> Settings:
     """This process's settings. Read again only when one of the variables changed (a test's
-    monkeypatch, a launcher), so a call costs a few dictionary lookups."""
+    monkeypatch, a launcher), so a call costs a few dictionary lookups; inside :func:`read_once`,
+    one attribute read."""
+    held = _held
+    return held if held is not None else _read()
+
+
+def _read() -> Settings:
     global _cache
     values = tuple(os.environ.get(name) for name in _VARIABLES)
     if _cache is None or _cache[0] != values:
         _cache = (values, from_environment(os.environ))
     return _cache[1]
+
+
+@contextmanager
+def read_once() -> Iterator[Settings]:
+    """The environment read now, and that reading returned by :func:`settings` until the block
+    ends: one public call's settings. Each entry reads again (a nested or concurrent call that
+    starts later sees what the environment says then)."""
+    global _held, _holders
+    with _HOLD_LOCK:
+        held = _held = _read()
+        _holders += 1
+    try:
+        yield held
+    finally:
+        with _HOLD_LOCK:
+            _holders -= 1
+            if not _holders:
+                _held = None

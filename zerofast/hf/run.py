@@ -23,6 +23,7 @@ from .. import dtypes
 from ..errors import ExportError
 from ..execute import Executor
 from ..load import LoadedCheckpoint
+from ..load.reader import collector_paused
 from ..ops import resolve_device
 from ..pipeline import Prepared, plan_checkpoint, prepare
 from ..plan.optimizer import available_keys, scalar_states
@@ -66,6 +67,10 @@ class ExportResult:
         return [self.out_dir / n for n in names]
 
 
+# The collector stays off for the writing too: a thousand-file save's records make hundreds of
+# thousands of objects, none of them garbage, and a full collection over them and torch's own
+# takes 70-130 ms on 2 busy cores (ds_moe_1k; the whole export is about 0.35 s in-process).
+@collector_paused()
 def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32,
            format: str = "safetensors", max_shard_size: int | str = "5GB", tag: str | None = None,
            exclude_frozen: bool = False, duplicate_tied: bool = False, overwrite: bool = False,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable
 
 from ..plan.model import Plan, TensorPlan
@@ -68,7 +69,7 @@ class ShardFile:
     aliases: tuple[tuple[str, str], ...]  # (alias, source) the file holds sharing the source's storage
     keys: tuple[str, ...]  # every key of the file, in the model's order
 
-    @property
+    @cached_property  # asked by the writer, the progress bar, the index and the result
     def nbytes(self) -> int:
         return sum(tp.nbytes for tp in self.items)
 

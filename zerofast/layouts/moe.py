@@ -95,6 +95,22 @@ EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 EXPERT_NAME = re.compile(r"^(.*" + re.escape(EXPERTS) + r")(\d+)(\..+)$")
 
 
+def split_expert(name: str) -> tuple[str, int, str] | None:
+    """EXPERT_NAME's groups of ``name`` (the prefix through the last fitting EXPERTS, the expert id,
+    the rest from its dot), or None where it does not match. Asked of every tensor name of a
+    thousand-file save, several times: the usual name (ASCII, its last EXPERTS followed by digits
+    and a dot) is split by string search, which finds what the greedy pattern finds; any other
+    goes to the pattern."""
+    at = name.rfind(EXPERTS)
+    if at >= 0 and name.isascii() and "\n" not in name:
+        start = at + len(EXPERTS)
+        dot = name.find(".", start)
+        if dot > start and dot + 1 < len(name) and name[start:dot].isdigit():
+            return name[:start], int(name[start:dot]), name[dot:]
+    m = EXPERT_NAME.match(name)
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
+
+
 def load(files: CheckpointFiles) -> PartitionedCheckpoint:
     first = read_model_states(files.model_files[0])
     zero_off = bool(files.optim_files) and files.optim_files[0].name.startswith("expp_rank_")
@@ -150,11 +166,11 @@ def _layer_prefix(experts) -> str:
     prefixes = set()
     for expert, path, tensors in experts:
         for name in tensors:
-            m = EXPERT_NAME.match(name)
-            if not m or int(m.group(2)) != expert:
+            parts = split_expert(name)
+            if parts is None or parts[1] != expert:
                 raise InconsistentCheckpointError(
                     f"expected names with '{EXPERTS}{expert}.' in the file of expert {expert}, found {name!r}", path)
-            prefixes.add(m.group(1))
+            prefixes.add(parts[0])
     if len(prefixes) != 1:
         raise InconsistentCheckpointError(f"expected one MoE layer per expert file set, found {sorted(prefixes)}",
                                           experts[0][1])
@@ -250,15 +266,16 @@ def _globalized(ckpt, group: dict, layers, ep_rank: int, ep: int) -> dict:
     """Rename expert-parallel rank 0's local expert ids to ep rank ``ep_rank``'s global ids."""
     out = {}
     for name, shape in group.items():
-        m = EXPERT_NAME.match(name)
-        if not m or m.group(1) not in layers:
+        parts = split_expert(name)
+        if parts is None or parts[0] not in layers:
             raise InconsistentCheckpointError(f"expert group entry {name!r} names no expert of a known MoE layer",
                                               ckpt.meta.path)
-        local = layers[m.group(1)][1] // ep
-        if int(m.group(2)) >= local:
+        prefix, expert, rest = parts
+        local = layers[prefix][1] // ep
+        if expert >= local:
             raise InconsistentCheckpointError(
                 f"expert group entry {name!r}: local expert id beyond the {local} experts per rank", ckpt.meta.path)
-        out[f"{m.group(1)}{ep_rank * local + int(m.group(2))}{m.group(3)}"] = shape
+        out[f"{prefix}{ep_rank * local + expert}{rest}"] = shape
     return out
 
 
@@ -269,7 +286,7 @@ def stage0_masters(ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str,
     masters are matched on ep rank 0, each rank's expert masters against its own experts, with
     the value matching of a plain stage-0 save."""
     out: dict[str, Entry] = {}
-    dense = {n: s.tensor for n, s in ckpt.stored.items() if not EXPERT_NAME.match(n)}
+    dense = {n: s.tensor for n, s in ckpt.stored.items() if split_expert(n) is None}
     ep = ckpt.parallelism["ep"]
     for e, path in enumerate(ckpt.files.optim_files):
         raw = expect_dict(path, load_file(path), "an expp_rank optimizer file")
@@ -279,7 +296,7 @@ def stage0_masters(ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str,
         meta = dataclasses.replace(ckpt.meta, path=Path(path), module=mine, param_shapes=None, raw=raw)
         view = LoadedCheckpoint(ckpt.files, 0, ckpt.world_size, [meta], [])
         found = stage0.trainable(view, table, exclude_frozen=False)
-        out.update((n, v) for n, v in found.items() if e == 0 or EXPERT_NAME.match(n))
+        out.update((n, v) for n, v in found.items() if e == 0 or split_expert(n) is not None)
     ckpt.aliases.update(_copied_ties(ckpt, out))
     return out
 

@@ -15,7 +15,7 @@ from ..discover import CheckpointFiles, Found, plain_files
 from ..load import LoadedCheckpoint
 from ..load.parallel import read_all
 from ..load.records import (agree_with_config, check_flat_groups, check_parallelism, read_model_states,
-                            read_optim_states, settle_stage, settle_world_size)
+                            read_optim_states, read_rank_model_states, settle_stage, settle_world_size)
 from ..plan.build import plain_plan
 from ..plan.builders import flat_entries, master_flat_groups, stage0
 from ..plan.model import Entry, FlatGroups, Plan, SourceTable
@@ -35,7 +35,10 @@ class ZeroLayout(Layout):
         return CheckpointFiles(found.root, found.tag, found.tag_dir, model_files, optim_files, layout=self)
 
     def load(self, files: CheckpointFiles) -> LoadedCheckpoint:
-        model_states = read_all(read_model_states, files.model_files)
+        if files.partitioned_model_states:
+            model_states = read_rank_model_states(files.model_files)
+        else:
+            model_states = read_all(read_model_states, files.model_files)
         check_parallelism(model_states[0], universal=False)
         optim_states = read_all(read_optim_states, files.optim_files)
         stage = settle_stage(files, model_states, optim_states)

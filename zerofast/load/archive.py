@@ -47,6 +47,7 @@ class ArchiveIndex:
     entries: Mapping[str, _Entry]  # by lower-cased name
     pickle_bytes: bytes
     directory: Any = None  # the native core's ZipDirectory, when it read the zip directory
+    stat: os.stat_result | None = None  # the file's, taken before its directory was read
 
     def storage_offset(self, key: str, nbytes: int) -> int:
         """File offset of storage ``key``, whose pickle declares ``nbytes`` for it."""
@@ -74,12 +75,13 @@ def index_archive(path: Path, start: int = 0, length: int | None = None) -> Arch
     """Read and check the zip directory of ``path`` and the pickle it holds. With ``start`` and
     ``length``, the archive is the bytes ``[start, start + length)`` of the file (a DCP ``.distcp``
     file holds one ``torch.save`` archive per item back to back); offsets stay the file's."""
-    size = _regular_file_size(path)
+    st = _regular_file(path)
+    size = st.st_size
     end = size if length is None else start + length
     native = _native_directory(path, start, end) if 0 <= start <= end <= size else None
     if native is not None:
         directory, data = native
-        return ArchiveIndex(path, size, directory.prefix, _NativeEntries(directory), data, directory)
+        return ArchiveIndex(path, size, directory.prefix, _NativeEntries(directory), data, directory, st)
     try:
         if not 0 <= start <= end <= size:
             raise _BadZip(f"the archive's bytes [{start}, {end}) are not inside the file ({size} bytes)")
@@ -96,7 +98,7 @@ def index_archive(path: Path, start: int = 0, length: int | None = None) -> Arch
     except (_BadZip, OSError, EOFError, ValueError, struct.error, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(
             f"expected a torch.save zip archive; the file is truncated or not one ({first_line(e)})", path) from None
-    return ArchiveIndex(path, size, prefix, entries, data)
+    return ArchiveIndex(path, size, prefix, entries, data, stat=st)
 
 
 class _BadZip(Exception):
@@ -106,7 +108,7 @@ class _BadZip(Exception):
 def _native_directory(path: Path, start: int, end: int) -> tuple[Any, bytes] | None:
     """``(ZipDirectory, data.pkl bytes)`` from the native core, or None where it declines or is not there."""
     try:
-        read = getattr(ops.load_native(), "zip_directory", None) if ops.native_enabled() else None
+        read = getattr(ops.native_module(), "zip_directory", None)
     except NativeExtensionError:
         return None
     if read is None:
@@ -224,7 +226,7 @@ def _zip64_fields(extra: bytes, usize: int, csize: int, offset: int) -> tuple[in
     raise _BadZip("an entry's sizes or offset need a zip64 extra field, and it has none")
 
 
-def _regular_file_size(path: Path) -> int:
+def _regular_file(path: Path) -> os.stat_result:
     try:
         st = os.stat(path)
     except OSError as e:
@@ -233,7 +235,7 @@ def _regular_file_size(path: Path) -> int:
         # A FIFO or device would block or never end; DeepSpeed writes plain files.
         found = "a directory" if stat.S_ISDIR(st.st_mode) else "a special file (FIFO, device or socket)"
         raise CorruptCheckpointError(f"expected a regular file, found {found}", path)
-    return st.st_size
+    return st
 
 
 def _entries(path: Path, f, directory: list[tuple[str, int, int, int, bool]], start: int,

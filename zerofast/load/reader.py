@@ -12,27 +12,31 @@ messages are the reference's by construction. ``ZEROFAST_NATIVE=0`` selects the 
 """
 from __future__ import annotations
 
+import collections
 import gc
+import pickle
+import struct
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from .. import ops
-from ..errors import NativeExtensionError
+from ..errors import (CorruptCheckpointError, NativeExtensionError, UnsafeCheckpointError, ZeroFastError,
+                      first_line)
 from .archive import ArchiveIndex, index_archive
-from .stand_ins import DeepSpeedRecord
-from .unpickle import ALLOWED, REBUILD_PARAMETER, REBUILD_TENSOR, load_indexed, map_file, resolve_global, \
+from .pickle_bounds import BoundsExceeded
+from .stand_ins import DeepSpeedRecord, RefusedState
+from .unpickle import ALLOWED, REBUILD_PARAMETER, REBUILD_TENSOR, Refused, load_indexed, map_file, resolve_global, \
     tensor_byte_limit
 
 
 def native_core() -> Callable | None:
     """The native core's reader, or None: ``ZEROFAST_NATIVE=0``, no core, or one built without it."""
     try:
-        if not ops.native_enabled():
-            return None
-        return getattr(ops.load_native(), "unpickle", None)
+        return getattr(ops.native_module(), "unpickle", None)
     except NativeExtensionError:
         return None  # the first reconstruct says what is missing; reading needs no core
 
@@ -49,9 +53,12 @@ def _hooks(index: ArchiveIndex) -> tuple:
 
 def read_native(path: Path, index: ArchiveIndex, core: Callable) -> tuple[bool, Any]:
     """``(True, result)``, or ``(False, why)`` where the native reader declines."""
-    mapping = map_file(path)
-    whole = torch.empty(0, dtype=torch.uint8).set_(mapping)
-    return core(index.pickle_bytes, whole, _hooks(index))
+    return core(index.pickle_bytes, _whole_file(path, index), _hooks(index))
+
+
+def _whole_file(path: Path, index: ArchiveIndex) -> torch.Tensor:
+    """The file's one private mapping (remembered by :func:`map_file`), as a uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8).set_(map_file(path, index.stat))
 
 
 @contextmanager
@@ -69,9 +76,44 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def load_file(path: Path) -> Any:
+    """Unpickle one ``torch.save`` file with memory-mapped tensors and only allowlisted globals."""
+    with read_errors(path):
+        return load_archive(path)
+
+
+@contextmanager
+def read_errors(path: Path) -> Iterator[None]:
+    """What reading ``path`` raises, as zerofast's errors naming the file."""
+    try:
+        yield
+    except Refused as e:
+        raise UnsafeCheckpointError(
+            f"refused pickle global {e.global_name!r}: DeepSpeed checkpoints do not need it; nothing was executed",
+            path) from None
+    except RefusedState as e:
+        raise UnsafeCheckpointError(
+            f"refused pickle global {e.global_name!r}: {e.reason}; nothing was executed", path) from None
+    except BoundsExceeded as e:
+        raise UnsafeCheckpointError(f"refused data.pkl: {e}; nothing was executed", path) from None
+    except RecursionError:
+        raise UnsafeCheckpointError("refused data.pkl: its objects nest too deeply; nothing was executed",
+                                    path) from None
+    except ZeroFastError:
+        raise
+    # A malformed pickle fails inside the unpickler or a rebuild function with any of these (bad
+    # opcodes, bad arguments, a storage too small for its tensor, ...).
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, TypeError, IndexError, KeyError,
+            AttributeError, AssertionError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
+        raise CorruptCheckpointError(f"expected a valid pickle in data.pkl, got: {first_line(e)}", path) from None
+
+
 def load_archive(path: Path) -> Any:
     """Unpickle one ``torch.save`` archive with only allowlisted globals and mapped storages."""
-    index = index_archive(path)
+    return _read(path, index_archive(path))
+
+
+def _read(path: Path, index: ArchiveIndex) -> Any:
     core = native_core()
     with collector_paused():
         if core is not None:
@@ -79,3 +121,45 @@ def load_archive(path: Path) -> Any:
             if ok:
                 return result
         return load_indexed(path, index)
+
+
+@dataclass(frozen=True)
+class Template:
+    """A file the native reader read, kept so that files repeating it can be read as its twins."""
+
+    index: ArchiveIndex
+    mapping: torch.Tensor  # the whole file, which the result's storages are cut from
+    result: Any
+
+
+# What the copy of a template's tree shares with it: the allowlisted objects, which the
+# reference resolves to the same objects too; and the types it knows beyond the builtins.
+_SHARED = tuple(ALLOWED.values())
+_TYPES = (torch.Size, collections.OrderedDict, DeepSpeedRecord)
+
+
+def load_like(path: Path, templates: Sequence[Template]) -> tuple[Any, int | Template | None]:
+    """Read ``path`` as the twin of the first template it repeats outside its storages, else in full.
+
+    A twin's zip directory, read and checked as any other, holds the template's entries but for
+    the archive's folder name, and its data.pkl is the template's (ZeRO-3's per-rank model-states
+    files). Its tree is the template's copied, each storage cut from this file's entry of the
+    same key: what reading the file would build. Returns ``(tree, i)`` for a twin of
+    ``templates[i]``; else ``(tree, Template)`` where the native reader read it in full (a
+    template for the files after it), or ``(tree, None)``."""
+    index = index_archive(path)
+    core = ops.native_module() if native_core() is not None and index.directory is not None else None
+    if core is None:
+        return _read(path, index), None
+    whole = _whole_file(path, index)
+    with collector_paused():
+        for i, t in enumerate(templates):
+            if index.pickle_bytes == t.index.pickle_bytes and core.same_archive(t.index.directory, index.directory):
+                ok, result = core.rebase(t.result, t.mapping, whole, t.index.directory, index.directory, _SHARED,
+                                         _TYPES)
+                if ok:
+                    return result, i
+        ok, result = core.unpickle(index.pickle_bytes, whole, _hooks(index))
+        if ok:
+            return result, Template(index, whole, result)
+        return load_indexed(path, index), None

@@ -9,12 +9,11 @@ type-checked here, with the file in hand.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import pickle
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -24,44 +23,13 @@ from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     InconsistentCheckpointError,
-    UnsafeCheckpointError,
     UnsupportedCheckpointError,
-    ZeroFastError,
     few,
-    first_line,
     short_repr,
     some,
 )
 from .bulk_checks import all_instances, all_shapes
-from .pickle_bounds import BoundsExceeded
-from .stand_ins import RefusedState
-from .reader import load_archive
-from .unpickle import Refused
-
-def load_file(path: Path) -> Any:
-    """Unpickle one ``torch.save`` file with memory-mapped tensors and only allowlisted globals."""
-    try:
-        return load_archive(path)
-    except Refused as e:
-        raise UnsafeCheckpointError(
-            f"refused pickle global {e.global_name!r}: DeepSpeed checkpoints do not need it; nothing was executed",
-            path) from None
-    except RefusedState as e:
-        raise UnsafeCheckpointError(
-            f"refused pickle global {e.global_name!r}: {e.reason}; nothing was executed", path) from None
-    except BoundsExceeded as e:
-        raise UnsafeCheckpointError(f"refused data.pkl: {e}; nothing was executed", path) from None
-    except RecursionError:
-        raise UnsafeCheckpointError("refused data.pkl: its objects nest too deeply; nothing was executed",
-                                    path) from None
-    except ZeroFastError:
-        raise
-    # A malformed pickle fails inside the unpickler or a rebuild function with any of these (bad
-    # opcodes, bad arguments, a storage too small for its tensor, ...).
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, TypeError, IndexError, KeyError,
-            AttributeError, AssertionError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
-        raise CorruptCheckpointError(f"expected a valid pickle in data.pkl, got: {first_line(e)}", path) from None
-
+from .reader import Template, load_file, load_like, read_errors
 
 # ---------------------------------------------------------------------------------------------
 # Typed views of the two kinds of file. Only what planning needs is lifted out of the pickles;
@@ -170,7 +138,41 @@ def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:
 
 def read_model_states(path: Path, module_optional: bool = False) -> ModelStates:
     """``module_optional``: a pipeline stage's file saves ``module`` as None (its layers have files)."""
-    raw = expect_dict(path, load_file(path), "the model-states file")
+    return _model_states(path, load_file(path), module_optional)
+
+
+# Distinct pickles kept to compare rank files with: rank 0's, and the one other ranks share
+# where rank 0 alone records something (DeepSpeed writes shared_params on rank 0 only).
+MAX_TEMPLATES = 4
+
+
+def read_rank_model_states(paths: Sequence[Path]) -> list[ModelStates]:
+    """ZeRO-3's model-states files, one per rank. They normally repeat one pickle byte for byte
+    (the placeholders, the same param_shapes and config): a file proven to repeat one read before
+    is read as its twin (:func:`~.reader.load_like`), keeping that file's checked metadata; any
+    other is read in full."""
+    known: list[tuple[Template, ModelStates]] = []
+    states = []
+    for path in paths:
+        with read_errors(path):
+            raw, how = load_like(path, [t for t, _ in known])
+        if isinstance(how, int):
+            states.append(_twin_states(known[how][1], path, raw))
+            continue
+        states.append(_model_states(path, raw, False))
+        if how is not None and len(known) < MAX_TEMPLATES:
+            known.append((how, states[-1]))
+    return states
+
+
+def _twin_states(first: ModelStates, path: Path, raw: dict) -> ModelStates:
+    # The tree is rank 0's with this file's storages, so rank 0's checks hold for it as they are.
+    return dataclasses.replace(first, path=path, module=raw[K.MODULE], raw=raw,
+                               frozen_param_fragments=dict(_default(raw.get(K.FROZEN_PARAM_FRAGMENTS), {})))
+
+
+def _model_states(path: Path, raw: Any, module_optional: bool) -> ModelStates:
+    raw = expect_dict(path, raw, "the model-states file")
     if K.MODULE not in raw:
         raise CorruptCheckpointError(f"expected a 'module' entry, found keys {_keys(raw)}", path)
     found = raw[K.MODULE]

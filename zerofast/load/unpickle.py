@@ -277,9 +277,9 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _remember_mapping(path: Path, mapping: torch.UntypedStorage) -> None:
+def _remember_mapping(path: Path, mapping: torch.UntypedStorage, st: os.stat_result | None = None) -> None:
     try:
-        _MAPPINGS[str(path)] = (weakref.ref(mapping), file_identity(os.stat(path)))
+        _MAPPINGS[str(path)] = (weakref.ref(mapping), file_identity(st or os.stat(path)))
     except (OSError, TypeError):
         _MAPPINGS.pop(str(path), None)
 
@@ -307,12 +307,15 @@ def load_indexed(path: Path, index: ArchiveIndex) -> Any:
     return _load(path, index, _Storages(path, index))
 
 
-def map_file(path: Path) -> torch.UntypedStorage:
+def map_file(path: Path, st: os.stat_result | None = None) -> torch.UntypedStorage:
     """One private mapping of ``path``, for :func:`load_embedded_archive` (remembered, so that the
-    executor may read the file by offset instead)."""
-    size = os.stat(path).st_size
+    executor may read the file by offset instead). ``st``: the file's stat, taken before (its zip
+    directory's, not two more system calls per file of a thousand-file save): a file changed since
+    then no longer matches it, and is read through the mapping, never by offset."""
+    st = st or os.stat(path)
+    size = st.st_size
     mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size) if size else torch.UntypedStorage(0)
-    _remember_mapping(path, mapping)
+    _remember_mapping(path, mapping, st)
     return mapping
 
 

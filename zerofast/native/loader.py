@@ -56,6 +56,9 @@ def load(required: bool = False, progress: bool | None = None) -> Loaded | None:
 
     ``required`` (and ``ZEROFAST_NATIVE=1``) turns an unavailable core into a
     :class:`NativeExtensionError`; otherwise it is said once on stderr."""
+    state = _state  # once loaded it stays: the ops of every file read need no lock to find it
+    if isinstance(state, Loaded) and (required or settings().mode != "off"):
+        return state
     with _LOCK:
         return _load(required, progress)
 

@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ..discover import CheckpointFiles, remote_url
+from ..discover import CheckpointFiles, links_among, remote_url
 from ..errors import ExportError, OutputExistsError, ZeroFastError, some
 
 # Lists the files the last writer put in the folder. It sits under .cache/huggingface/, which
@@ -153,25 +153,31 @@ def refuse_input(out: Path, inputs: Sequence[Path]) -> None:
     """Refuse an output folder that is, lies inside, or holds what the command reads."""
     real_out = _resolve(out)
     out_in = os.path.join(real_out, "")
-    folders: dict[str, str] = {}
+    by_folder: dict[str, list[Path]] = {}
     for path in inputs:
-        real = _resolve_in(path, folders)
-        real_in = os.path.join(real, "")
-        if real == real_out or out_in.startswith(real_in) or real.startswith(out_in):
-            how = "is" if real == real_out else ("lies inside" if out_in.startswith(real_in) else "holds")
-            raise OutputExistsError(f"the output folder {how} the checkpoint being read ({path}); writing there "
-                                    "would destroy it: choose another output folder", out)
+        by_folder.setdefault(os.path.dirname(os.fspath(path)), []).append(path)
+    for folder, here in by_folder.items():
+        for path, real in zip(here, _resolved_in(folder, here)):
+            real_in = real if real.endswith(os.sep) else real + os.sep  # os.path.join(real, ""), per file
+            if real == real_out or out_in.startswith(real_in) or real.startswith(out_in):
+                how = "is" if real == real_out else ("lies inside" if out_in.startswith(real_in) else "holds")
+                raise OutputExistsError(f"the output folder {how} the checkpoint being read ({path}); writing "
+                                        "there would destroy it: choose another output folder", out)
 
 
-def _resolve_in(path: Path, folders: dict[str, str]) -> str:
-    """:func:`_resolve`, with the folders met so far in ``folders``: a file that is not itself a
-    link lies where its folder resolves to (a save of thousands of files has one folder)."""
-    head, tail = os.path.split(os.fspath(path))
-    if tail in ("", ".", "..") or os.path.islink(path):
-        return _resolve(path)
-    if head not in folders:
-        folders[head] = _resolve(Path(head or "."))
-    return os.path.join(folders[head], tail)
+def _resolved_in(folder: str, paths: Sequence[Path]) -> Iterator[str]:
+    """:func:`_resolve` of each of ``paths`` (all in ``folder``): a file that is not itself a link
+    lies where its folder resolves to (a save of thousands of files has one folder), and which
+    are links one listing of the folder says."""
+    links = links_among(folder, paths)
+    real_folder = None
+    for path in paths:
+        tail = os.path.basename(os.fspath(path))
+        if tail in ("", ".", "..") or tail in links:
+            yield _resolve(path)
+        else:
+            real_folder = real_folder or os.path.join(_resolve(Path(folder or ".")), "")
+            yield real_folder + tail
 
 
 def _resolve(path: Path) -> str:

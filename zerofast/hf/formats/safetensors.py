@@ -61,9 +61,10 @@ def header(items: Sequence[TensorPlan], metadata: dict[str, str]) -> tuple[bytes
             # The name of the header's metadata entry: the file would lose one or the other.
             raise ExportError("a tensor named '__metadata__' cannot be stored in safetensors, whose header uses that "
                               "name for its metadata; use --format torch")
-        head[tp.name] = {"dtype": _code(tp), "shape": list(tp.shape), "data_offsets": [pos, pos + tp.nbytes]}
+        end = pos + tp.nbytes  # a product over the shape: once per tensor of a thousand-file save's 4k
+        head[tp.name] = {"dtype": _code(tp), "shape": list(tp.shape), "data_offsets": [pos, end]}
         placed.append((tp, pos))
-        pos += tp.nbytes
+        pos = end
     raw = json.dumps(head, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw, placed
@@ -75,11 +76,11 @@ def write(path: Path, file: ShardFile, metadata: dict[str, str] | None, executor
     with writing(path), open(path, "w+b") as f:
         f.write(head)
         f.flush()
-        reserve(f.fileno(), 0, len(head) + sum(tp.nbytes for tp, _ in placed))
+        reserve(f.fileno(), 0, len(head) + file.nbytes)
         if executor.batch is not None:  # read and written by the native op, no mapping on either side
             pace = _Pace()
-            for batch in _batches(placed, len(head), pace):
-                nbytes, started = sum(tp.nbytes for tp, _ in batch), time.monotonic()
+            for batch, nbytes in _batches(placed, len(head), pace):
+                started = time.monotonic()
                 executor.batch.write(f.fileno(), batch)
                 pace.record(nbytes, time.monotonic() - started)
                 advance(nbytes)
@@ -101,30 +102,33 @@ class _Pace:
 
 
 def _batches(placed: Sequence[tuple[TensorPlan, int]], base: int,
-             pace: _Pace) -> Iterator[list[tuple[TensorPlan, int]]]:
-    """(tensor, file offset) in groups of about ``pace.limit`` bytes: one native call each, and a
-    progress report in between. A tensor larger than the limit is cut into slices."""
+             pace: _Pace) -> Iterator[tuple[list[tuple[TensorPlan, int]], int]]:
+    """(tensor, file offset) in groups of about ``pace.limit`` bytes, each with its bytes: one
+    native call each, and a progress report in between. A tensor larger than the limit is cut
+    into slices."""
     batch: list[tuple[TensorPlan, int]] = []
     size = 0
-    for tp, off in _sliced(placed, pace):
+    for tp, off, nbytes in _sliced(placed, pace):
         batch.append((tp, base + off))
-        size += tp.nbytes
+        size += nbytes
         if size >= pace.limit:
-            yield batch
+            yield batch, size
             batch, size = [], 0
     if batch:
-        yield batch
+        yield batch, size
 
 
-def _sliced(placed: Sequence[tuple[TensorPlan, int]], pace: _Pace) -> Iterator[tuple[TensorPlan, int]]:
+def _sliced(placed: Sequence[tuple[TensorPlan, int]], pace: _Pace) -> Iterator[tuple[TensorPlan, int, int]]:
+    """(tensor or slice, offset, its bytes)."""
     for tp, off in placed:
-        if tp.nbytes <= pace.limit or tp.numel < 2:
-            yield tp, off
+        nbytes = tp.nbytes
+        if nbytes <= pace.limit or tp.numel < 2:
+            yield tp, off, nbytes
             continue
-        lo = 0
+        lo, itemsize = 0, tp.out_dtype.itemsize
         while lo < tp.numel:
-            hi = min(tp.numel, lo + max(1, pace.limit // tp.out_dtype.itemsize))
-            yield (tp.slice(lo, hi), off + lo * tp.out_dtype.itemsize)
+            hi = min(tp.numel, lo + max(1, pace.limit // itemsize))
+            yield tp.slice(lo, hi), off + lo * itemsize, (hi - lo) * itemsize
             lo = hi
 
 

@@ -1,0 +1,286 @@
+// See twin.h.
+#include "twin.h"
+
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "pickle_scan.h"
+#include "zip_directory.h"
+
+namespace py = pybind11;
+
+namespace zerofast::load {
+namespace {
+
+// Deeper than the bounds pass lets any pickle nest (100): a tree this deep is not the reader's.
+constexpr int kMaxDepth = 200;
+
+const uint8_t* file_bytes(const at::Tensor& file) {
+  TORCH_CHECK(file.device().is_cpu() && file.scalar_type() == at::kByte && file.dim() == 1 && file.is_contiguous(),
+              "expected a 1-D contiguous uint8 CPU tensor over a file mapping");
+  return file.data_ptr<uint8_t>();
+}
+
+// Whether `b`'s entries are `a`'s, in order, but for the folder name every torch.save archive
+// puts first (each rank file's own stem): the same names after it, sizes and methods. Where
+// they are, a storage key's lookup (the folder, "/data/", the key, case-insensitively) finds
+// entry i in both or in neither, and entry i passes the same checks in both.
+bool same_entries(const ZipDirectory& a, const ZipDirectory& b) {
+  if (a.entries.size() != b.entries.size() || a.pickle_size != b.pickle_size) return false;
+  const size_t pa = a.prefix.size(), pb = b.prefix.size();
+  for (size_t i = 0; i < a.entries.size(); ++i) {
+    const ZipEntry &x = a.entries[i], &y = b.entries[i];
+    if (x.name.compare(0, pa, a.prefix) != 0 || y.name.compare(0, pb, b.prefix) != 0 ||
+        x.name.compare(pa, std::string::npos, y.name, pb, std::string::npos) != 0 ||
+        x.stored_size != y.stored_size || x.size != y.size || x.compressed != y.compressed)
+      return false;
+  }
+  return true;
+}
+
+bool same_archive(const ZipDirectory& like, const ZipDirectory& dir) {
+  py::gil_scoped_release unlocked;  // compares native entries only
+  return same_entries(like, dir);
+}
+
+void release_base(void* impl) { c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(impl)); }
+
+// `nbytes` of `base` from `offset`, sharing its memory and keeping it alive, as the reader cuts
+// a storage out of a file mapping.
+at::Storage view_of(const at::Storage& base, int64_t offset, int64_t nbytes) {
+  c10::StorageImpl* impl = base.unsafeGetStorageImpl();
+  c10::raw::intrusive_ptr::incref(impl);
+  void* data = const_cast<char*>(static_cast<const char*>(base.data())) + offset;
+  at::DataPtr ptr(data, impl, &release_base, base.device());
+  return at::Storage(c10::Storage::use_byte_size_t(), nbytes, std::move(ptr), nullptr, false);
+}
+
+py::object own(PyObject* p, const char* what) {
+  if (!p) {
+    PyErr_Clear();
+    throw Declined(what);
+  }
+  return py::reinterpret_steal<py::object>(p);
+}
+
+// The template's tree again, each tensor cut from `to` where the template's is cut from `from`.
+class Rebase {
+ public:
+  Rebase(const at::Tensor& from, const at::Tensor& to, const ZipDirectory& from_dir, const ZipDirectory& to_dir,
+         const py::tuple& shared, const py::tuple& types)
+      : from_(file_bytes(from)), from_size_(from.numel()), to_(to.storage()), to_dir_(to_dir) {
+    file_bytes(to);
+    if (!same_entries(from_dir, to_dir)) throw Declined("the zip directories differ");
+    // Sized for a tree of a few objects per entry: rehashing was a tenth of a copy's time.
+    made_.reserve(2 * from_dir.entries.size());
+    storages_.reserve(from_dir.entries.size());
+    entry_at_.reserve(from_dir.entries.size());
+    for (size_t i = 0; i < from_dir.entries.size(); ++i) entry_at_.emplace_back(from_dir.entries[i].data_offset, i);
+    if (!std::is_sorted(entry_at_.begin(), entry_at_.end())) std::sort(entry_at_.begin(), entry_at_.end());
+    for (const auto& o : shared) shared_.insert(o.ptr());
+    if (types.size() != 3) throw std::invalid_argument("rebase: expected (Size, OrderedDict, DeepSpeedRecord)");
+    size_type_ = types[0].ptr();
+    ordered_dict_ = types[1].ptr();
+    record_type_ = types[2].ptr();
+  }
+
+  py::object copy(PyObject* o, int depth) {
+    if (leaf(o)) return py::reinterpret_borrow<py::object>(o);
+    if (depth > kMaxDepth) throw Declined("nested too deeply");
+    auto found = made_.find(o);
+    if (found != made_.end()) {
+      if (!found->second) throw Declined("a tuple that contains itself");
+      return found->second;
+    }
+    if (THPVariable_CheckExact(o)) return remember(o, tensor(o));
+    if (PyTuple_CheckExact(o) || PyFrozenSet_CheckExact(o)) return immutable(o, depth);
+    if (PyList_CheckExact(o)) return list(o, depth);
+    if (PyDict_CheckExact(o)) return dict(o, depth);
+    if (Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(ordered_dict_)) return ordered(o, depth);
+    if (PySet_CheckExact(o)) return set(o, depth);
+    if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(record_type_))) return record(o, depth);
+    throw Declined(std::string("an object the twin reader does not copy: ") + Py_TYPE(o)->tp_name);
+  }
+
+ private:
+  const uint8_t* from_;
+  int64_t from_size_;
+  at::Storage to_;
+  const ZipDirectory& to_dir_;
+  std::vector<std::pair<int64_t, size_t>> entry_at_;  // the template's (data offset, entry index), sorted
+  std::unordered_set<PyObject*> shared_;
+  PyObject *size_type_, *ordered_dict_, *record_type_;
+  std::unordered_map<PyObject*, py::object> made_;  // template object -> its copy (memo sharing)
+  std::unordered_map<c10::StorageImpl*, at::Storage> storages_;
+
+  // What the reference makes afresh but nobody can change: shared with the template.
+  bool leaf(PyObject* o) const {
+    return o == Py_None || PyBool_Check(o) || PyLong_CheckExact(o) || PyFloat_CheckExact(o) ||
+           PyUnicode_CheckExact(o) || PyBytes_CheckExact(o) || THPDtype_Check(o) ||
+           Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(size_type_) || shared_.count(o);
+  }
+
+  py::object remember(PyObject* o, py::object made) {
+    made_[o] = made;
+    return made;
+  }
+
+  py::object tensor(PyObject* o) {
+    const at::Tensor& t = THPVariable_Unpack(o);
+    if (t.requires_grad() || !t.device().is_cpu() || t.layout() != at::kStrided || t.is_conj() || t.is_neg())
+      throw Declined("a tensor the reader does not make");
+    c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+    const auto* data = static_cast<const uint8_t*>(impl->data());
+    int64_t nbytes = int64_t(impl->nbytes());
+    if (data < from_ || nbytes > from_size_ || data - from_ > from_size_ - nbytes)
+      throw Declined("a storage outside the template's mapping");
+    auto s = storages_.find(impl);
+    if (s == storages_.end()) s = storages_.emplace(impl, storage_like(data - from_, nbytes)).first;
+    auto out = c10::make_intrusive<c10::TensorImpl>(c10::Storage(s->second), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                    t.dtype());
+    out->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+    return own(THPVariable_Wrap(at::Tensor(std::move(out))), "tensor");
+  }
+
+  // The storage the reader cut for the same key from this file: the entry whose data the
+  // template's storage starts, at its offset here.
+  at::Storage storage_like(int64_t offset, int64_t nbytes) {
+    auto e = std::lower_bound(entry_at_.begin(), entry_at_.end(), std::make_pair(offset, size_t(0)));
+    if (e == entry_at_.end() || e->first != offset) throw Declined("a storage that is no zip entry's data");
+    const ZipEntry& here = to_dir_.entries[e->second];
+    if (here.size != nbytes || here.data_offset > int64_t(to_.nbytes()) - nbytes) throw Declined("storage size");
+    return view_of(to_, here.data_offset, nbytes);
+  }
+
+  py::object immutable(PyObject* o, int depth) {  // a tuple or frozenset: its items first
+    made_.emplace(o, py::object());  // in progress: met again inside itself, it declines
+    py::object items = own(PySequence_Tuple(o), "items");
+    Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
+    py::object copies = own(PyTuple_New(n), "tuple");
+    bool same = true;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = PyTuple_GET_ITEM(items.ptr(), i);
+      py::object c = copy(item, depth + 1);
+      same = same && c.ptr() == item;
+      PyTuple_SET_ITEM(copies.ptr(), i, c.release().ptr());
+    }
+    if (same) return remember(o, py::reinterpret_borrow<py::object>(o));
+    if (PyTuple_CheckExact(o)) return remember(o, copies);
+    return remember(o, own(PyFrozenSet_New(copies.ptr()), "frozenset"));
+  }
+
+  // Whether every value (and key) of a dict is a leaf: then a plain copy of it is the copy.
+  bool leaves_only(PyObject* d) const {
+    Py_ssize_t i = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(d, &i, &k, &v))
+      if (!leaf(k) || !leaf(v)) return false;
+    return true;
+  }
+
+  bool leaf_items(PyObject* list) const {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); ++i)
+      if (!leaf(PyList_GET_ITEM(list, i))) return false;
+    return true;
+  }
+
+  py::object list(PyObject* o, int depth) {
+    if (leaf_items(o)) return remember(o, own(PyList_GetSlice(o, 0, PyList_GET_SIZE(o)), "list"));
+    py::object out = remember(o, own(PyList_New(0), "list"));
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); ++i)
+      if (PyList_Append(out.ptr(), copy(PyList_GET_ITEM(o, i), depth + 1).ptr()) < 0) own(nullptr, "append");
+    return out;
+  }
+
+  py::object dict(PyObject* o, int depth) {
+    if (leaves_only(o)) return remember(o, own(PyDict_Copy(o), "dict"));
+    py::object out = remember(o, own(PyDict_New(), "dict"));
+    fill(out.ptr(), o, depth, true);
+    return out;
+  }
+
+  py::object ordered(PyObject* o, int depth) {  // an OrderedDict, and what BUILD put in its __dict__
+    if (leaves_only(o)) {  // OrderedDict(o) copies in o's order, several times faster than item by item
+      py::object out = remember(o, own(PyObject_CallOneArg(ordered_dict_, o), "OrderedDict"));
+      attributes(out.ptr(), o, depth);
+      return out;
+    }
+    py::object out = remember(o, own(PyObject_CallNoArgs(ordered_dict_), "OrderedDict"));
+    py::object items = own(PyObject_CallMethod(o, "items", nullptr), "items");
+    py::object it = own(PyObject_GetIter(items.ptr()), "iter");
+    while (PyObject* pair = PyIter_Next(it.ptr())) {
+      py::object p = py::reinterpret_steal<py::object>(pair);
+      py::object k = copy(PyTuple_GET_ITEM(pair, 0), depth + 1), v = copy(PyTuple_GET_ITEM(pair, 1), depth + 1);
+      if (PyObject_SetItem(out.ptr(), k.ptr(), v.ptr()) < 0) own(nullptr, "item");
+    }
+    if (PyErr_Occurred()) own(nullptr, "iteration");
+    attributes(out.ptr(), o, depth);
+    return out;
+  }
+
+  py::object set(PyObject* o, int depth) {
+    py::object out = remember(o, own(PySet_New(nullptr), "set"));
+    py::object it = own(PyObject_GetIter(o), "iter");
+    while (PyObject* item = PyIter_Next(it.ptr())) {
+      py::object i = py::reinterpret_steal<py::object>(item);
+      if (PySet_Add(out.ptr(), copy(item, depth + 1).ptr()) < 0) own(nullptr, "set item");
+    }
+    if (PyErr_Occurred()) own(nullptr, "iteration");
+    return out;
+  }
+
+  py::object record(PyObject* o, int depth) {  // a stand-in: its class, and its attributes copied
+    auto* type = Py_TYPE(o);
+    py::object none = own(PyTuple_New(0), "tuple");
+    py::object out = remember(o, own(type->tp_new(type, none.ptr(), nullptr), "stand-in"));
+    attributes(out.ptr(), o, depth);
+    return out;
+  }
+
+  void attributes(PyObject* out, PyObject* o, int depth) {
+    py::object from = own(PyObject_GetAttrString(o, "__dict__"), "__dict__");
+    if (!PyDict_CheckExact(from.ptr())) throw Declined("__dict__ is not a dict");
+    if (PyDict_GET_SIZE(from.ptr()) == 0) return;
+    py::object to = own(PyObject_GetAttrString(out, "__dict__"), "__dict__");
+    fill(to.ptr(), from.ptr(), depth, false);
+  }
+
+  void fill(PyObject* to, PyObject* from, int depth, bool copy_keys) {
+    Py_ssize_t i = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(from, &i, &k, &v)) {
+      py::object key = copy_keys ? copy(k, depth + 1) : py::reinterpret_borrow<py::object>(k);
+      if (PyDict_SetItem(to, key.ptr(), copy(v, depth + 1).ptr()) < 0) own(nullptr, "item");
+    }
+  }
+};
+
+py::tuple rebase(const py::object& tree, const at::Tensor& from, const at::Tensor& to, const ZipDirectory& from_dir,
+                 const ZipDirectory& to_dir, const py::tuple& shared, const py::tuple& types) {
+  try {
+    Rebase r(from, to, from_dir, to_dir, shared, types);
+    return py::make_tuple(true, r.copy(tree.ptr(), 0));
+  } catch (const Declined& e) {
+    return py::make_tuple(false, std::string(e.what()));
+  }
+}
+
+}  // namespace
+
+void register_twin(py::module_& m) {
+  m.def("same_archive", &same_archive, py::arg("like"), py::arg("dir"),
+        "Whether zip directory `dir` holds `like`'s entries in order, the same but for the archive's folder name");
+  m.def("rebase", &rebase, py::arg("tree"), py::arg("from"), py::arg("to"), py::arg("from_dir"), py::arg("to_dir"),
+        py::arg("shared"), py::arg("types"),
+        "The tree read from mapping `from` (directory `from_dir`) again, each storage cut from `to` where "
+        "`to_dir` puts the same entry: (True, copy), or (False, why) where it holds what the copy does not know");
+}
+
+}  // namespace zerofast::load

@@ -1,0 +1,44 @@
+"""settings.read_once: one reading of the environment for the length of one public call (the
+per-file reads of a thousand-file save ask for the settings several times per file), every
+variable changed before the next call seen there."""
+from __future__ import annotations
+
+import threading
+
+from zerofast.settings import FOLLOW_SYMLINKS_ENV, read_once, settings
+
+
+def test_a_reading_holds_inside_the_call_and_the_next_call_reads_again(monkeypatch):
+    monkeypatch.setenv(FOLLOW_SYMLINKS_ENV, "0")
+    with read_once() as held:
+        assert held.follow_symlinks is False
+        monkeypatch.setenv(FOLLOW_SYMLINKS_ENV, "1")
+        assert settings() is held  # the call's reader threads and helpers see the call's reading
+        seen: list = []
+        worker = threading.Thread(target=lambda: seen.append(settings()))
+        worker.start()
+        worker.join()
+        assert seen == [held]
+    assert settings().follow_symlinks is True  # out of the call: the environment as it is now
+
+
+def test_a_call_that_starts_inside_another_reads_the_environment_again(monkeypatch):
+    monkeypatch.setenv(FOLLOW_SYMLINKS_ENV, "0")
+    with read_once():
+        monkeypatch.setenv(FOLLOW_SYMLINKS_ENV, "1")
+        with read_once() as inner:
+            assert inner.follow_symlinks is True and settings() is inner
+        assert settings().follow_symlinks is True  # the later reading stands until the outer ends
+    monkeypatch.setenv(FOLLOW_SYMLINKS_ENV, "0")
+    assert settings().follow_symlinks is False
+
+
+def test_an_error_inside_the_call_lets_the_reading_go(monkeypatch):
+    monkeypatch.setenv(FOLLOW_SYMLINKS_ENV, "1")
+    try:
+        with read_once():
+            raise KeyError("x")
+    except KeyError:
+        pass
+    monkeypatch.setenv(FOLLOW_SYMLINKS_ENV, "0")
+    assert settings().follow_symlinks is False
