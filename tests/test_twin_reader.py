@@ -1,4 +1,4 @@
-"""ZeRO-3's per-rank model-states files read as twins of rank 0's (csrc/load/twin.cpp, reader.load_twin).
+"""ZeRO-3's per-rank model-states files read as twins of an earlier one (csrc/load/twin.cpp, reader.load_like).
 
 A twin is rank 0's tree copied with each storage cut from the rank's own file. It must be what
 reading that file in full builds: the same objects in the same shape, the same sharing (one
@@ -17,10 +17,10 @@ import torch
 import zerofast
 from tests.conftest import needs_deepspeed
 from tests.helpers import real_root
-from tests.planting import LOSS_SCALER, Build, copy_checkpoint, save, zero3_model_name
-from zerofast.errors import CorruptCheckpointError
+from tests.planting import LOSS_SCALER, Build, Global, copy_checkpoint, save, zero3_model_name
+from zerofast.errors import CorruptCheckpointError, UnsafeCheckpointError
 from zerofast.load import reader
-from zerofast.load.reader import Template, load_archive, load_like, native_core
+from zerofast.load.reader import Template, load_archive, load_like, native_core, read_errors
 from zerofast.load.records import read_model_states, read_rank_model_states
 from zerofast.load.stand_ins import DeepSpeedRecord
 
@@ -29,16 +29,52 @@ needs_core = pytest.mark.skipif(native_core() is None, reason="no native core to
 pytestmark = needs_core
 
 
-def assert_same_tree(got, want, path: Path) -> None:
-    """Equal objects, tensors bit for bit and inside ``path``'s own mapping, the same sharing."""
+def assert_same_tree(got, want) -> None:
+    """Equal objects, tensors bit for bit, the same sharing (objects and storages)."""
     pairs: dict[int, int] = {}
     storages: dict[int, int] = {}
     _same(got, want, pairs, storages, "tree")
 
 
+def assert_in_file(tree, path: Path) -> None:
+    """Every storage of ``tree`` lies in a mapping of ``path`` (the process's own map says)."""
+    ranges = _mapped(path)
+    for t in _tensors(tree):
+        s = t.untyped_storage()
+        assert any(lo <= s.data_ptr() and s.data_ptr() + s.nbytes() <= hi for lo, hi in ranges), \
+            f"a tensor of {path.name} is not cut from it"
+
+
+def _mapped(path: Path) -> list[tuple[int, int]]:
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path.resolve()):
+            lo, hi = fields[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    assert out, f"{path} is not mapped"
+    return out
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _tensors(k)
+            yield from _tensors(v)
+        if isinstance(tree, OrderedDict):
+            yield from _tensors(vars(tree))
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+    elif isinstance(tree, DeepSpeedRecord):
+        yield from _tensors(vars(tree))
+
+
 def _same(a, b, pairs: dict, storages: dict, where: str) -> None:
     assert type(a) is type(b), f"{where}: {type(a)} against {type(b)}"
-    if isinstance(a, (torch.Tensor, list, dict, set, DeepSpeedRecord)):
+    if isinstance(a, (torch.Tensor, list, tuple, dict, set, DeepSpeedRecord)) and not isinstance(a, torch.Size):
         # Each object of one tree stands for exactly one of the other (memo sharing kept).
         assert pairs.setdefault(id(a), id(b)) == id(b), f"{where}: sharing differs"
     if isinstance(a, torch.Tensor):
@@ -87,11 +123,12 @@ def test_real_rank_files_read_as_twins_are_their_full_reads(layout, monkeypatch)
     # template, which the later ranks repeat.
     assert verdicts == ["Template", "Template", *[1] * (len(paths) - 2)]
     for got, path in zip(twins, paths):
+        assert_in_file(got.raw, path)
         want = read_model_states(path)
         assert got.path == path
-        assert_same_tree(got.raw, want.raw, path)
-        assert_same_tree(got.module, want.module, path)
-        assert_same_tree(got.frozen_param_fragments, want.frozen_param_fragments, path)
+        assert_same_tree(got.raw, want.raw)
+        assert_same_tree(got.module, want.module)
+        assert_same_tree(got.frozen_param_fragments, want.frozen_param_fragments)
         assert (got.param_shapes, got.frozen_param_shapes, got.buffer_names, got.shared_params, got.dp_world_size) == \
             (want.param_shapes, want.frozen_param_shapes, want.buffer_names, want.shared_params, want.dp_world_size)
 
@@ -107,7 +144,8 @@ def _tree(seed: int) -> dict:
     scaler = Build(LOSS_SCALER, {"cur_scale": 2.0, "scale": torch.ones(1) * seed})
     return {"module": state, "tied": [tied, tied], "views": (base[:4], base[4:]), "transposed": tied.t(),
             "plain": {"ints": [1, 2 ** 70, -3], "floats": (2.5, float("inf")), "s": "x", "none": None,
-                      "flags": [True, False], "set": {1, 2}, "size": torch.Size([2, 3]), "dtype": torch.float16},
+                      "flags": [True, False], "size": torch.Size([2, 3]), "dtype": torch.float16},
+            "pair": (tied, "x"),
             "empty": torch.empty(0), "ints": torch.arange(5) + seed, "scalers": [scaler, scaler],
             "nested": [[[torch.full((2,), float(seed))]]]}
 
@@ -120,8 +158,9 @@ def test_a_synthesized_twin_under_a_longer_folder_name_is_its_full_read(tmp_path
     assert isinstance(template, Template)
     twin, how = load_like(other, [template])
     assert how == 0
+    assert_in_file(twin, other)
     want = load_archive(other)
-    assert_same_tree(twin, want, other)
+    assert_same_tree(twin, want)
     assert twin["tied"][0] is twin["tied"][1]
     assert float(twin["nested"][0][0][0][0]) == 1.0  # this file's value, not the template's
 
@@ -135,7 +174,7 @@ def test_a_file_with_another_pickle_is_read_in_full(tmp_path):
     _, template = load_like(first, [])
     got, how = load_like(other, [template])
     assert isinstance(how, Template)
-    assert_same_tree(got, load_archive(other), other)
+    assert_same_tree(got, load_archive(other))
 
 
 @needs_deepspeed
@@ -147,3 +186,105 @@ def test_a_damaged_rank_file_is_refused_naming_it(tmp_path):
     with pytest.raises(CorruptCheckpointError) as e:
         zerofast.reconstruct(root)
     assert e.value.path == damaged or str(damaged.name) in str(e.value)
+
+
+def _twin_of(first_tree, other_tree, tmp_path, first="a.pt", other="b.pt"):
+    """(tree, how, full read) of ``other`` read with ``first``'s template."""
+    a, b = tmp_path / first, tmp_path / other
+    save(first_tree, a)
+    save(other_tree, b)
+    _, template = load_like(a, [])
+    assert isinstance(template, Template)
+    tree, how = load_like(b, [template])
+    return tree, how, load_archive(b)
+
+
+def _gpu_like(monkeypatch, device: str) -> None:
+    # A GPU save's storage ids name their device: a fresh "cuda:<rank>" string per storage, as
+    # torch's tagger builds it (so each is memoized on its own).
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: device[:4] + device[4:])
+
+
+def test_pickles_that_differ_in_storage_locations_alone_are_twins(tmp_path, monkeypatch):
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    _gpu_like(monkeypatch, "cuda:0")
+    save(_tree(0), a)
+    _gpu_like(monkeypatch, "cuda:12")
+    save(_tree(1), b)
+    monkeypatch.undo()
+    assert a.read_bytes().count(b"cuda:0") and b.read_bytes().count(b"cuda:12")
+    _, template = load_like(a, [])
+    twin, how = load_like(b, [template])
+    assert how == 0
+    assert_in_file(twin, b)
+    assert_same_tree(twin, load_archive(b))
+
+
+def test_a_location_string_the_tree_also_holds_is_no_twin(tmp_path, monkeypatch):
+    where = {}
+
+    def tree(seed, device):
+        where["device"] = device  # the same object as the storages' location, memoized once
+        return {"w": torch.full((2,), float(seed)), "device": device}
+
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: where["device"])
+    got, how, full = _twin_of(tree(0, "cuda:0"), tree(1, "cuda:1"), tmp_path)
+    assert isinstance(how, Template) and got["device"] == "cuda:1"
+    assert_same_tree(got, full)
+
+
+def test_a_smaller_twin_keeps_its_own_bound_on_tensor_bytes(tmp_path):
+    # 7 views of one 1 MiB storage: more than 4x the small file allows, less than the large one.
+    def tree():
+        big = torch.zeros(1 << 18)
+        return {"tiny": [torch.zeros(1, dtype=torch.uint8) for _ in range(1500)], "views": [big.view(-1)] * 1 + [
+            big.view(-1) for _ in range(6)]}
+
+    a, b = tmp_path / ("a" * 230 + ".pt"), tmp_path / "b.pt"
+    save(tree(), a)
+    save(tree(), b)
+    assert 4 * b.stat().st_size + (1 << 20) < 7 * (1 << 20) < 4 * a.stat().st_size + (1 << 20)
+    _, template = load_like(a, [])
+    with pytest.raises(UnsafeCheckpointError):
+        with read_errors(b):
+            load_like(b, [template])
+
+
+class _PlantedOrderedDict:
+    """Pickled as OrderedDict(), its items set, then BUILD with ``state``."""
+
+    def __init__(self, items, state):
+        self.items, self.state = items, state
+
+    def __reduce__(self):
+        return Global("collections.OrderedDict"), (), self.state, None, iter(self.items)
+
+
+@pytest.mark.parametrize("attribute", ["items", "keys"])
+def test_an_ordered_dict_with_attributes_that_hide_its_methods_is_read_in_full(attribute, tmp_path):
+    def tree(seed):
+        items = [("w", torch.full((2,), float(seed))), ("n", 3)]
+        return {"od": _PlantedOrderedDict(items, {attribute: Global("builtins.set")})}
+
+    got, how, full = _twin_of(tree(0), tree(1), tmp_path)
+    assert isinstance(how, Template)
+    assert [(k, dict.__getitem__(got["od"], k)[0].item() if k == "w" else dict.__getitem__(got["od"], k))
+            for k in OrderedDict.__iter__(got["od"])] == [("w", 1.0), ("n", 3)]
+
+
+def test_sets_are_read_in_full(tmp_path):
+    # Items added again need not iterate in the file's order.
+    got, how, full = _twin_of({"s": {29, 13, 40, 3}, "w": torch.zeros(2)}, {"s": {29, 13, 40, 3}, "w": torch.ones(2)},
+                              tmp_path)
+    assert isinstance(how, Template) and list(got["s"]) == list(full["s"])
+
+
+def test_rank_files_without_twins_are_all_read(tmp_path):
+    paths = []
+    for r in range(4):
+        paths.append(tmp_path / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+        save({"module": OrderedDict(w=torch.full((r + 1,), float(r))), "param_shapes": [OrderedDict(w=torch.Size([4]))],
+              "buffer_names": [], "rank": r}, paths[-1])
+    states = read_rank_model_states(paths)
+    assert [float(s.module["w"][0]) for s in states] == [0.0, 1.0, 2.0, 3.0]
+    assert [s.raw["rank"] for s in states] == [0, 1, 2, 3]

@@ -34,6 +34,6 @@ def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype
         tied-alias names are absent: the optimizer keeps no state for them.
     """
     prepared = prepare(ckpt_dir, dtype, tag=tag, optimizer_keys=[key], follow_symlinks=follow_symlinks)
-    if lazy:
-        return LazyStateDict(prepared.plan, prepared.lazy_executor())
-    return eager_state_dict(prepared.plan, prepared.streaming_executor())
+    plan, executor = prepared.plan, prepared.lazy_executor() if lazy else prepared.streaming_executor()
+    del prepared  # the records are not needed to move the bytes (see reconstruct)
+    return LazyStateDict(plan, executor) if lazy else eager_state_dict(plan, executor)

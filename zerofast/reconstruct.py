@@ -36,6 +36,8 @@ def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.f
     """
     device = ops.resolve_device(device)
     prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen, follow_symlinks=follow_symlinks)
-    if lazy:
-        return LazyStateDict(prepared.plan, prepared.lazy_executor(device))
-    return eager_state_dict(prepared.plan, prepared.streaming_executor(device))
+    plan, executor = prepared.plan, (prepared.lazy_executor if lazy else prepared.streaming_executor)(device)
+    # The records (every rank file's tree: tens of thousands of placeholders per rank at ZeRO-3)
+    # are not needed to move the bytes: dropped here, before the outputs are made, not after.
+    del prepared
+    return LazyStateDict(plan, executor) if lazy else eager_state_dict(plan, executor)

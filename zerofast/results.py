@@ -21,7 +21,7 @@ def eager_state_dict(plan: Plan, executor: Executor) -> "OrderedDict[str, torch.
         if not plan.aliases and plan.order == tuple(plan.tensors):
             return OrderedDict(zip(plan.order, outs))
         made = dict(zip(plan.tensors, outs))
-        return OrderedDict((name, made[plan.aliases.get(name, name)]) for name in plan.order)
+        return OrderedDict(zip(plan.order, map(made.__getitem__, map(plan.aliases.get, plan.order, plan.order))))
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,9 @@ struct Item {
 // copy_ never starts its own threads inside a reader thread.
 constexpr int64_t kItemBytes = 1 << 20;
 constexpr int64_t kCastElems = 32768;
+// An item joins a run of reads only when it is this small: larger ones are read straight into
+// their output, which saves the copy out of the bounce buffer.
+constexpr int64_t kRunItemBytes = 64 << 10;
 
 void pwrite_all(int fd, const char* src, int64_t nbytes, int64_t offset) {
   while (nbytes > 0) {
@@ -120,7 +123,7 @@ class Batch {
   }
 
   void run() {
-    run_workers(reader_threads(items_.size(), readers_), [this] { worker(); });
+    run_workers(reader_threads(runs_.size() - 1, readers_), [this] { worker(); });
     if (error_) std::rethrow_exception(error_);
   }
 
@@ -140,6 +143,51 @@ class Batch {
       if (sa.fd != sb.fd) return sa.fd < sb.fd;
       return read_offset(a) < read_offset(b);
     });
+    group();
+  }
+
+  // Bytes an item reads when it can join a run: a plain copy from a file into memory.
+  int64_t run_bytes(const Item& it) const {
+    const int64_t* r = row(it.seg);
+    const Source& s = sources_[r[1]];
+    const Dest& d = dests_[r[0]];
+    return s.fd >= 0 && d.mem != nullptr && s.dtype == d.dtype ? it.n * s.itemsize : -1;
+  }
+
+  // Runs of items that read one stretch of one file end to end (a ZeRO-3 rank's share of many
+  // small parameters lies that way) are read with one pread into the bounce buffer and copied
+  // out from there: 200k tiny preads cost more than the bytes they move.
+  void group() {
+    int64_t end = -1, size = 0;
+    int fd = -1;
+    for (size_t i = 0; i < items_.size(); ++i) {
+      const int64_t n = run_bytes(items_[i]);
+      const int64_t at = read_offset(items_[i]);
+      const int this_fd = sources_[row(items_[i].seg)[1]].fd;
+      const bool joins = n >= 0 && n <= kRunItemBytes && this_fd == fd && at == end && size + n <= kItemBytes;
+      if (!joins) {
+        runs_.push_back(i);
+        size = 0;
+      }
+      fd = n >= 0 && n <= kRunItemBytes ? this_fd : -1;
+      end = at + std::max<int64_t>(n, 0);
+      size += std::max<int64_t>(n, 0);
+    }
+    runs_.push_back(items_.size());
+  }
+
+  void move_run(size_t first, size_t last, std::vector<char>& in) {
+    const int64_t start = read_offset(items_[first]);
+    const int64_t total = read_offset(items_[last - 1]) + run_bytes(items_[last - 1]) - start;
+    in.resize(static_cast<size_t>(std::max<int64_t>(total, kItemBytes)));
+    const Source& s = sources_[row(items_[first].seg)[1]];
+    pread_all(s.fd, in.data(), total, start);
+    for (size_t i = first; i < last; ++i) {
+      const int64_t* r = row(items_[i].seg);
+      const Dest& d = dests_[r[0]];
+      std::memcpy(d.mem + (r[3] + items_[i].skip) * d.itemsize, in.data() + (read_offset(items_[i]) - start),
+                  static_cast<size_t>(run_bytes(items_[i])));
+    }
   }
 
   int64_t read_offset(const Item& it) const {
@@ -151,8 +199,12 @@ class Batch {
   void worker() {
     std::vector<char> in, out;  // this thread's bounce buffers, grown on first need
     try {
-      for (size_t i = next_.fetch_add(1); i < items_.size() && !failed_.load(); i = next_.fetch_add(1)) {
-        move(items_[i], in, out);
+      for (size_t g = next_.fetch_add(1); g + 1 < runs_.size() && !failed_.load(); g = next_.fetch_add(1)) {
+        if (runs_[g + 1] - runs_[g] == 1) {
+          move(items_[runs_[g]], in, out);
+        } else {
+          move_run(runs_[g], runs_[g + 1], in);
+        }
       }
     } catch (...) {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -220,6 +272,7 @@ class Batch {
   int64_t readers_ = 0;
   bool copy_file_range_ = false;
   std::vector<Item> items_;
+  std::vector<size_t> runs_;  // where each run of items_ starts, then items_.size()
   std::atomic<size_t> next_{0};
   std::atomic<bool> failed_{false};
   std::mutex mutex_;

@@ -5,12 +5,14 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "opcodes.h"
 #include "pickle_scan.h"
 #include "zip_directory.h"
 
@@ -23,23 +25,26 @@ namespace {
 constexpr int kMaxDepth = 200;
 
 const uint8_t* file_bytes(const at::Tensor& file) {
-  TORCH_CHECK(file.device().is_cpu() && file.scalar_type() == at::kByte && file.dim() == 1 && file.is_contiguous(),
-              "expected a 1-D contiguous uint8 CPU tensor over a file mapping");
+  TORCH_CHECK(file.device().is_cpu() && file.scalar_type() == at::kByte && file.dim() == 1 && file.is_contiguous() &&
+                  file.storage_offset() == 0 && int64_t(file.storage().nbytes()) == file.numel(),
+              "expected a 1-D contiguous uint8 CPU tensor over a whole file mapping");
   return file.data_ptr<uint8_t>();
 }
 
 // Whether `b`'s entries are `a`'s, in order, but for the folder name every torch.save archive
-// puts first (each rank file's own stem): the same names after it, sizes and methods. Where
-// they are, a storage key's lookup (the folder, "/data/", the key, case-insensitively) finds
-// entry i in both or in neither, and entry i passes the same checks in both.
+// puts first (each rank file's own stem): the same names after it, sizes and methods, data.pkl
+// in the same place (its size may differ: the pickles are compared on their own). Where they
+// are, a storage key's lookup (the folder, "/data/", the key, case-insensitively) finds entry i
+// in both or in neither, and entry i passes the same checks in both.
 bool same_entries(const ZipDirectory& a, const ZipDirectory& b) {
-  if (a.entries.size() != b.entries.size() || a.pickle_size != b.pickle_size) return false;
+  if (a.entries.size() != b.entries.size()) return false;
   const size_t pa = a.prefix.size(), pb = b.prefix.size();
   for (size_t i = 0; i < a.entries.size(); ++i) {
     const ZipEntry &x = a.entries[i], &y = b.entries[i];
-    if (x.name.compare(0, pa, a.prefix) != 0 || y.name.compare(0, pb, b.prefix) != 0 ||
-        x.name.compare(pa, std::string::npos, y.name, pb, std::string::npos) != 0 ||
-        x.stored_size != y.stored_size || x.size != y.size || x.compressed != y.compressed)
+    const bool pickle = x.data_offset == a.pickle_offset;
+    if (pickle != (y.data_offset == b.pickle_offset) || x.name.compare(0, pa, a.prefix) != 0 ||
+        y.name.compare(0, pb, b.prefix) != 0 || x.name.compare(pa, std::string::npos, y.name, pb, std::string::npos) != 0 ||
+        x.compressed != y.compressed || (!pickle && (x.stored_size != y.stored_size || x.size != y.size)))
       return false;
   }
   return true;
@@ -48,6 +53,173 @@ bool same_entries(const ZipDirectory& a, const ZipDirectory& b) {
 bool same_archive(const ZipDirectory& like, const ZipDirectory& dir) {
   py::gil_scoped_release unlocked;  // compares native entries only
   return same_entries(like, dir);
+}
+
+// -- pickles equal but for the storages' locations ------------------------------------------
+// torch.save writes each storage's device into its persistent id, ('storage', class, key,
+// location, numel): "cuda:<local rank>" on a GPU save, so ranks' pickles differ there alone.
+// Both readers ignore the location. Two pickles are the same to them where their opcodes agree
+// byte for byte but for strings in that slot, and no later opcode fetches such a string or its
+// id tuple from the memo (where it could reach the tree).
+
+struct Token {
+  uint8_t op;
+  size_t at, len;  // the opcode and its argument: bytes [at, at + len)
+};
+
+uint64_t le_n(const uint8_t* p, int width) {
+  uint64_t v = 0;
+  for (int i = width - 1; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// The argument's width after the opcode, or -1 for an opcode outside the reader's subset; a
+// sized argument (a string) is `width` length bytes plus that many.
+int fixed_width(uint8_t op, int* sized) {
+  *sized = 0;
+  switch (op) {
+    case PROTO: case BININT1: case BINPUT: case BINGET: return 1;
+    case BININT2: return 2;
+    case BININT: case LONG_BINPUT: case LONG_BINGET: return 4;
+    case BINFLOAT: return 8;
+    case SHORT_BINUNICODE: case SHORT_BINBYTES: case LONG1: *sized = 1; return 0;
+    case BINUNICODE: case BINBYTES: *sized = 4; return 0;
+    case BINUNICODE8: case BINBYTES8: *sized = 8; return 0;
+    case MARK: case EMPTY_TUPLE: case STOP: case POP: case POP_MARK: case DUP: case NONE: case BINPERSID:
+    case REDUCE: case EMPTY_LIST: case APPEND: case BUILD: case DICT: case APPENDS: case LIST: case SETITEM:
+    case TUPLE: case SETITEMS: case EMPTY_DICT: case NEWOBJ: case TUPLE1: case TUPLE2: case TUPLE3:
+    case NEWTRUE: case NEWFALSE: case EMPTY_SET: case ADDITEMS: case FROZENSET: case STACK_GLOBAL: case MEMOIZE:
+    case GLOBAL: return 0;
+    default: return -1;
+  }
+}
+
+bool next_token(const uint8_t* d, size_t n, size_t pos, Token* t) {
+  if (pos >= n) return false;
+  int sized = 0;
+  int width = fixed_width(d[pos], &sized);
+  if (width < 0) return false;
+  size_t len = 1 + size_t(width);
+  if (sized) {
+    if (n - pos - 1 < size_t(sized)) return false;
+    uint64_t size = le_n(d + pos + 1, sized);
+    if (size > n - pos - 1 - size_t(sized)) return false;
+    len += size_t(sized) + size_t(size);
+  } else if (d[pos] == GLOBAL) {  // two lines
+    for (int line = 0; line < 2; ++line) {
+      const void* nl = pos + len < n ? std::memchr(d + pos + len, '\n', n - pos - len) : nullptr;
+      if (!nl) return false;
+      len = static_cast<const uint8_t*>(nl) - (d + pos) + 1;
+    }
+  }
+  if (len > n - pos) return false;
+  *t = Token{d[pos], pos, len};
+  return true;
+}
+
+bool is_text(uint8_t op) { return op == SHORT_BINUNICODE || op == BINUNICODE || op == BINUNICODE8; }
+bool is_int(uint8_t op) { return op == BININT || op == BININT1 || op == BININT2 || op == LONG1; }
+bool is_put(uint8_t op) { return op == BINPUT || op == LONG_BINPUT; }
+bool is_get(uint8_t op) { return op == BINGET || op == LONG_BINGET; }
+bool is_value(uint8_t op) {
+  return is_text(op) || is_int(op) || is_get(op) || op == GLOBAL || op == NONE || op == NEWTRUE || op == NEWFALSE ||
+         op == BINFLOAT;
+}
+bool closes_mark(uint8_t op) {
+  return op == TUPLE || op == LIST || op == DICT || op == FROZENSET || op == APPENDS || op == SETITEMS ||
+         op == ADDITEMS || op == POP_MARK;
+}
+
+// Walks two pickles in step; see above.
+class PickleMatch {
+ public:
+  bool run(const uint8_t* a, size_t na, const uint8_t* b, size_t nb) {
+    size_t pa = 0, pb = 0;
+    for (;;) {
+      Token x{}, y{};
+      if (!next_token(a, na, pa, &x) || !next_token(b, nb, pb, &y)) return false;
+      bool equal = x.len == y.len && std::memcmp(a + x.at, b + y.at, x.len) == 0;
+      if (!equal && !location(x, y)) return false;
+      at_location_ = !equal;
+      if (!follow(x, a)) return false;
+      pa += x.len;
+      pb += y.len;
+      if (x.op == STOP) return pa == na && pb == nb;
+    }
+  }
+
+ private:
+  struct Frame {
+    int values = 0;
+    bool simple = true;  // only single-opcode values (and memo puts) since its MARK
+  };
+  enum State { kNone, kLocation, kNumel, kTuple, kPersid };
+  std::vector<Frame> frames_;
+  std::unordered_set<uint64_t> hidden_;  // memo indices no opcode may fetch
+  State state_ = kNone;
+  bool at_location_ = false;  // the opcodes in step are the two location strings
+  bool reliable_ = true;  // POP may drop a MARK: the frames are then not known
+
+  // Strings in the fourth slot of an id tuple that holds only single-opcode values so far.
+  bool location(const Token& x, const Token& y) const {
+    return reliable_ && state_ == kNone && is_text(x.op) && is_text(y.op) && !frames_.empty() &&
+           frames_.back().simple && frames_.back().values == 3;
+  }
+
+  bool follow(const Token& t, const uint8_t* data) {
+    if (is_get(t.op) && hidden_.count(le_n(data + t.at + 1, t.op == BINGET ? 1 : 4))) return false;
+    if (!step_state(t, data)) return false;
+    if (t.op == MARK) {
+      frames_.push_back(Frame{});
+    } else if (closes_mark(t.op)) {
+      if (frames_.empty()) return false;
+      frames_.pop_back();
+    } else if (t.op == POP) {
+      reliable_ = false;
+    } else if (!frames_.empty() && !is_put(t.op)) {
+      Frame& f = frames_.back();
+      if (is_value(t.op)) ++f.values;
+      else f.simple = false;
+    }
+    return true;
+  }
+
+  // After a location: an optional memo put (hidden), the numel, TUPLE, an optional memo put
+  // (hidden), BINPERSID; anything else and the strings were not a location.
+  bool step_state(const Token& t, const uint8_t* data) {
+    auto hide = [&] { hidden_.insert(le_n(data + t.at + 1, t.op == BINPUT ? 1 : 4)); };
+    switch (state_) {
+      case kNone:
+        if (at_location_) state_ = kLocation;
+        return true;
+      case kLocation:
+        if (is_put(t.op)) { hide(); state_ = kNumel; return true; }
+        [[fallthrough]];
+      case kNumel:
+        if (!is_int(t.op)) return false;
+        state_ = kTuple;
+        return true;
+      case kTuple:
+        if (t.op != TUPLE) return false;
+        state_ = kPersid;
+        return true;
+      case kPersid:
+        if (is_put(t.op)) { hide(); return true; }
+        if (t.op != BINPERSID) return false;
+        state_ = kNone;
+        return true;
+    }
+    return false;
+  }
+};
+
+bool same_pickle(const py::bytes& a, const py::bytes& b) {
+  const auto* x = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(a.ptr()));
+  const auto* y = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(b.ptr()));
+  size_t nx = size_t(PyBytes_GET_SIZE(a.ptr())), ny = size_t(PyBytes_GET_SIZE(b.ptr()));
+  py::gil_scoped_release unlocked;  // reads bytes only
+  if (nx == ny && std::memcmp(x, y, nx) == 0) return true;
+  return PickleMatch().run(x, nx, y, ny);
 }
 
 void release_base(void* impl) { c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(impl)); }
@@ -100,11 +272,10 @@ class Rebase {
       return found->second;
     }
     if (THPVariable_CheckExact(o)) return remember(o, tensor(o));
-    if (PyTuple_CheckExact(o) || PyFrozenSet_CheckExact(o)) return immutable(o, depth);
+    if (PyTuple_CheckExact(o)) return immutable(o, depth);
     if (PyList_CheckExact(o)) return list(o, depth);
     if (PyDict_CheckExact(o)) return dict(o, depth);
     if (Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(ordered_dict_)) return ordered(o, depth);
-    if (PySet_CheckExact(o)) return set(o, depth);
     if (PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(record_type_))) return record(o, depth);
     throw Declined(std::string("an object the twin reader does not copy: ") + Py_TYPE(o)->tp_name);
   }
@@ -159,7 +330,8 @@ class Rebase {
     return view_of(to_, here.data_offset, nbytes);
   }
 
-  py::object immutable(PyObject* o, int depth) {  // a tuple or frozenset: its items first
+  // Sets are not copied: the same items added again need not iterate in the same order.
+  py::object immutable(PyObject* o, int depth) {  // a tuple: its items first
     made_.emplace(o, py::object());  // in progress: met again inside itself, it declines
     py::object items = own(PySequence_Tuple(o), "items");
     Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
@@ -171,9 +343,7 @@ class Rebase {
       same = same && c.ptr() == item;
       PyTuple_SET_ITEM(copies.ptr(), i, c.release().ptr());
     }
-    if (same) return remember(o, py::reinterpret_borrow<py::object>(o));
-    if (PyTuple_CheckExact(o)) return remember(o, copies);
-    return remember(o, own(PyFrozenSet_New(copies.ptr()), "frozenset"));
+    return remember(o, same ? py::reinterpret_borrow<py::object>(o) : copies);
   }
 
   // Whether every value (and key) of a dict is a leaf: then a plain copy of it is the copy.
@@ -202,37 +372,34 @@ class Rebase {
   py::object dict(PyObject* o, int depth) {
     if (leaves_only(o)) return remember(o, own(PyDict_Copy(o), "dict"));
     py::object out = remember(o, own(PyDict_New(), "dict"));
-    fill(out.ptr(), o, depth, true);
+    fill(out.ptr(), o, depth);
     return out;
   }
 
-  py::object ordered(PyObject* o, int depth) {  // an OrderedDict, and what BUILD put in its __dict__
+  // An OrderedDict, and the `_metadata` BUILD put in its __dict__ (a state dict's). Another
+  // attribute could hide the methods a copy by name would call (`keys`, `items`): declined,
+  // and the file read in full.
+  py::object ordered(PyObject* o, int depth) {
+    py::object attrs = own(PyObject_GetAttrString(o, "__dict__"), "__dict__");
+    Py_ssize_t n = PyDict_GET_SIZE(attrs.ptr());
+    if (n > 1 || (n == 1 && !PyDict_GetItemString(attrs.ptr(), "_metadata")))
+      throw Declined("an OrderedDict with attributes other than _metadata");
+    py::object out;
     if (leaves_only(o)) {  // OrderedDict(o) copies in o's order, several times faster than item by item
-      py::object out = remember(o, own(PyObject_CallOneArg(ordered_dict_, o), "OrderedDict"));
-      attributes(out.ptr(), o, depth);
-      return out;
+      out = remember(o, own(PyObject_CallOneArg(ordered_dict_, o), "OrderedDict"));
+    } else {
+      out = remember(o, own(PyObject_CallNoArgs(ordered_dict_), "OrderedDict"));
+      py::object it = own(PyObject_GetIter(o), "iter");  // the type's iterator: o's own order
+      while (PyObject* key = PyIter_Next(it.ptr())) {
+        py::object k = py::reinterpret_steal<py::object>(key);
+        PyObject* value = PyDict_GetItemWithError(o, key);
+        if (!value) own(nullptr, "item");
+        if (PyObject_SetItem(out.ptr(), copy(key, depth + 1).ptr(), copy(value, depth + 1).ptr()) < 0)
+          own(nullptr, "item");
+      }
+      if (PyErr_Occurred()) own(nullptr, "iteration");
     }
-    py::object out = remember(o, own(PyObject_CallNoArgs(ordered_dict_), "OrderedDict"));
-    py::object items = own(PyObject_CallMethod(o, "items", nullptr), "items");
-    py::object it = own(PyObject_GetIter(items.ptr()), "iter");
-    while (PyObject* pair = PyIter_Next(it.ptr())) {
-      py::object p = py::reinterpret_steal<py::object>(pair);
-      py::object k = copy(PyTuple_GET_ITEM(pair, 0), depth + 1), v = copy(PyTuple_GET_ITEM(pair, 1), depth + 1);
-      if (PyObject_SetItem(out.ptr(), k.ptr(), v.ptr()) < 0) own(nullptr, "item");
-    }
-    if (PyErr_Occurred()) own(nullptr, "iteration");
     attributes(out.ptr(), o, depth);
-    return out;
-  }
-
-  py::object set(PyObject* o, int depth) {
-    py::object out = remember(o, own(PySet_New(nullptr), "set"));
-    py::object it = own(PyObject_GetIter(o), "iter");
-    while (PyObject* item = PyIter_Next(it.ptr())) {
-      py::object i = py::reinterpret_steal<py::object>(item);
-      if (PySet_Add(out.ptr(), copy(item, depth + 1).ptr()) < 0) own(nullptr, "set item");
-    }
-    if (PyErr_Occurred()) own(nullptr, "iteration");
     return out;
   }
 
@@ -249,16 +416,14 @@ class Rebase {
     if (!PyDict_CheckExact(from.ptr())) throw Declined("__dict__ is not a dict");
     if (PyDict_GET_SIZE(from.ptr()) == 0) return;
     py::object to = own(PyObject_GetAttrString(out, "__dict__"), "__dict__");
-    fill(to.ptr(), from.ptr(), depth, false);
+    fill(to.ptr(), from.ptr(), depth);
   }
 
-  void fill(PyObject* to, PyObject* from, int depth, bool copy_keys) {
+  void fill(PyObject* to, PyObject* from, int depth) {
     Py_ssize_t i = 0;
     PyObject *k, *v;
-    while (PyDict_Next(from, &i, &k, &v)) {
-      py::object key = copy_keys ? copy(k, depth + 1) : py::reinterpret_borrow<py::object>(k);
-      if (PyDict_SetItem(to, key.ptr(), copy(v, depth + 1).ptr()) < 0) own(nullptr, "item");
-    }
+    while (PyDict_Next(from, &i, &k, &v))
+      if (PyDict_SetItem(to, copy(k, depth + 1).ptr(), copy(v, depth + 1).ptr()) < 0) own(nullptr, "item");
   }
 };
 
@@ -269,6 +434,8 @@ py::tuple rebase(const py::object& tree, const at::Tensor& from, const at::Tenso
     return py::make_tuple(true, r.copy(tree.ptr(), 0));
   } catch (const Declined& e) {
     return py::make_tuple(false, std::string(e.what()));
+  } catch (const c10::Error& e) {  // never the file's fault: the file is then read in full
+    return py::make_tuple(false, std::string("torch: ") + e.what_without_backtrace());
   }
 }
 
@@ -277,6 +444,9 @@ py::tuple rebase(const py::object& tree, const at::Tensor& from, const at::Tenso
 void register_twin(py::module_& m) {
   m.def("same_archive", &same_archive, py::arg("like"), py::arg("dir"),
         "Whether zip directory `dir` holds `like`'s entries in order, the same but for the archive's folder name");
+  m.def("same_pickle", &same_pickle, py::arg("a"), py::arg("b"),
+        "Whether two data.pkl read the same to zerofast's readers: equal, or equal but for the location strings of "
+        "storage ids that nothing else refers to");
   m.def("rebase", &rebase, py::arg("tree"), py::arg("from"), py::arg("to"), py::arg("from_dir"), py::arg("to_dir"),
         py::arg("shared"), py::arg("types"),
         "The tree read from mapping `from` (directory `from_dir`) again, each storage cut from `to` where "

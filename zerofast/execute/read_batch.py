@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from itertools import chain
-from typing import Iterator, Sequence
+from itertools import chain, repeat
+from operator import attrgetter
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -43,11 +44,14 @@ class BatchReader:
         """Each of ``tps`` in fresh memory, in its shape: one call per output dtype, which makes
         the tensors too."""
         made: list[torch.Tensor | None] = [None] * len(tps)
-        with self.opened(tps) as (fds, offsets):
-            for dtype, (where, group) in _by_dtype(tps).items():
-                dims = [d for tp in group for d in tp.shape]
-                ranks = [len(tp.shape) for tp in group]
-                outs = ops.read_cast_new(self.sources, fds, offsets, _rows(group), dims, ranks, dtype)
+        groups = [(dtype, where, group, _rows(group)) for dtype, (where, group) in _by_dtype(tps).items()]
+        with self.opened(_used(rows for *_, rows in groups)) as (fds, offsets):
+            for dtype, where, group, rows in groups:
+                shapes = [tp.shape for tp in group]
+                dims = list(chain.from_iterable(shapes))
+                outs = ops.read_cast_new(self.sources, fds, offsets, rows, dims, list(map(len, shapes)), dtype)
+                if len(where) == len(tps):
+                    return outs
                 for i, out in zip(where, outs):
                     made[i] = out
         return made
@@ -56,27 +60,30 @@ class BatchReader:
         """Each of ``tps`` into the contiguous CPU tensor of ``outs`` beside it (of its size, in
         its ``out_dtype``), in one call; elements no segment writes keep what they held."""
         if tps:
-            with self.opened(tps) as (fds, offsets):
-                ops.read_cast(self.sources, fds, offsets, _rows(tps), [o.view(-1) for o in outs])
+            rows = _rows(tps)
+            with self.opened(_used([rows])) as (fds, offsets):
+                ops.read_cast(self.sources, fds, offsets, rows, [o.view(-1) for o in outs])
 
     def write(self, fd: int, placed: Sequence[tuple[TensorPlan, int]]) -> None:
         """Each ``(tp, byte offset)`` into file ``fd``, one call per output dtype."""
-        with self.opened([tp for tp, _ in placed]) as (fds, offsets):
-            for dtype, (where, group) in _by_dtype([tp for tp, _ in placed]).items():
-                ops.read_cast_to_file(self.sources, fds, offsets, _rows(group), fd,
+        groups = [(where, group, _rows(group)) for where, group in _by_dtype([tp for tp, _ in placed]).values()]
+        with self.opened(_used(rows for *_, rows in groups)) as (fds, offsets):
+            for where, group, rows in groups:
+                dtype = group[0].out_dtype
+                ops.read_cast_to_file(self.sources, fds, offsets, rows, fd,
                                       torch.tensor([placed[i][1] for i in where], dtype=torch.int64),
                                       torch.tensor([tp.numel for tp in group], dtype=torch.int64), dtype)
 
     @contextmanager
-    def opened(self, tps: Sequence[TensorPlan] | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """An fd per source (-1: read it from memory, or not used by ``tps``) and its byte offset,
-        the files open meanwhile. With ``tps``, only the files they read are opened: a lazy lookup
-        of one tensor of a save of thousands of expert files opens one or a few.
+    def opened(self, used: Iterable[int] | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """An fd per source (-1: read it from memory, or not in ``used``) and its byte offset,
+        the files open meanwhile. With ``used`` (source indices), only the files they are in are
+        opened: a lazy lookup of one tensor of a save of thousands of expert files opens one or a few.
 
         A file whose identity changed since it was mapped (replaced, rewritten) is not read by
         name: its mapping still shows what was loaded and planned, so that is what is copied.
         """
-        used = range(len(self.sources)) if tps is None else {seg[0] for tp in tps for seg in tp.segments}
+        used = range(len(self.sources)) if used is None else set(used)
         opened: dict[str, int] = {}
         fds, offsets = [-1] * len(self.sources), [0] * len(self.sources)
         try:
@@ -108,24 +115,58 @@ def _open_same(path: str, identity: tuple[int, int, int, int]) -> int:
 
 def _by_dtype(tps: Sequence[TensorPlan]) -> dict[torch.dtype, tuple[list[int], list[TensorPlan]]]:
     """``tps`` grouped by output dtype: (their positions in ``tps``, the plans)."""
-    dtypes = [tp.out_dtype for tp in tps]
-    if len(set(dtypes)) == 1:  # the usual batch: one call, no regrouping
-        return {dtypes[0]: (list(range(len(tps))), list(tps))}
-    groups: dict[torch.dtype, tuple[list[int], list[TensorPlan]]] = {}
-    for i, tp in enumerate(tps):
-        where, group = groups.setdefault(tp.out_dtype, ([], []))
-        where.append(i)
-        group.append(tp)
+    dtypes = list(map(attrgetter("out_dtype"), tps))
+    distinct = list(dict.fromkeys(dtypes))
+    if len(distinct) == 1:  # the usual batch: one call, no regrouping
+        return {distinct[0]: (list(range(len(tps))), list(tps))}
+    code = {d: k for k, d in enumerate(distinct)}
+    codes = np.fromiter(map(code.__getitem__, dtypes), dtype=np.int64, count=len(dtypes))
+    groups = {}
+    for k, dtype in enumerate(distinct):
+        where = np.flatnonzero(codes == k).tolist()
+        groups[dtype] = (where, list(map(tps.__getitem__, where)))
     return groups
+
+
+def _used(tables: Iterable[torch.Tensor]) -> set[int]:
+    """The sources the op's tables read (a count per source: np.unique would import numpy.ma,
+    14 ms, on the first lookup)."""
+    return set(chain.from_iterable(np.flatnonzero(np.bincount(t[:, 1].numpy())).tolist() for t in tables))
 
 
 def _rows(tps: Sequence[TensorPlan]) -> torch.Tensor:
     """The plan as the op's table: (output, source, source offset, output offset, length).
-    Built from flat columns, not a list per row: a batch can hold hundreds of thousands."""
+    Built from flat columns, not a list per row: a batch can hold hundreds of thousands. The
+    segments that are views of a plan's :class:`SegmentTable` are taken from it a table at a
+    time, without a Python object per row; the op reads rows in any order."""
     segments = [tp.segments for tp in tps]
+    tables = list(map(getattr, segments, repeat("table"), repeat(None)))
+    distinct = list(dict.fromkeys(tables))
+    if distinct == [None]:
+        return torch.from_numpy(_table(np.arange(len(segments), dtype=np.int64), *_tuple_rows(segments)))
+    code = {id(t): k for k, t in enumerate(distinct)}
+    codes = np.fromiter(map(code.__getitem__, map(id, tables)), dtype=np.int64, count=len(tables))
+    index = np.fromiter(map(getattr, segments, repeat("number"), repeat(-1)), dtype=np.int64, count=len(tables))
+    parts = []
+    for k, table in enumerate(distinct):
+        at = np.flatnonzero(codes == k) if len(distinct) > 1 else np.arange(len(tables), dtype=np.int64)
+        if table is None:
+            parts.append(_table(at, *_tuple_rows([segments[i] for i in at.tolist()])))
+        else:
+            rows, counts = table.gather(index[at])
+            parts.append(_table(at, rows, counts))
+    return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
+
+
+def _tuple_rows(segments: Sequence) -> tuple[np.ndarray, np.ndarray]:
     counts = np.fromiter(map(len, segments), dtype=np.int64, count=len(segments))
-    table = np.empty((int(counts.sum()), 5), dtype=np.int64)
-    table[:, 0] = np.repeat(np.arange(len(tps), dtype=np.int64), counts)
-    table[:, 1:] = np.fromiter(chain.from_iterable(chain.from_iterable(segments)), dtype=np.int64,
-                               count=4 * len(table)).reshape(-1, 4)
-    return torch.from_numpy(table)
+    rows = np.fromiter(chain.from_iterable(chain.from_iterable(segments)), dtype=np.int64,
+                       count=4 * int(counts.sum())).reshape(-1, 4)
+    return rows, counts
+
+
+def _table(outputs: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    table = np.empty((len(rows), 5), dtype=np.int64)
+    table[:, 0] = np.repeat(outputs, counts)
+    table[:, 1:] = rows
+    return table

@@ -142,8 +142,8 @@ def load_like(path: Path, templates: Sequence[Template]) -> tuple[Any, int | Tem
     """Read ``path`` as the twin of the first template it repeats outside its storages, else in full.
 
     A twin's zip directory, read and checked as any other, holds the template's entries but for
-    the archive's folder name, and its data.pkl is the template's (ZeRO-3's per-rank model-states
-    files). Its tree is the template's copied, each storage cut from this file's entry of the
+    the archive's folder name, and its data.pkl is the template's but for the storages' device
+    strings, which no reader uses (ZeRO-3's per-rank model-states files; ``cuda:<rank>`` on a GPU). Its tree is the template's copied, each storage cut from this file's entry of the
     same key: what reading the file would build. Returns ``(tree, i)`` for a twin of
     ``templates[i]``; else ``(tree, Template)`` where the native reader read it in full (a
     template for the files after it), or ``(tree, None)``."""
@@ -154,7 +154,10 @@ def load_like(path: Path, templates: Sequence[Template]) -> tuple[Any, int | Tem
     whole = _whole_file(path, index)
     with collector_paused():
         for i, t in enumerate(templates):
-            if index.pickle_bytes == t.index.pickle_bytes and core.same_archive(t.index.directory, index.directory):
+            # Not smaller than the template: the file's own bound on its tensors' bytes (a
+            # multiple of its size) is then at least the bound the template's tree was read under.
+            if (index.file_size >= t.index.file_size and core.same_archive(t.index.directory, index.directory)
+                    and core.same_pickle(t.index.pickle_bytes, index.pickle_bytes)):
                 ok, result = core.rebase(t.result, t.mapping, whole, t.index.directory, index.directory, _SHARED,
                                          _TYPES)
                 if ok:

@@ -29,6 +29,7 @@ from ..errors import (
     some,
 )
 from .bulk_checks import all_instances, all_shapes
+from .parallel import read_all
 from .reader import Template, load_file, load_like, read_errors
 
 # ---------------------------------------------------------------------------------------------
@@ -147,18 +148,23 @@ MAX_TEMPLATES = 4
 
 
 def read_rank_model_states(paths: Sequence[Path]) -> list[ModelStates]:
-    """ZeRO-3's model-states files, one per rank. They normally repeat one pickle byte for byte
-    (the placeholders, the same param_shapes and config): a file proven to repeat one read before
-    is read as its twin (:func:`~.reader.load_like`), keeping that file's checked metadata; any
-    other is read in full."""
+    """ZeRO-3's model-states files, one per rank. They normally repeat one pickle (the
+    placeholders, the same param_shapes and config): a file proven to repeat one read before is
+    read as its twin (:func:`~.reader.load_like`), keeping that file's checked metadata. Where
+    two files in a row repeat none, the rest are read in full, several at a time."""
     known: list[tuple[Template, ModelStates]] = []
-    states = []
-    for path in paths:
+    states: list[ModelStates] = []
+    misses = 0
+    for i, path in enumerate(paths):
+        if misses == 2:
+            return states + read_all(read_model_states, paths[i:])
         with read_errors(path):
             raw, how = load_like(path, [t for t, _ in known])
         if isinstance(how, int):
             states.append(_twin_states(known[how][1], path, raw))
+            misses = 0
             continue
+        misses += i > 0
         states.append(_model_states(path, raw, False))
         if how is not None and len(known) < MAX_TEMPLATES:
             known.append((how, states[-1]))
@@ -166,7 +172,9 @@ def read_rank_model_states(paths: Sequence[Path]) -> list[ModelStates]:
 
 
 def _twin_states(first: ModelStates, path: Path, raw: dict) -> ModelStates:
-    # The tree is rank 0's with this file's storages, so rank 0's checks hold for it as they are.
+    # The tree is the template's with this file's storages, so the template's checks hold for it
+    # as they are. Its checked lists and dicts (param_shapes, ...) are shared, not copied:
+    # nothing changes them once read.
     return dataclasses.replace(first, path=path, module=raw[K.MODULE], raw=raw,
                                frozen_param_fragments=dict(_default(raw.get(K.FROZEN_PARAM_FRAGMENTS), {})))
 

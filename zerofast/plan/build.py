@@ -8,6 +8,8 @@ for every layout.
 """
 from __future__ import annotations
 
+from itertools import repeat
+
 import torch
 
 from .. import keys
@@ -15,7 +17,7 @@ from ..dtypes import out_dtype_for
 from ..errors import InconsistentCheckpointError
 from ..load import LoadedCheckpoint
 from .builders.frozen import declared as frozen_entries
-from .model import BUFFER, FROZEN, TRAINABLE, Entry, Plan, SourceTable, TensorPlan, tensor_identity
+from .model import BUFFER, FROZEN, TRAINABLE, Entry, Plan, SourceTable, TableSegments, TensorPlan, tensor_identity
 
 
 def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
@@ -34,12 +36,22 @@ def plain_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | 
         frozen[name] = _module_entry(ckpt, table, name)
     for name in buffers:
         buffers[name] = _module_entry(ckpt, table, name)
-    entries = {**{n: (TRAINABLE, e) for n, e in trainable.items()}, **{n: (FROZEN, e) for n, e in frozen.items()},
-               **{n: (BUFFER, e) for n, e in buffers.items()}}
-    order = [n for n in kinds if (n in entries or n in aliases) and n not in absent]
-    order += [n for n in entries if n not in kinds]  # parameters the module dict did not list
-    return assemble(ckpt, entries, order, aliases, dtype, exclude_frozen,
+    entries: dict[str, tuple[str, Entry]] = {}
+    for kind, named in ((TRAINABLE, trainable), (FROZEN, frozen), (BUFFER, buffers)):
+        entries.update(zip(named, zip(repeat(kind), named.values())))
+    return assemble(ckpt, entries, _order(kinds, entries, aliases, absent), aliases, dtype, exclude_frozen,
                     frozen_excluded=frozen_excluded(ckpt) or bool(absent), absent_frozen=tuple(sorted(absent)))
+
+
+def _order(kinds: dict, entries: dict, aliases: dict, absent: set) -> list[str]:
+    """The module dict's order (less what has no data), then parameters the module did not list.
+    Set differences first: with tens of thousands of names, usually neither filter drops any."""
+    if absent or kinds.keys() - entries.keys() - aliases.keys():
+        order = [n for n in kinds if (n in entries or n in aliases) and n not in absent]
+    else:
+        order = list(kinds)
+    unlisted = entries.keys() - kinds.keys()
+    return order + [n for n in entries if n in unlisted] if unlisted else order
 
 
 def assemble(ckpt: LoadedCheckpoint, entries: dict[str, tuple[str, Entry]], order: list[str],
@@ -48,16 +60,21 @@ def assemble(ckpt: LoadedCheckpoint, entries: dict[str, tuple[str, Entry]], orde
     names, the dtype policy applied; ``exclude_frozen`` drops the frozen ones (and their aliases)."""
     if exclude_frozen:
         order = [n for n in order if entries.get(aliases.get(n, n), (None,))[0] != FROZEN]
-    tensors = {}
-    out_dtypes: dict[torch.dtype, torch.dtype] = {}
-    for name in order:
-        if name in aliases:
-            continue
-        kind, (shape, stored, segs) = entries[name]
-        out = out_dtypes.get(stored) or out_dtypes.setdefault(stored, out_dtype_for(stored, dtype))
-        tensors[name] = TensorPlan(name, shape, kind, stored, out, tuple(segs))
+    named = order if not aliases else [n for n in order if n not in aliases]
+    # Column by column: tens of thousands of tensors, no Python frame per tensor but the plan's.
+    kinds, placed = zip(*map(entries.__getitem__, named)) if named else ((), ())
+    shapes, stored, segments = zip(*placed) if named else ((), (), ())
+    out_dtypes = {s: out_dtype_for(s, dtype) for s in set(stored)}
+    if set(map(type, segments)) != {TableSegments}:
+        segments = map(_immutable, segments)
+    tensors = dict(zip(named, map(TensorPlan, named, shapes, kinds, stored, map(out_dtypes.__getitem__, stored),
+                                  segments)))
     kept_aliases = {a: s for a, s in aliases.items() if a in order}
     return Plan(tensors, kept_aliases, tuple(order), ckpt.stage, ckpt.world_size, **flags)
+
+
+def _immutable(segments):
+    return segments if type(segments) is TableSegments else tuple(segments)
 
 
 def frozen_excluded(ckpt: LoadedCheckpoint) -> bool:
@@ -85,19 +102,41 @@ def _classify_module(ckpt: LoadedCheckpoint, trainable: dict, frozen: dict):
     """
     meta = ckpt.meta
     buffer_names = set(meta.buffer_names)
+    unplaced = meta.module.keys() - trainable.keys() - frozen.keys()
+    # Identities only tell the entries none of the lists below name: when there are none (the
+    # usual case), tens of thousands of them need not be made.
+    if unplaced - meta.shared_params.keys() - buffer_names:
+        sorted_ = _classify_by_identity(ckpt, trainable, frozen, buffer_names)
+    else:
+        sorted_ = _classify_named(meta, unplaced)
+    return _resolve_aliases(ckpt, *sorted_, trainable, frozen)
+
+
+def _classify_named(meta, unplaced: set[str]):
+    """The module's keys when each is named by some list: only those the builders did not place
+    (ties and buffers, a few) are looked at one by one."""
+    kinds = dict.fromkeys(meta.module)
+    aliases: dict[str, str] = {}
+    buffers: dict[str, None] = {}
+    for name in (unplaced and [n for n in kinds if n in unplaced]):
+        if name in meta.shared_params:
+            aliases[name] = meta.shared_params[name]
+        else:
+            buffers[name] = None
+    return kinds, aliases, [], buffers, set()
+
+
+def _classify_by_identity(ckpt: LoadedCheckpoint, trainable: dict, frozen: dict, buffer_names: set[str]):
+    meta = ckpt.meta
     aliases: dict[str, str] = {}
     undeclared_frozen: list[str] = []
     buffers: dict[str, None] = {}
     absent: set[str] = set()
     by_identity: dict[tuple, str] = {}
     kinds: dict[str, None] = {}
-    # Identities only tell the entries none of the lists below name: when there are none (the
-    # usual case), tens of thousands of them need not be made.
-    need_identity = bool(meta.module.keys() - trainable.keys() - frozen.keys() - meta.shared_params.keys()
-                         - buffer_names)
     for name, value in meta.module.items():
         kinds[name] = None
-        identity = tensor_identity(value) if need_identity else None
+        identity = tensor_identity(value)
         if name in trainable or name in frozen:
             by_identity.setdefault(identity, name)
         elif name in meta.shared_params:
@@ -116,6 +155,12 @@ def _classify_module(ckpt: LoadedCheckpoint, trainable: dict, frozen: dict):
             raise InconsistentCheckpointError(
                 f"module entry {name!r} has no data: it is not in 'param_shapes', 'frozen_param_shapes', "
                 "'shared_params' or 'buffer_names'", meta.path)
+    return kinds, aliases, undeclared_frozen, buffers, absent
+
+
+def _resolve_aliases(ckpt: LoadedCheckpoint, kinds, aliases, undeclared_frozen, buffers, absent, trainable, frozen):
+    """Check that every tie points at a tensor; drop the ties of frozen weights the save left out."""
+    meta = ckpt.meta
     for alias, source in list(aliases.items()):
         if source in trainable or source in frozen or source in undeclared_frozen:
             continue

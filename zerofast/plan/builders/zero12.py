@@ -12,7 +12,7 @@ import numpy as np
 
 from ...errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
-from ..model import Entry, FlatGroups, SourceTable, VirtualBuffer
+from ..model import Entry, FlatGroups, SegmentTable, SourceTable, VirtualBuffer
 
 INT64_MAX = 2 ** 63 - 1
 
@@ -66,8 +66,8 @@ def _columns(group: dict, pads: list[int], buf: VirtualBuffer, dtype) -> dict[st
     offsets = np.cumsum(step) - step
     if bool((offsets + n > buf.numel).any()):
         return None  # the loop names the parameter
-    src, src_off, odd = buf.single_pieces(offsets, n)
-    segs = [[row] for row in zip(src, src_off, repeat(0), sizes)]
-    for i in np.flatnonzero(odd).tolist():
-        segs[i] = buf.pieces(int(offsets[i]), sizes[i], 0)
-    return dict(zip(group, zip(group.values(), repeat(dtype), segs)))
+    rows = np.zeros((len(sizes), 1, 4), dtype=np.int64)
+    rows[:, 0, 0], rows[:, 0, 1], odd = buf.single_pieces(offsets, n)
+    rows[:, 0, 3] = n
+    cut = [buf.pieces(int(offsets[i]), sizes[i], 0) for i in np.flatnonzero(odd).tolist()]
+    return dict(zip(group, zip(group.values(), repeat(dtype), SegmentTable.regular(rows, odd, cut).views())))

@@ -9,14 +9,14 @@ the per-parameter loop (:func:`_loop`) remains for what that does not cover and 
 from __future__ import annotations
 
 import math
-from itertools import repeat
+from itertools import chain, repeat
 
 import numpy as np
 import torch
 
 from ...errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
-from ..model import Entry, FlatGroups, SourceTable, VirtualBuffer, ceil_div, rank_share
+from ..model import Entry, FlatGroups, SegmentTable, SourceTable, VirtualBuffer, ceil_div, rank_share
 
 INT64_MAX = 2 ** 63 - 1
 
@@ -26,8 +26,8 @@ def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGro
                                [t.numel() for _, t in groups])
                  for o, groups in zip(ckpt.optim_states, flats)]
     dtype = flats[0][0][1].dtype if flats and flats[0] else torch.float32
-    names = [name for group in shapes for name in group]
-    dims = [shape for group in shapes for shape in group.values()]
+    names = list(chain.from_iterable(shapes))
+    dims = list(chain.from_iterable(group.values() for group in shapes))
     out = _columns(names, dims, rank_bufs, dtype)
     return out if out is not None else _loop(ckpt, shapes, rank_bufs, dtype)
 
@@ -66,14 +66,13 @@ def _columns(names: list[str], dims: list, rank_bufs: list[VirtualBuffer], dtype
     offsets = np.cumsum(k) - k
     if int(offsets[-1] + k[-1]) > min(buf.numel for buf in rank_bufs):
         return None  # the loop names the parameter and the rank
-    rows, odd = [], np.zeros(len(names), dtype=bool)
+    rows, odd = np.empty((len(names), W, 4), dtype=np.int64), np.zeros(len(names), dtype=bool)
     for r, buf in enumerate(rank_bufs):
         share = np.clip(n - r * k, 0, k)
-        src, src_off, crossing = buf.single_pieces(offsets, share)
+        rows[:, r, 0], rows[:, r, 1], crossing = buf.single_pieces(offsets, share)
+        rows[:, r, 2], rows[:, r, 3] = r * k, share
         odd |= crossing
-        rows.append(zip(src, src_off, (r * k).tolist(), share.tolist()))
-    segs = list(map(list, zip(*rows)))
-    for i in np.flatnonzero(odd).tolist():
-        off, size, per = int(offsets[i]), sizes[i], int(k[i])
-        segs[i] = [p for r, buf in enumerate(rank_bufs) for p in buf.pieces(off, rank_share(size, per, r), r * per)]
-    return dict(zip(names, zip(dims, repeat(dtype), segs)))
+    cut = [[p for r, buf in enumerate(rank_bufs)
+            for p in buf.pieces(int(offsets[i]), rank_share(sizes[i], int(k[i]), r), r * int(k[i]))]
+           for i in np.flatnonzero(odd).tolist()]
+    return dict(zip(names, zip(dims, repeat(dtype), SegmentTable.regular(rows, odd, cut).views())))
