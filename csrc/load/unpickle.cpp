@@ -7,7 +7,10 @@
 #include "unpickle.h"
 
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Size.h>
 #include <torch/csrc/autograd/python_variable.h>
+
+#include <c10/util/SmallVector.h>
 
 #include <cstring>
 #include <string>
@@ -25,6 +28,7 @@ namespace {
 
 constexpr int64_t kInt64Max = INT64_MAX;
 constexpr size_t kMaxDims = 64;
+constexpr int kMaxDepth = 3;  // native tuples inside native tuples, at most
 
 // The reference's objects, by identity, and its two callbacks (see native_reader.py).
 struct Hooks {
@@ -41,12 +45,31 @@ struct Hooks {
   int64_t byte_limit;      // bytes all the file's tensors may hold together
 };
 
-// One stack or memo slot: a Python object, or a value that stays native (a storage
-// reference, or a tuple holding one: the argument tuples of the rebuild functions).
+// One stack or memo slot: a Python object, a storage reference (native), a tuple kept native
+// (its items in the reader's arena: made a Python tuple only when something other than a
+// rebuild, a storage reference or torch.Size takes it, and never where it holds a storage), or
+// an empty OrderedDict not made yet (`lazy`: a tensor's backward hooks, which the rebuild drops).
+// Owns its reference by hand: pybind11's handles check the GIL on every copy, and the stack
+// and memo copy a value per opcode.
 struct Val {
-  py::object obj;
+  PyObject* obj = nullptr;
   int32_t storage = -1;
   int32_t tuple = -1;
+  int32_t lazy = -1;
+
+  Val() = default;
+  explicit Val(PyObject* owned) : obj(owned) {}
+  Val(const Val& o) : obj(o.obj), storage(o.storage), tuple(o.tuple), lazy(o.lazy) { Py_XINCREF(obj); }
+  Val(Val&& o) noexcept : obj(o.obj), storage(o.storage), tuple(o.tuple), lazy(o.lazy) { o.obj = nullptr; }
+  Val& operator=(Val o) noexcept {
+    std::swap(obj, o.obj);
+    storage = o.storage, tuple = o.tuple, lazy = o.lazy;
+    return *this;
+  }
+  ~Val() { Py_XDECREF(obj); }
+  static Val of_storage(int32_t i) { Val v; v.storage = i; return v; }
+  static Val of_tuple(int32_t i) { Val v; v.tuple = i; return v; }
+  static Val of_lazy(int32_t i) { Val v; v.lazy = i; return v; }
 };
 
 [[noreturn]] void decline_py(const char* what) {
@@ -59,9 +82,15 @@ py::object own(PyObject* p, const char* what) {
   return py::reinterpret_steal<py::object>(p);
 }
 
-Val py_val(PyObject* p, const char* what) { return Val{own(p, what)}; }
+Val py_val(PyObject* p, const char* what) {
+  if (!p) decline_py(what);
+  return Val(p);
+}
 
-Val borrowed(PyObject* p) { return Val{py::reinterpret_borrow<py::object>(p)}; }
+Val borrowed(PyObject* p) {
+  Py_INCREF(p);
+  return Val(p);
+}
 
 uint64_t little(const uint8_t* p, int width) {
   uint64_t v = 0;
@@ -81,10 +110,10 @@ at::Storage view_of(const at::Storage& base, int64_t offset, int64_t nbytes) {
 }
 
 // An exact int in [0, 2**63), as the reference's type checks want it.
-bool index_value(const Val& v, int64_t* out) {
-  if (!v.obj || !PyLong_CheckExact(v.obj.ptr())) return false;
+bool index_value(PyObject* p, int64_t* out) {
+  if (!p || !PyLong_CheckExact(p)) return false;
   int overflow = 0;
-  long long x = PyLong_AsLongLongAndOverflow(v.obj.ptr(), &overflow);
+  long long x = PyLong_AsLongLongAndOverflow(p, &overflow);
   if (overflow || x < 0) {
     PyErr_Clear();
     return false;
@@ -93,11 +122,32 @@ bool index_value(const Val& v, int64_t* out) {
   return true;
 }
 
+bool index_value(const Val& v, int64_t* out) { return index_value(v.obj, out); }
+
+// A call's arguments, in place: a native tuple's items, or a Python tuple's copied out.
+struct Items {
+  const Val* data;
+  size_t n;
+  size_t size() const { return n; }
+  bool empty() const { return n == 0; }
+  const Val& operator[](size_t i) const { return data[i]; }
+};
+
+// What _plain accepts by type alone (stand_ins._PLAIN): None, bool, int, float, str, exactly.
+bool plain_scalar(PyObject* v) {
+  PyTypeObject* t = Py_TYPE(v);
+  return v == Py_None || t == &PyBool_Type || t == &PyLong_Type || t == &PyFloat_Type || t == &PyUnicode_Type;
+}
+
+bool dunder(PyObject* key) {  // key.startswith("__") of an exact str
+  return PyUnicode_GET_LENGTH(key) >= 2 && PyUnicode_READ_CHAR(key, 0) == '_' && PyUnicode_READ_CHAR(key, 1) == '_';
+}
 
 class Reader {
  public:
   Reader(const uint8_t* data, size_t n, at::Storage base, const Hooks& hooks)
-      : data_(data), n_(n), base_(std::move(base)), hooks_(hooks) {}
+      : data_(data), n_(n), base_(std::move(base)), hooks_(hooks),
+        record_setstate_(own(PyObject_GetAttrString(hooks.record_type, "__setstate__"), "__setstate__")) {}
 
   py::object run() {
     for (;;) {
@@ -105,8 +155,7 @@ class Reader {
       if (op == STOP) {
         Val result = pop();
         if (pos_ != n_) throw Declined("bytes after STOP");
-        to_py(result);
-        return result.obj;
+        return py::reinterpret_borrow<py::object>(to_py(result));
       }
       step(op);
     }
@@ -125,11 +174,23 @@ class Reader {
   size_t pos_ = 0;
   at::Storage base_;
   const Hooks& hooks_;
+  py::object record_setstate_;  // DeepSpeedRecord.__setstate__, the stand-ins' own
   std::vector<Val> stack_, memo_;
   std::vector<size_t> marks_;
-  std::vector<std::vector<Val>> tuples_;
+  std::vector<Val> tuple_items_;  // every native tuple's items, one after another
+  struct Tuple {
+    size_t first, count;  // its items in tuple_items_
+    bool native;          // holds a storage reference, however deep: never a Python tuple
+    int depth;            // 1 + the deepest native tuple among its items: how far making it recurses
+    Val made;             // its Python tuple once made: one object, however often it is taken
+  };
+  std::vector<Tuple> tuples_;
+  std::vector<Val> lazies_;  // the empty OrderedDicts once made: one object per REDUCE, shared
   std::vector<Stored> storages_;
-  std::unordered_map<std::string, int32_t> by_key_;
+  std::vector<int32_t> by_number_;  // storage index by numbered key (see ZipDirectory::numbered)
+  std::unordered_map<std::string, int32_t> by_key_;  // by any other key
+  std::vector<std::pair<Val, at::ScalarType>> kinds_;  // storage class -> its dtype, as read once
+  std::vector<std::pair<Val, bool>> setstate_;  // stand-in class -> whether its __setstate__ is the default
   int64_t built_bytes_ = 0;
 
   // -- input and stack, with CPython's underflow rules -------------------------------------
@@ -156,31 +217,58 @@ class Reader {
     marks_.pop_back();
     return m;
   }
-  std::vector<Val> pop_from(size_t start) {
-    std::vector<Val> items(std::make_move_iterator(stack_.begin() + start), std::make_move_iterator(stack_.end()));
-    stack_.resize(start);
-    return items;
-  }
-  PyObject* to_py(const Val& v) const {
-    if (!v.obj) throw Declined("a storage reference where a Python object is expected");
-    return v.obj.ptr();
-  }
-  Val make_tuple(std::vector<Val> items) {
-    for (const Val& v : items)
-      if (!v.obj) {
-        tuples_.push_back(std::move(items));
-        return Val{py::object(), -1, int32_t(tuples_.size() - 1)};
+  // A Python object (borrowed: `v` or the reader holds it), making a lazy one now.
+  PyObject* to_py(const Val& v) {
+    if (v.obj) return v.obj;
+    if (v.lazy >= 0) {
+      Val& made = lazies_[size_t(v.lazy)];
+      if (!made.obj) made = py_val(PyObject_CallNoArgs(hooks_.ordered_dict), "OrderedDict");
+      return made.obj;
+    }
+    if (v.tuple < 0 || tuples_[size_t(v.tuple)].native)
+      throw Declined("a storage reference where a Python object is expected");
+    if (!tuples_[size_t(v.tuple)].made.obj) {
+      const Tuple t = {tuples_[size_t(v.tuple)].first, tuples_[size_t(v.tuple)].count, false, 0, Val()};
+      Val made = py_val(PyTuple_New(Py_ssize_t(t.count)), "tuple");
+      for (size_t i = 0; i < t.count; ++i) {
+        PyObject* item = to_py(tuple_items_[t.first + i]);  // recurses at most kMaxDepth deep
+        Py_INCREF(item);
+        PyTuple_SET_ITEM(made.obj, Py_ssize_t(i), item);
       }
-    py::object t = own(PyTuple_New(Py_ssize_t(items.size())), "tuple");
-    for (size_t i = 0; i < items.size(); ++i) PyTuple_SET_ITEM(t.ptr(), i, items[i].obj.release().ptr());
-    return Val{std::move(t)};
+      tuples_[size_t(v.tuple)].made = std::move(made);
+    }
+    return tuples_[size_t(v.tuple)].made.obj;
   }
-  std::vector<Val> items_of(const Val& v) const {  // a call's argument tuple
-    if (v.tuple >= 0) return tuples_[v.tuple];
-    if (!v.obj || !PyTuple_Check(v.obj.ptr())) throw Declined("call arguments are not a tuple");
-    std::vector<Val> out;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v.obj.ptr()); ++i) out.push_back(borrowed(PyTuple_GET_ITEM(v.obj.ptr(), i)));
-    return out;
+  bool holds_storage(const Val& v) const {
+    return v.storage >= 0 || (v.tuple >= 0 && tuples_[size_t(v.tuple)].native);
+  }
+  int depth_of(const Val& v) const { return v.tuple >= 0 && !v.obj ? tuples_[size_t(v.tuple)].depth : 0; }
+  // The stack from `start` on, taken off it as one native tuple. A Python-able item nested too
+  // deep is made a Python object first, so making this one later recurses a bounded depth.
+  Val tuple_from(size_t start) {
+    bool native = false;
+    int depth = 0;
+    for (size_t i = start; i < stack_.size(); ++i) {
+      if (!holds_storage(stack_[i]) && depth_of(stack_[i]) >= kMaxDepth) stack_[i] = borrowed(to_py(stack_[i]));
+      native = native || holds_storage(stack_[i]);
+      depth = std::max(depth, depth_of(stack_[i]));
+    }
+    tuples_.push_back(Tuple{tuple_items_.size(), stack_.size() - start, native, depth + 1, Val()});
+    tuple_items_.insert(tuple_items_.end(), std::make_move_iterator(stack_.begin() + start),
+                        std::make_move_iterator(stack_.end()));
+    stack_.resize(start);
+    return Val::of_tuple(int32_t(tuples_.size() - 1));
+  }
+  // A call's argument tuple: a native one in place, a Python one's items copied to `scratch`.
+  // (Valid until the next native tuple is made.)
+  Items items_of(const Val& v, std::vector<Val>& scratch) const {
+    if (v.tuple >= 0) {
+      const Tuple& t = tuples_[size_t(v.tuple)];
+      return Items{tuple_items_.data() + t.first, t.count};
+    }
+    if (!v.obj || !PyTuple_Check(v.obj)) throw Declined("call arguments are not a tuple");
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v.obj); ++i) scratch.push_back(borrowed(PyTuple_GET_ITEM(v.obj, i)));
+    return Items{scratch.data(), scratch.size()};
   }
 
   void step(uint8_t op);
@@ -194,14 +282,19 @@ class Reader {
   void set_items(ptrdiff_t x);
   void add_items(size_t mark);
   Val reduce(const Val& callee, const Val& args);
+  Val make_size(const Val& args);
   Val newobj(const Val& cls, const Val& args);
   void build(const Val& state);
+  bool default_setstate(PyTypeObject* type);
+  bool set_plain_state(PyObject* inst, PyObject* state);
   Val persistent(const Val& pid);
+  at::ScalarType dtype_of(PyObject* kind);
+  int32_t& declared(const char* key, size_t len);
   int64_t storage_offset_py(PyObject* key, int64_t nbytes) const;
-  Val rebuild_tensor(const std::vector<Val>& args);
-  Val rebuild_parameter(const std::vector<Val>& args);
-  Val rebuild_from_type(const std::vector<Val>& args);
-  void dims(const Val& v, std::vector<int64_t>* out) const;
+  Val rebuild_tensor(const Items& args);
+  Val rebuild_parameter(const Items& args);
+  Val rebuild_from_type(const Items& args);
+  void dims(const Val& v, c10::SmallVector<int64_t, 8>* out);
 };
 
 void Reader::step(uint8_t op) {
@@ -228,11 +321,12 @@ void Reader::step(uint8_t op) {
     case BINGET: memo_get(little(take(1), 1)); return;
     case LONG_BINGET: memo_get(little(take(4), 4)); return;
     case EMPTY_TUPLE: stack_.push_back(py_val(PyTuple_New(0), "tuple")); return;
-    case TUPLE: { size_t m = marker(); stack_.push_back(make_tuple(pop_from(m))); return; }
+    case TUPLE: { size_t m = marker(); Val t = tuple_from(m); stack_.push_back(std::move(t)); return; }
     case TUPLE1: case TUPLE2: case TUPLE3: {
       size_t k = op - TUPLE1 + 1;
       if (stack_.size() < fence() + k) throw Declined("stack underflow");
-      stack_.push_back(make_tuple(pop_from(stack_.size() - k)));
+      Val t = tuple_from(stack_.size() - k);
+      stack_.push_back(std::move(t));
       return;
     }
     case BINPERSID: { Val pid = pop(); stack_.push_back(persistent(pid)); return; }
@@ -247,9 +341,9 @@ void Reader::step(uint8_t op) {
     }
     case STACK_GLOBAL: {
       Val name = pop(), module = pop();
-      if (!name.obj || !module.obj || !PyUnicode_CheckExact(name.obj.ptr()) || !PyUnicode_CheckExact(module.obj.ptr()))
+      if (!name.obj || !module.obj || !PyUnicode_CheckExact(name.obj) || !PyUnicode_CheckExact(module.obj))
         throw Declined("STACK_GLOBAL needs two str");
-      stack_.push_back(resolve(module.obj.ptr(), name.obj.ptr()));
+      stack_.push_back(resolve(module.obj, name.obj));
       return;
     }
     default: step_containers(op);
@@ -262,26 +356,29 @@ void Reader::step_containers(uint8_t op) {
     case EMPTY_DICT: stack_.push_back(py_val(PyDict_New(), "dict")); return;
     case EMPTY_SET: stack_.push_back(py_val(PySet_New(nullptr), "set")); return;
     case LIST: {
-      auto items = pop_from(marker());
-      py::object list = own(PyList_New(Py_ssize_t(items.size())), "list");
-      for (size_t i = 0; i < items.size(); ++i) {
-        to_py(items[i]);
-        PyList_SET_ITEM(list.ptr(), i, items[i].obj.release().ptr());
+      size_t m = marker();
+      Val list = py_val(PyList_New(Py_ssize_t(stack_.size() - m)), "list");
+      for (size_t i = m; i < stack_.size(); ++i) {
+        PyObject* item = to_py(stack_[i]);
+        Py_INCREF(item);
+        PyList_SET_ITEM(list.obj, Py_ssize_t(i - m), item);
       }
-      stack_.push_back(Val{std::move(list)});
+      stack_.resize(m);
+      stack_.push_back(std::move(list));
       return;
     }
     case DICT: {
-      auto items = pop_from(marker());
-      if (items.size() % 2) throw Declined("odd number of items for DICT");
-      py::object dict = own(PyDict_New(), "dict");
-      for (size_t i = 0; i < items.size(); i += 2)
-        if (PyDict_SetItem(dict.ptr(), to_py(items[i]), to_py(items[i + 1])) < 0) decline_py("dict item");
-      stack_.push_back(Val{std::move(dict)});
+      size_t m = marker();
+      if ((stack_.size() - m) % 2) throw Declined("odd number of items for DICT");
+      Val dict = py_val(PyDict_New(), "dict");
+      for (size_t i = m; i < stack_.size(); i += 2)
+        if (PyDict_SetItem(dict.obj, to_py(stack_[i]), to_py(stack_[i + 1])) < 0) decline_py("dict item");
+      stack_.resize(m);
+      stack_.push_back(std::move(dict));
       return;
     }
     case FROZENSET: {
-      Val items = make_tuple(pop_from(marker()));
+      Val items = tuple_from(marker());
       stack_.push_back(py_val(PyFrozenSet_New(to_py(items)), "frozenset"));
       return;
     }
@@ -294,7 +391,7 @@ void Reader::step_containers(uint8_t op) {
       if (!marks_.empty() && marks_.back() == stack_.size()) marks_.pop_back();
       else pop();
       return;
-    case POP_MARK: pop_from(marker()); return;
+    case POP_MARK: stack_.resize(marker()); return;
     case DUP: { Val v = top(); stack_.push_back(std::move(v)); return; }
     default: throw Declined("opcode outside the native subset");
   }
@@ -348,8 +445,9 @@ void Reader::append_items(ptrdiff_t x) {
   if (x == len) return;
   PyObject* list = to_py(stack_[x - 1]);
   if (!PyList_CheckExact(list)) throw Declined("APPEND to something other than a list");
-  for (const Val& v : pop_from(size_t(x)))
-    if (PyList_Append(list, to_py(v)) < 0) decline_py("append");
+  for (size_t i = size_t(x); i < stack_.size(); ++i)
+    if (PyList_Append(list, to_py(stack_[i])) < 0) decline_py("append");
+  stack_.resize(size_t(x));
 }
 
 void Reader::set_items(ptrdiff_t x) {
@@ -361,11 +459,11 @@ void Reader::set_items(ptrdiff_t x) {
   bool exact = PyDict_CheckExact(target);
   if (!exact && Py_TYPE(target) != reinterpret_cast<PyTypeObject*>(hooks_.ordered_dict))
     throw Declined("SETITEM on something other than a dict");
-  auto items = pop_from(size_t(x));
-  for (size_t i = 0; i < items.size(); i += 2) {
-    PyObject *k = to_py(items[i]), *v = to_py(items[i + 1]);
+  for (size_t i = size_t(x); i < stack_.size(); i += 2) {
+    PyObject *k = to_py(stack_[i]), *v = to_py(stack_[i + 1]);
     if ((exact ? PyDict_SetItem(target, k, v) : PyObject_SetItem(target, k, v)) < 0) decline_py("dict item");
   }
+  stack_.resize(size_t(x));
 }
 
 void Reader::add_items(size_t mark) {
@@ -373,20 +471,46 @@ void Reader::add_items(size_t mark) {
   if (mark == stack_.size()) return;
   PyObject* target = to_py(stack_[mark - 1]);
   if (!PySet_Check(target)) throw Declined("ADDITEMS to something other than a set");
-  for (const Val& v : pop_from(mark))
-    if (PySet_Add(target, to_py(v)) < 0) decline_py("set item");
+  for (size_t i = mark; i < stack_.size(); ++i)
+    if (PySet_Add(target, to_py(stack_[i])) < 0) decline_py("set item");
+  stack_.resize(mark);
 }
 
 Val Reader::reduce(const Val& callee, const Val& args) {
   PyObject* f = to_py(callee);
-  if (f == hooks_.rebuild_tensor) return rebuild_tensor(items_of(args));
-  if (f == hooks_.rebuild_parameter) return rebuild_parameter(items_of(args));
-  if (f == hooks_.from_type_v2) return rebuild_from_type(items_of(args));
+  std::vector<Val> scratch;
+  if (f == hooks_.rebuild_tensor) return rebuild_tensor(items_of(args, scratch));
+  if (f == hooks_.rebuild_parameter) return rebuild_parameter(items_of(args, scratch));
+  if (f == hooks_.from_type_v2) return rebuild_from_type(items_of(args, scratch));
   // Any other allowlisted object (OrderedDict, set, torch.Size, a stand-in), called as the C
   // unpickler calls it; what is not callable fails and declines.
+  if (f == reinterpret_cast<PyObject*>(&THPSizeType) && args.tuple >= 0 && !holds_storage(args)) return make_size(args);
+  bool empty = args.tuple >= 0 && !args.obj && tuples_[size_t(args.tuple)].count == 0;
   PyObject* a = to_py(args);
   if (!PyTuple_Check(a)) throw Declined("REDUCE arguments are not a tuple");
+  if (f == hooks_.ordered_dict && (empty || (PyTuple_CheckExact(a) && PyTuple_GET_SIZE(a) == 0))) {
+    lazies_.emplace_back();  // made only if something other than a tensor rebuild takes it
+    return Val::of_lazy(int32_t(lazies_.size() - 1));
+  }
   return py_val(PyObject_CallObject(f, a), "call");
+}
+
+Val Reader::make_size(const Val& args) {
+  // torch.Size(t) of a tuple of exact ints is a torch.Size holding t's very items (its
+  // constructor copies them and checks each is an int); anything else goes through the call.
+  std::vector<Val> scratch, inner;
+  Items outer = items_of(args, scratch);
+  const Val* dims = outer.size() == 1 ? &outer[0] : nullptr;
+  bool plain = dims && ((dims->tuple >= 0 && !holds_storage(*dims)) || (dims->obj && PyTuple_CheckExact(dims->obj)));
+  Items items = plain ? items_of(*dims, inner) : Items{nullptr, 0};
+  for (size_t i = 0; plain && i < items.size(); ++i) plain = items[i].obj && PyLong_CheckExact(items[i].obj);
+  if (!plain) return py_val(PyObject_CallObject(reinterpret_cast<PyObject*>(&THPSizeType), to_py(args)), "call");
+  Val size = py_val(THPSizeType.tp_alloc(&THPSizeType, Py_ssize_t(items.size())), "torch.Size");
+  for (size_t i = 0; i < items.size(); ++i) {
+    Py_INCREF(items[i].obj);
+    PyTuple_SET_ITEM(size.obj, Py_ssize_t(i), items[i].obj);
+  }
+  return size;
 }
 
 Val Reader::newobj(const Val& cls, const Val& args) {
@@ -407,6 +531,7 @@ void Reader::build(const Val& state) {
   PyObject* inst = to_py(top());
   PyObject* s = to_py(state);
   if (PyObject_TypeCheck(inst, reinterpret_cast<PyTypeObject*>(hooks_.record_type))) {
+    if (set_plain_state(inst, s)) return;
     py::object setstate = own(PyObject_GetAttrString(inst, "__setstate__"), "__setstate__");
     own(PyObject_CallOneArg(setstate.ptr(), s), "__setstate__");
     return;
@@ -428,47 +553,102 @@ void Reader::build(const Val& state) {
   }
 }
 
+bool Reader::default_setstate(PyTypeObject* type) {
+  PyObject* cls = reinterpret_cast<PyObject*>(type);
+  for (const auto& [t, yes] : setstate_)
+    if (t.obj == cls) return yes;
+  py::object method = own(PyObject_GetAttrString(cls, "__setstate__"), "__setstate__");
+  setstate_.emplace_back(borrowed(cls), method.ptr() == record_setstate_.ptr());
+  return setstate_.back().second;
+}
+
+// DeepSpeedRecord.__setstate__(state) without the call, where its checks (_check_fields) pass
+// by type alone: `state` an exact dict, every key an exact str not starting with "__", every
+// value of one of _PLAIN's types exactly. Anything else (a tuple state, a nested value, a
+// refusal) is left to the method itself: false.
+bool Reader::set_plain_state(PyObject* inst, PyObject* state) {
+  if (!PyDict_CheckExact(state) || !default_setstate(Py_TYPE(inst))) return false;
+  Py_ssize_t i = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(state, &i, &key, &value))
+    if (!PyUnicode_CheckExact(key) || dunder(key) || !plain_scalar(value)) return false;
+  py::object dict = own(PyObject_GenericGetDict(inst, nullptr), "__dict__");  // self.__dict__
+  if (PyDict_Update(dict.ptr(), state) < 0) decline_py("state");
+  return true;
+}
+
+at::ScalarType Reader::dtype_of(PyObject* kind) {  // kind.dtype
+  for (const auto& [k, dtype] : kinds_)
+    if (k.obj == kind) return dtype;
+  py::object dtype_obj = own(PyObject_GetAttrString(kind, "dtype"), "storage dtype");
+  if (!THPDtype_Check(dtype_obj.ptr())) throw Declined("storage dtype");
+  kinds_.emplace_back(borrowed(kind), reinterpret_cast<THPDtype*>(dtype_obj.ptr())->scalar_type);
+  return kinds_.back().second;
+}
+
+int32_t& Reader::declared(const char* key, size_t len) {  // the storage index of `key`, -1 if new
+  if (hooks_.zip) {
+    int64_t n = numbered_key(key, len, hooks_.zip->numbered.size());
+    if (n >= 0) {
+      if (by_number_.empty()) by_number_.assign(hooks_.zip->numbered.size(), -1);
+      return by_number_[size_t(n)];
+    }
+  }
+  return by_key_.try_emplace(std::string(key, len), -1).first->second;
+}
+
 Val Reader::persistent(const Val& pid) {  // _Storages.__call__
-  PyObject* p = to_py(pid);
-  if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 5) throw Declined("not a storage reference");
-  PyObject *tag = PyTuple_GET_ITEM(p, 0), *kind = PyTuple_GET_ITEM(p, 1), *key = PyTuple_GET_ITEM(p, 2);
+  if (holds_storage(pid) || !(pid.tuple >= 0 || (pid.obj && PyTuple_Check(pid.obj)))) throw Declined("not a storage reference");
+  std::vector<Val> scratch;
+  Items p = items_of(pid, scratch);
+  if (p.size() != 5 || !p[0].obj || !p[1].obj || !p[2].obj) throw Declined("not a storage reference");
+  PyObject *tag = p[0].obj, *kind = p[1].obj, *key = p[2].obj;
   int64_t numel = 0;
   if (!PyUnicode_CheckExact(tag) || PyUnicode_CompareWithASCIIString(tag, "storage") != 0 ||
       Py_TYPE(kind) != reinterpret_cast<PyTypeObject*>(hooks_.storage_type) || !PyUnicode_Check(key) ||
-      !index_value(borrowed(PyTuple_GET_ITEM(p, 4)), &numel))
+      !index_value(p[4], &numel))
     throw Declined("not a storage reference");
-  py::object dtype_obj = own(PyObject_GetAttrString(kind, "dtype"), "storage dtype");
-  if (!THPDtype_Check(dtype_obj.ptr())) throw Declined("storage dtype");
-  at::ScalarType dtype = reinterpret_cast<THPDtype*>(dtype_obj.ptr())->scalar_type;
+  at::ScalarType dtype = dtype_of(kind);
   __int128 nbytes128 = __int128(numel) * int64_t(c10::elementSize(dtype));
   if (nbytes128 > kInt64Max) throw Declined("storage too large");
   int64_t nbytes = int64_t(nbytes128);
   Py_ssize_t key_len = 0;
   const char* key_utf8 = PyUnicode_AsUTF8AndSize(key, &key_len);
   if (!key_utf8) decline_py("storage key");
-  std::string k(key_utf8, size_t(key_len));
-  auto found = by_key_.find(k);
-  if (found != by_key_.end()) {
-    const Stored& s = storages_[found->second];
+  int32_t& index = declared(key_utf8, size_t(key_len));
+  if (index >= 0) {
+    const Stored& s = storages_[size_t(index)];
     if (s.nbytes != nbytes || s.dtype != dtype) throw Declined("storage declared twice differently");
-    return Val{py::object(), found->second};
+    return Val::of_storage(index);
   }
-  int64_t offset = hooks_.zip ? hooks_.zip->storage_offset(k, nbytes) : storage_offset_py(key, nbytes);
+  int64_t offset = hooks_.zip ? hooks_.zip->storage_offset(key_utf8, size_t(key_len), nbytes)
+                              : storage_offset_py(key, nbytes);
   if (offset < 0 || offset > int64_t(base_.nbytes()) - nbytes) throw Declined("storage outside the mapping");
   storages_.push_back({dtype, numel, nbytes, view_of(base_, offset, nbytes)});
-  int32_t index = int32_t(storages_.size() - 1);
-  by_key_.emplace(std::move(k), index);
-  return Val{py::object(), index};
+  index = int32_t(storages_.size() - 1);
+  return Val::of_storage(index);
 }
 
 int64_t Reader::storage_offset_py(PyObject* key, int64_t nbytes) const {  // the reference's own lookup
   py::object nb = own(PyLong_FromLongLong(nbytes), "int");
   py::object at = own(PyObject_CallFunctionObjArgs(hooks_.storage_offset, key, nb.ptr(), nullptr), "storage entry");
   int64_t offset = -1;
-  return index_value(Val{at}, &offset) ? offset : -1;
+  return index_value(at.ptr(), &offset) ? offset : -1;
 }
 
-void Reader::dims(const Val& v, std::vector<int64_t>* out) const {  // _dims
+void Reader::dims(const Val& v, c10::SmallVector<int64_t, 8>* out) {  // _dims
+  if (v.tuple >= 0 && !v.obj) {
+    if (holds_storage(v)) throw Declined("sizes are not a tuple");
+    std::vector<Val> scratch;
+    Items items = items_of(v, scratch);
+    if (items.size() > kMaxDims) throw Declined("too many dimensions");
+    for (size_t i = 0; i < items.size(); ++i) {
+      int64_t d = 0;
+      if (!index_value(items[i], &d)) throw Declined("a size is not an int in [0, 2**63)");
+      out->push_back(d);
+    }
+    return;
+  }
   PyObject* p = to_py(v);
   bool tuple = PyTuple_Check(p);
   if (!tuple && !PyList_Check(p)) throw Declined("sizes are not a tuple");
@@ -476,17 +656,17 @@ void Reader::dims(const Val& v, std::vector<int64_t>* out) const {  // _dims
   if (size_t(n) > kMaxDims) throw Declined("too many dimensions");
   for (Py_ssize_t i = 0; i < n; ++i) {
     int64_t d = 0;
-    if (!index_value(borrowed(tuple ? PyTuple_GET_ITEM(p, i) : PyList_GET_ITEM(p, i)), &d))
+    if (!index_value(tuple ? PyTuple_GET_ITEM(p, i) : PyList_GET_ITEM(p, i), &d))
       throw Declined("a size is not an int in [0, 2**63)");
     out->push_back(d);
   }
 }
 
-Val Reader::rebuild_tensor(const std::vector<Val>& args) {  // _rebuild_tensor
+Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
   if (args.size() < 4 || args[0].storage < 0) throw Declined("not a tensor rebuild");
   const Stored& s = storages_[args[0].storage];
   int64_t offset = 0;
-  std::vector<int64_t> size, stride;
+  c10::SmallVector<int64_t, 8> size, stride;
   if (!index_value(args[1], &offset)) throw Declined("storage offset");
   dims(args[2], &size);
   dims(args[3], &stride);
@@ -513,18 +693,19 @@ Val Reader::rebuild_tensor(const std::vector<Val>& args) {  // _rebuild_tensor
   return py_val(THPVariable_Wrap(at::Tensor(std::move(impl))), "tensor");
 }
 
-Val Reader::rebuild_parameter(const std::vector<Val>& args) {  // _rebuild_parameter
-  if (args.empty() || !args[0].obj || !THPVariable_Check(args[0].obj.ptr())) throw Declined("not a tensor");
+Val Reader::rebuild_parameter(const Items& args) {  // _rebuild_parameter
+  if (args.empty() || !args[0].obj || !THPVariable_Check(args[0].obj)) throw Declined("not a tensor");
   return args[0];
 }
 
-Val Reader::rebuild_from_type(const std::vector<Val>& args) {  // _rebuild_from_type_v2
-  if (args.size() != 4 || !args[0].obj || !args[1].obj || args[1].obj.ptr() != hooks_.tensor_type)
+Val Reader::rebuild_from_type(const Items& args) {  // _rebuild_from_type_v2
+  if (args.size() != 4 || !args[0].obj || !args[1].obj || args[1].obj != hooks_.tensor_type)
     throw Declined("not a plain tensor rebuild");
-  PyObject* func = args[0].obj.ptr();
-  if (args[2].tuple < 0 && !(args[2].obj && PyTuple_Check(args[2].obj.ptr()))) throw Declined("not a plain tensor rebuild");
-  if (func == hooks_.rebuild_tensor) return rebuild_tensor(items_of(args[2]));
-  if (func == hooks_.rebuild_parameter) return rebuild_parameter(items_of(args[2]));
+  PyObject* func = args[0].obj;
+  if (args[2].tuple < 0 && !(args[2].obj && PyTuple_Check(args[2].obj))) throw Declined("not a plain tensor rebuild");
+  std::vector<Val> scratch;
+  if (func == hooks_.rebuild_tensor) return rebuild_tensor(items_of(args[2], scratch));
+  if (func == hooks_.rebuild_parameter) return rebuild_parameter(items_of(args[2], scratch));
   throw Declined("not a plain tensor rebuild");
 }
 

@@ -34,6 +34,15 @@ std::string lower_ascii(std::string s) {
   return s;
 }
 
+char lower_char(char c) { return c >= 'A' && c <= 'Z' ? char(c - 'A' + 'a') : c; }
+
+bool lower_prefix(const std::string& s, const std::string& lowered) {  // lower_ascii(s) starts with it
+  if (s.size() < lowered.size()) return false;
+  for (size_t i = 0; i < lowered.size(); ++i)
+    if (lower_char(s[i]) != lowered[i]) return false;
+  return true;
+}
+
 // The file mapped read-only for one call: the local headers sit all over it.
 class Mapped {
  public:
@@ -184,7 +193,21 @@ class Parser {
     if (pkl == d.by_lower.end() || d.entries[pkl->second].compressed) throw Declined("no stored data.pkl");
     d.pickle_offset = d.entries[pkl->second].data_offset;
     d.pickle_size = d.entries[pkl->second].stored_size;
+    index_numbered(d);
     return d;
+  }
+
+  // Names differ case-insensitively (checked above) and digits have no case, so each number
+  // has at most one entry, the one by_lower would find for its name.
+  static void index_numbered(ZipDirectory& d) {
+    const std::string folder = lower_ascii(d.prefix + "/data/");
+    d.numbered.assign(d.entries.size(), -1);
+    for (size_t i = 0; i < d.entries.size(); ++i) {
+      const std::string& name = d.entries[i].name;
+      if (name.size() <= folder.size() || !lower_prefix(name, folder)) continue;
+      int64_t n = numbered_key(name.data() + folder.size(), name.size() - folder.size(), d.entries.size());
+      if (n >= 0) d.numbered[size_t(n)] = int32_t(i);
+    }
   }
 
   static void no_overlaps(const std::vector<ZipEntry>& entries) {
@@ -235,12 +258,35 @@ int64_t ZipDirectory::storage_offset(const std::string& key, int64_t nbytes) con
   return e.data_offset;
 }
 
+int64_t numbered_key(const char* key, size_t len, size_t bound) {
+  if (len == 0 || len > 10 || (len > 1 && key[0] == '0')) return -1;
+  uint64_t n = 0;
+  for (size_t i = 0; i < len; ++i) {
+    if (key[i] < '0' || key[i] > '9') return -1;
+    n = n * 10 + uint64_t(key[i] - '0');
+  }
+  return n < bound ? int64_t(n) : -1;
+}
+
+int64_t ZipDirectory::storage_offset(const char* key, size_t len, int64_t nbytes) const {
+  int64_t n = numbered_key(key, len, numbered.size());
+  if (n < 0) return storage_offset(std::string(key, len), nbytes);
+  if (numbered[size_t(n)] < 0) return -1;  // by_lower has no entry of that name either
+  const ZipEntry& e = entries[size_t(numbered[size_t(n)])];
+  if (e.compressed || e.stored_size != e.size || e.size != nbytes) return -1;
+  return e.data_offset;
+}
+
 void register_zip_directory(py::module_& m) {
   py::class_<ZipDirectory, std::shared_ptr<ZipDirectory>>(m, "ZipDirectory")
       .def_readonly("prefix", &ZipDirectory::prefix)
       .def("__len__", [](const ZipDirectory& d) { return d.entries.size(); })
       .def("entries", &entry_tuples, "(name, data offset, stored size, size, compressed) per entry, in order")
-      .def("storage_offset", &ZipDirectory::storage_offset, py::arg("key"), py::arg("nbytes"),
+      .def("storage_offset",  // the unpickler's lookup (by number where the key is one)
+           [](const ZipDirectory& d, const std::string& key, int64_t nbytes) {
+             return d.storage_offset(key.data(), key.size(), nbytes);
+           },
+           py::arg("key"), py::arg("nbytes"),
            "file offset of a storage, or -1 where archive.py's check would raise");
   m.def("zip_directory", &zip_directory, py::arg("path"), py::arg("start"), py::arg("end"),
         "Read and check a torch.save zip directory natively: (True, ZipDirectory, data.pkl bytes), or "

@@ -37,7 +37,18 @@ class ZipDirectory {
   // The file offset of storage `key` holding `nbytes`, as ArchiveIndex.storage_offset checks it;
   // -1 where that would raise (or the key is not ASCII): the reference then decides.
   int64_t storage_offset(const std::string& key, int64_t nbytes) const;
+  // The same lookup for a key given as bytes: a decimal key (what torch.save writes) is found
+  // by its number, without building and hashing the entry's name.
+  int64_t storage_offset(const char* key, size_t len, int64_t nbytes) const;
+
+  // Entry index of "<prefix>/data/<n>" (matched as by_lower matches), or -1, for n below the
+  // number of entries: the storages' names as numbers.
+  std::vector<int32_t> numbered;
 };
+
+// `n` where key[0, len) is n written in decimal as Python's str(n) writes it (no sign, no
+// leading zero), for n < bound; -1 for any other key.
+int64_t numbered_key(const char* key, size_t len, size_t bound);
 
 // Adds `zip_directory(path, start, end) -> (True, ZipDirectory, pickle bytes) | (False, why)`
 // and the ZipDirectory class to the _C module.

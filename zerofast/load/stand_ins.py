@@ -49,6 +49,9 @@ def _plain(value: Any, depth: int = 0, seen: set | None = None) -> bool:
 
 
 def _check_fields(name: str, fields: Any) -> dict:
+    # The native reader (csrc/load/unpickle.cpp, set_plain_state) sets a state without calling
+    # __setstate__ only where these checks pass by type alone (an exact dict, exact str keys
+    # without "__", values of _PLAIN's exact types); a change here must be made there too.
     if not isinstance(fields, dict):
         raise RefusedState(name, f"expected a dict of attributes, got {type(fields).__name__}")
     for key, value in fields.items():

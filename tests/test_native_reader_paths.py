@@ -1,0 +1,195 @@
+"""The native reader's shortcuts (csrc/load/unpickle.cpp, zip_directory.cpp) against the reference.
+
+The native reader skips work the Python reference does where the outcome is fixed: a stand-in's
+state set without calling ``__setstate__`` when ``_check_fields`` would pass it by type alone,
+the empty ``OrderedDict()`` of a tensor's backward hooks made only when something other than the
+rebuild takes it, ``torch.Size(t)`` built without the call, storage keys looked up by number.
+Each test writes trees that reach both sides of a shortcut (taken, not taken, refused) into a
+real rank file and checks, with test_native_reader's comparison, that the two readers agree:
+same verdict, same objects, the same sharing.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.planting import FRAGMENT_ADDRESS, Build, Call, Global, load, save
+from tests.test_native_reader import CORE, LAYOUTS, Tally, _rank_files, _verdict, compare, needs_core
+from tests.test_native_zip import _reference
+from zerofast.errors import CorruptCheckpointError
+from zerofast.load import reader
+from zerofast.load.archive import index_archive
+from zerofast.load.stand_ins import DeepSpeedRecord
+
+pytestmark = needs_core
+
+
+def _source() -> Path:
+    return next(p for p in _rank_files(LAYOUTS[0]) if "model_states" in p.name)
+
+
+def _check(tmp_path: Path, monkeypatch, cases: dict[str, object], accepted: set[str]) -> Tally:
+    """Each case planted into a copy of a real file under the key ``zf_case``: the readers agree,
+    and the reference accepts exactly the cases named in ``accepted``."""
+    tally = Tally()
+    for label, value in cases.items():
+        obj = load(_source())
+        obj["zf_case"] = value
+        victim = tmp_path / f"{label}.pt"
+        save(obj, victim)
+        del obj
+        reference = _verdict(victim, monkeypatch, native=False)
+        assert (reference[0] == "ok") == (label in accepted), f"{label}: {reference[0]}"
+        compare(victim, monkeypatch, tally, label=label)
+    return tally
+
+
+def _native_tree(path: Path):
+    ok, tree = reader.read_native(path, index_archive(path), CORE)
+    assert ok, tree
+    return tree
+
+
+# -- stand-ins' state -------------------------------------------------------------------------------
+
+_STATES = {
+    "scalars": {"numel": 4, "start": 0},  # the shortcut: DeepSpeed's own records look like this
+    "every_plain_type": {"a": None, "b": True, "c": -3, "d": 2 ** 80, "e": 1.5, "f": "x"},
+    "empty": {},
+    "nested_plain": {"numel": [1, (2, 3)], "d": {"k": 1}},  # left to __setstate__, which accepts
+    "dtype": {"dtype": torch.float16},
+    "ordered_dict": OrderedDict(numel=4),  # a dict, not exactly one
+    "tuple_state": ({"numel": 4}, {"start": 1}),
+    "tuple_with_none": ({"numel": 4}, None),
+    "dunder_key": {"numel": 4, "__class__": 1},
+    "int_key": {1: 2},
+    "too_deep": {"a": [[[[[1]]]]]},
+    "nested_record": {"a": Build(FRAGMENT_ADDRESS, {"numel": 1})},
+    "callable": {"a": Global("collections.OrderedDict")},
+    "a_list": [("numel", 4)],
+    "a_str": "numel",
+}
+_ACCEPTED_STATES = {"scalars", "every_plain_type", "empty", "nested_plain", "dtype", "ordered_dict", "tuple_state",
+                    "tuple_with_none"}
+
+
+def test_stand_in_states_get_the_reference_objects_and_refusals(tmp_path, monkeypatch):
+    cases = {label: [Build(FRAGMENT_ADDRESS, state), Build(FRAGMENT_ADDRESS, state)]  # the second shares it
+             for label, state in _STATES.items()}
+    tally = _check(tmp_path, monkeypatch, cases, _ACCEPTED_STATES)
+    assert tally.native == len(_ACCEPTED_STATES)
+    records = _native_tree(tmp_path / "every_plain_type.pt")["zf_case"]
+    assert type(records[0]).ds_name == FRAGMENT_ADDRESS and records[0] is not records[1]
+    assert vars(records[0]) == vars(records[1]) == _STATES["every_plain_type"]
+
+
+def test_real_deepspeed_records_are_read_natively(monkeypatch):
+    # ZeRO-1/2 optimizer files hold a fragment address per parameter (param_slice_mappings).
+    paths = [p for p in _rank_files(LAYOUTS[0]) if "optim_states" in p.name]
+    for path in paths:
+        compare(path, monkeypatch, Tally(), label=path.name)
+    tree = _native_tree(paths[0])
+    records = [r for m in tree["optimizer_state_dict"]["param_slice_mappings"] for r in m.values()]
+    assert records and all(isinstance(r, DeepSpeedRecord) and set(vars(r)) == {"numel", "start"} for r in records)
+
+
+# -- a tensor's backward hooks ----------------------------------------------------------------------
+
+class _Hooked:
+    """``tensor`` pickled by ``_rebuild_tensor_v2`` with ``hooks`` as its backward hooks, so a
+    test can share that OrderedDict with the rest of the tree."""
+
+    def __init__(self, tensor: torch.Tensor, hooks):
+        self.storage = torch.storage.TypedStorage(wrap_storage=tensor.clone().untyped_storage(), dtype=tensor.dtype,
+                                                  _internal=True)
+        self.shape, self.hooks = tuple(tensor.shape), hooks
+
+    def __reduce__(self):
+        stride = tuple(torch.empty(self.shape).stride())
+        return Global("torch._utils._rebuild_tensor_v2"), (self.storage, 0, self.shape, stride, False, self.hooks)
+
+
+def test_backward_hooks_shared_with_the_tree_stay_one_object(tmp_path, monkeypatch):
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    empty, filled = OrderedDict(), OrderedDict(x=1)
+    cases = {
+        "empty_after": {"a": _Hooked(t, empty), "hooks": empty, "b": _Hooked(t, empty)},
+        "empty_before": {"hooks": empty, "a": _Hooked(t, empty)},
+        "filled": {"a": _Hooked(t, filled), "hooks": filled, "b": _Hooked(t, filled)},
+        "parameter": {"p": Call("torch._utils._rebuild_parameter", _Hooked(t, empty), False, empty), "hooks": empty},
+        "in_a_tuple": {"a": _Hooked(t, empty), "pair": (empty, empty)},
+        "unhashable": {"a": _Hooked(t, empty), "s": Call("builtins.set", (empty,))},
+    }
+    tally = _check(tmp_path, monkeypatch, cases, set(cases) - {"unhashable"})
+    assert tally.native == len(cases) - 1
+    tree = _native_tree(tmp_path / "empty_after.pt")["zf_case"]
+    assert type(tree["hooks"]) is OrderedDict and not tree["hooks"]
+    pair = _native_tree(tmp_path / "in_a_tuple.pt")["zf_case"]["pair"]
+    assert pair[0] is pair[1] and type(pair[0]) is OrderedDict
+
+
+# -- torch.Size -------------------------------------------------------------------------------------
+
+def test_torch_sizes_are_the_reference_sizes(tmp_path, monkeypatch):
+    cases = {
+        "plain": [torch.Size([3, 4]), torch.Size([]), torch.Size([2 ** 62, 0, 1])],
+        "negative": Call("torch.Size", (-1, 2)),
+        "list": Call("torch.Size", [1, 2]),
+        "bools": Call("torch.Size", (True, 2)),
+        "huge": Call("torch.Size", (2 ** 70,)),
+        "float": Call("torch.Size", (1.5,)),
+        "two_arguments": Call("torch.Size", (1,), (2,)),
+        "no_argument": Call("torch.Size"),
+    }
+    accepted = {label for label, value in cases.items() if _builds(value)}
+    assert {"plain", "negative", "list", "no_argument"} <= accepted and "float" not in accepted
+    tally = _check(tmp_path, monkeypatch, cases, accepted)
+    assert tally.native >= 4
+    sizes = _native_tree(tmp_path / "plain.pt")["zf_case"]
+    assert [type(s) for s in sizes] == [torch.Size] * 3 and sizes[2] == (2 ** 62, 0, 1)
+
+
+def _builds(value) -> bool:  # what torch.Size itself says of the case
+    if not isinstance(value, Call):
+        return True
+    try:
+        torch.Size(*value.args)
+        return True
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return False
+
+
+# -- storage keys -----------------------------------------------------------------------------------
+
+def _spellings(key: str, entries: int) -> list[str]:
+    return [key, "0" + key, key + " ", "+" + key, "-" + key, key + "0", f"{key}.0", str(int(key) + entries),
+            "4294967296", "99999999999", ""]
+
+
+def _lookup(index, key: str, nbytes: int):
+    try:
+        return index.storage_offset(key, nbytes)
+    except CorruptCheckpointError:
+        return None
+
+
+@pytest.mark.parametrize("rename", [False, True], ids=["as_saved", "data_folder_upper_case"])
+def test_storage_keys_are_found_as_the_reference_finds_them(tmp_path, monkeypatch, rename):
+    path = _source()
+    if rename:  # every entry's name, local and central: "<prefix>/DATA/<key>", matched without case
+        path = tmp_path / "renamed.pt"
+        path.write_bytes(_source().read_bytes().replace(b"/data/", b"/DATA/"))
+    native, reference = index_archive(path), _reference(path, monkeypatch)
+    assert native.directory is not None
+    sizes = {e.name.rsplit("/", 1)[1]: e.size for e in reference.entries.values() if "/data/" in e.name.lower()}
+    for key, nbytes in sizes.items():
+        for spelled in _spellings(key, len(reference.entries)):
+            for n in (nbytes, nbytes + 1):
+                found = native.directory.storage_offset(spelled, n)
+                expected = _lookup(reference, spelled, n)
+                assert found == (-1 if expected is None else expected), (spelled, n)
+    compare(path, monkeypatch, Tally(), label=path.name)
+    assert reader.read_native(path, native, CORE)[0]
