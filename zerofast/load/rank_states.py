@@ -30,25 +30,33 @@ def read_rank_model_states(paths: Sequence[Path]) -> list[ModelStates]:
     """The files in order, each repeated pickle read once. Where two files in a row repeat none
     read before, the rest are read in full, several at a time."""
     known: list[tuple[Template, ModelStates]] = []
+    later: dict[int, bool] = {}  # per template: whether its module may be copied later (asked once)
     states: list[ModelStates] = []
     misses = 0
     for i, path in enumerate(paths):
         if misses == 2:
             return states + read_all(read_model_states, paths[i:])
-        with read_errors(path):
-            raw, how = load_like(path, [t for t, _ in known])
-            twin = _twin_states(known[how][1], raw) if isinstance(how, int) else None
-            if isinstance(how, int) and twin is None:
-                raw, how = load_file(path), None
-        if twin is not None:
-            states.append(twin)
-            misses = 0
-            continue
-        misses += i > 0
-        states.append(model_states_from(path, raw))
+        one, how = _read_rank(path, known, later)
+        states.append(one)
+        misses = 0 if isinstance(how, int) else misses + (i > 0)
         if isinstance(how, Template) and len(known) < MAX_TEMPLATES:
-            known.append((how, states[-1]))
+            known.append((how, one))
     return states
+
+
+def _read_rank(path: Path, known: list, later: dict) -> tuple[ModelStates, int | Template | None]:
+    """One rank file's states, and how :func:`load_like` read it (None: its twin copy declined)."""
+    with read_errors(path):
+        raw, how = load_like(path, [t for t, _ in known])
+        if isinstance(how, int):
+            first = known[how][1]
+            if how not in later:
+                later[how] = type(first.raw) is dict and _copies_later(first.raw.get(K.MODULE))
+            twin = _twin_states(first, raw, later[how])
+            if twin is not None:
+                return twin, how
+            raw, how = load_file(path), None
+    return model_states_from(path, raw), how
 
 
 class TwinModelStates(ModelStates):
@@ -68,12 +76,13 @@ class TwinModelStates(ModelStates):
         return getattr(self, name)
 
 
-def _twin_states(first: ModelStates, twin: Twin) -> ModelStates | None:
+def _twin_states(first: ModelStates, twin: Twin, module_later: bool) -> ModelStates | None:
     """The twin's states from ``first``'s (the template's): its checks hold for the copy as they
     are, and its checked lists and dicts (param_shapes, ...) are shared, not copied (nothing
-    changes them once read). None where a part read now does not copy."""
+    changes them once read). ``module_later``: its module is copied when asked for. None where
+    a part read now does not copy."""
     raw = first.raw
-    later = K.MODULE if type(raw) is dict and _copies_later(raw.get(K.MODULE)) else None
+    later = K.MODULE if module_later else None
     try:
         made = {k: twin.copy(v) for k, v in raw.items() if k != later}
     except TwinDeclined:
