@@ -214,19 +214,24 @@ def covering_problems(draw):
     return sources, torch.tensor(rows, dtype=torch.int64).reshape(-1, 5), shapes, out_dtype
 
 
+def _new_both(folder, sources, gaps, in_file, segments, shapes, dtype, readers):
+    """read_cast_new natively and on the reference, the sources in one file of ``folder``."""
+    fd, fds, offsets = _source_file(folder, sources, gaps, in_file)
+    dims, ranks = [d for s in shapes for d in s], [len(s) for s in shapes]
+    try:
+        ops.load_native()
+        native = torch.ops.zerofast.read_cast_new(sources, fds, offsets, segments, dims, ranks, dtype, readers)
+        return native, reference.read_cast_new(sources, fds, offsets, segments, dims, ranks, dtype)
+    finally:
+        os.close(fd)
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(covering_problems())
 def test_read_cast_new_matches_reference(tmp_path_factory, readers, problem):
     sources, segments, shapes, dtype = problem
-    fd, fds, offsets = _source_file(tmp_path_factory.mktemp("rcn"), sources, [1] * len(sources), [True] * len(sources))
-    dims = [d for s in shapes for d in s]
-    ranks = [len(s) for s in shapes]
-    try:
-        ops.load_native()
-        native = torch.ops.zerofast.read_cast_new(sources, fds, offsets, segments, dims, ranks, dtype, readers)
-        ref = reference.read_cast_new(sources, fds, offsets, segments, dims, ranks, dtype)
-    finally:
-        os.close(fd)
+    native, ref = _new_both(tmp_path_factory.mktemp("rcn"), sources, [1] * len(sources), [True] * len(sources),
+                            segments, shapes, dtype, readers)
     assert [tuple(t.shape) for t in native] == [tuple(s) for s in shapes]
     for a, b in zip(native, ref):
         assert a.dtype == dtype and a.is_contiguous()
@@ -273,14 +278,7 @@ def end_to_end_problems(draw):
 @given(end_to_end_problems())
 def test_runs_of_adjacent_pieces_match_reference(tmp_path_factory, readers, problem):
     sources, gaps, in_file, segments, shapes, dtype = problem
-    fd, fds, offsets = _source_file(tmp_path_factory.mktemp("runs"), sources, gaps, in_file)
-    dims, ranks = [d for s in shapes for d in s], [len(s) for s in shapes]
-    try:
-        ops.load_native()
-        native = torch.ops.zerofast.read_cast_new(sources, fds, offsets, segments, dims, ranks, dtype, readers)
-        ref = reference.read_cast_new(sources, fds, offsets, segments, dims, ranks, dtype)
-    finally:
-        os.close(fd)
+    native, ref = _new_both(tmp_path_factory.mktemp("runs"), sources, gaps, in_file, segments, shapes, dtype, readers)
     assert len(native) == len(ref) == len(shapes)
     for a, b in zip(native, ref):
         assert_bitwise_equal(a, b)

@@ -15,6 +15,7 @@
 
 #include "opcodes.h"
 #include "pickle_scan.h"
+#include "storage_view.h"
 #include "zip_directory.h"
 
 namespace py = pybind11;
@@ -223,17 +224,6 @@ bool same_pickle(const py::bytes& a, const py::bytes& b) {
   return PickleMatch().run(x, nx, y, ny);
 }
 
-void release_base(void* impl) { c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(impl)); }
-
-// `nbytes` of `base` from `offset`, sharing its memory and keeping it alive, as the reader cuts
-// a storage out of a file mapping.
-at::Storage view_of(const at::Storage& base, int64_t offset, int64_t nbytes) {
-  c10::StorageImpl* impl = base.unsafeGetStorageImpl();
-  c10::raw::intrusive_ptr::incref(impl);
-  void* data = const_cast<char*>(static_cast<const char*>(base.data())) + offset;
-  at::DataPtr ptr(data, impl, &release_base, base.device());
-  return at::Storage(c10::Storage::use_byte_size_t(), nbytes, std::move(ptr), nullptr, false);
-}
 
 py::object own(PyObject* p, const char* what) {
   if (!p) {

@@ -19,6 +19,7 @@
 
 #include "opcodes.h"
 #include "pickle_scan.h"
+#include "storage_view.h"
 #include "zip_directory.h"
 
 namespace py = pybind11;
@@ -98,16 +99,6 @@ uint64_t little(const uint8_t* p, int width) {
   return v;
 }
 
-void release_base(void* impl) { c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(impl)); }
-
-// `nbytes` of `base` from `offset`, sharing its memory and keeping it alive.
-at::Storage view_of(const at::Storage& base, int64_t offset, int64_t nbytes) {
-  c10::StorageImpl* impl = base.unsafeGetStorageImpl();
-  c10::raw::intrusive_ptr::incref(impl);
-  void* data = const_cast<char*>(static_cast<const char*>(base.data())) + offset;
-  at::DataPtr ptr(data, impl, &release_base, base.device());
-  return at::Storage(c10::Storage::use_byte_size_t(), nbytes, std::move(ptr), nullptr, false);
-}
 
 // An exact int in [0, 2**63), as the reference's type checks want it.
 bool index_value(PyObject* p, int64_t* out) {
