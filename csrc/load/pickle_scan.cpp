@@ -30,11 +30,6 @@ struct Rec {
 };
 
 
-uint64_t little(const uint8_t* p, int width) {
-  uint64_t v = 0;
-  for (int i = width - 1; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
 
 class Scan {
  public:

@@ -20,6 +20,14 @@ struct Declined : std::runtime_error {
   explicit Declined(const std::string& why) : std::runtime_error(why) {}
 };
 
+// The unsigned little-endian integer of `width` bytes at `p`: pickle arguments and zip fields
+// alike (every reader of csrc/load/).
+inline uint64_t little(const uint8_t* p, int width) {
+  uint64_t v = 0;
+  for (int i = width - 1; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
 // Throws Declined unless `data` is a pickle the native unpickler may build. Needs no Python.
 void scan_pickle(const uint8_t* data, size_t size);
 

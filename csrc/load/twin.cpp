@@ -69,11 +69,6 @@ struct Token {
   size_t at, len;  // the opcode and its argument: bytes [at, at + len)
 };
 
-uint64_t le_n(const uint8_t* p, int width) {
-  uint64_t v = 0;
-  for (int i = width - 1; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
 
 // The argument's width after the opcode, or -1 for an opcode outside the reader's subset; a
 // sized argument (a string) is `width` length bytes plus that many.
@@ -104,7 +99,7 @@ bool next_token(const uint8_t* d, size_t n, size_t pos, Token* t) {
   size_t len = 1 + size_t(width);
   if (sized) {
     if (n - pos - 1 < size_t(sized)) return false;
-    uint64_t size = le_n(d + pos + 1, sized);
+    uint64_t size = little(d + pos + 1, sized);
     if (size > n - pos - 1 - size_t(sized)) return false;
     len += size_t(sized) + size_t(size);
   } else if (d[pos] == GLOBAL) {  // two lines
@@ -169,7 +164,7 @@ class PickleMatch {
   }
 
   bool follow(const Token& t, const uint8_t* data) {
-    if (is_get(t.op) && hidden_.count(le_n(data + t.at + 1, t.op == BINGET ? 1 : 4))) return false;
+    if (is_get(t.op) && hidden_.count(little(data + t.at + 1, t.op == BINGET ? 1 : 4))) return false;
     if (!step_state(t, data)) return false;
     if (t.op == MARK) {
       frames_.push_back(Frame{});
@@ -189,7 +184,7 @@ class PickleMatch {
   // After a location: an optional memo put (hidden), the numel, TUPLE, an optional memo put
   // (hidden), BINPERSID; anything else and the strings were not a location.
   bool step_state(const Token& t, const uint8_t* data) {
-    auto hide = [&] { hidden_.insert(le_n(data + t.at + 1, t.op == BINPUT ? 1 : 4)); };
+    auto hide = [&] { hidden_.insert(little(data + t.at + 1, t.op == BINPUT ? 1 : 4)); };
     switch (state_) {
       case kNone:
         if (at_location_) state_ = kLocation;

@@ -93,11 +93,6 @@ Val borrowed(PyObject* p) {
   return Val(p);
 }
 
-uint64_t little(const uint8_t* p, int width) {
-  uint64_t v = 0;
-  for (int i = width - 1; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
 
 
 // An exact int in [0, 2**63), as the reference's type checks want it.

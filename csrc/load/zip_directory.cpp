@@ -22,11 +22,6 @@ constexpr uint64_t kSat32 = 0xFFFFFFFFu;
 constexpr int64_t kEocd = 22, kLocator = 20, kZip64Eocd = 56, kCentral = 46, kLocal = 30;
 constexpr int64_t kMaxComment = 0xFFFF;
 
-uint64_t le(const uint8_t* p, int width) {
-  uint64_t v = 0;
-  for (int i = width - 1; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
 
 std::string lower_ascii(std::string s) {
   for (char& c : s)
@@ -109,19 +104,19 @@ class Parser {
     if (found < 0 || found + kEocd > tail_size) throw Declined("no end of central directory record");
     const int64_t eocd = end_ - tail_size + found;
     const uint8_t* e = f_ + eocd;
-    uint64_t count = le(e + 10, 2), cd_size = le(e + 12, 4), cd_offset = le(e + 16, 4);
+    uint64_t count = little(e + 10, 2), cd_size = little(e + 12, 4), cd_offset = little(e + 16, 4);
     __int128 cd_end = eocd;
     const int64_t locator = eocd - kLocator;
     bool has_locator = locator >= start_ && std::memcmp(f_ + locator, "PK\x06\x07", 4) == 0;
     if (has_locator || count == 0xFFFF || cd_size == kSat32 || cd_offset == kSat32) {
       if (!has_locator) throw Declined("zip64 without a locator");
-      __int128 record = __int128(le(f_ + locator + 8, 8)) + start_;
+      __int128 record = __int128(little(f_ + locator + 8, 8)) + start_;
       if (record + kZip64Eocd > locator) throw Declined("zip64 end record misplaced");
       const uint8_t* r = at(record, kZip64Eocd);
       if (std::memcmp(r, "PK\x06\x06", 4) != 0) throw Declined("no zip64 end record");
-      count = le(r + 32, 8);
-      cd_size = le(r + 40, 8);
-      cd_offset = le(r + 48, 8);
+      count = little(r + 32, 8);
+      cd_size = little(r + 40, 8);
+      cd_offset = little(r + 48, 8);
       cd_end = record;
     }
     if (__int128(cd_offset) + __int128(cd_size) != cd_end - start_) throw Declined("directory misplaced");
@@ -137,9 +132,9 @@ class Parser {
     if (*pos + kCentral > dir_size) throw Declined("directory entry cut short");
     const uint8_t* c = dir + *pos;
     if (std::memcmp(c, "PK\x01\x02", 4) != 0) throw Declined("not a directory entry");
-    uint64_t method = le(c + 10, 2), csize = le(c + 20, 4), usize = le(c + 24, 4);
-    uint64_t name_len = le(c + 28, 2), extra_len = le(c + 30, 2), comment_len = le(c + 32, 2);
-    uint64_t offset = le(c + 42, 4);
+    uint64_t method = little(c + 10, 2), csize = little(c + 20, 4), usize = little(c + 24, 4);
+    uint64_t name_len = little(c + 28, 2), extra_len = little(c + 30, 2), comment_len = little(c + 32, 2);
+    uint64_t offset = little(c + 42, 4);
     uint64_t name_at = *pos + kCentral;
     if (name_at + name_len + extra_len > dir_size) throw Declined("directory entry cut short");
     std::string name(reinterpret_cast<const char*>(dir + name_at), size_t(name_len));
@@ -154,7 +149,7 @@ class Parser {
   static void zip64_fields(const uint8_t* extra, uint64_t len, uint64_t* usize, uint64_t* csize, uint64_t* offset) {
     uint64_t pos = 0;
     while (pos + 4 <= len) {
-      uint64_t tag = le(extra + pos, 2), length = le(extra + pos + 2, 2);
+      uint64_t tag = little(extra + pos, 2), length = little(extra + pos + 2, 2);
       if (tag == 1) {
         uint64_t n = length / 8;
         if (pos + 4 + 8 * n > len) throw Declined("zip64 field cut short");
@@ -162,7 +157,7 @@ class Parser {
         for (uint64_t* field : {usize, csize, offset}) {
           if (*field != kSat32) continue;
           if (used == n) throw Declined("zip64 field too short");
-          *field = le(extra + pos + 4 + 8 * used++, 8);
+          *field = little(extra + pos + 4 + 8 * used++, 8);
         }
         return;
       }
@@ -181,7 +176,7 @@ class Parser {
       if (!d.by_lower.emplace(lower_ascii(r.name), d.entries.size()).second) throw Declined("a name twice");
       const uint8_t* h = at(header, kLocal);
       if (std::memcmp(h, "PK\x03\x04", 4) != 0) throw Declined("no local header");
-      __int128 data = header + kLocal + le(h + 26, 2) + le(h + 28, 2);
+      __int128 data = header + kLocal + little(h + 26, 2) + little(h + 28, 2);
       if (data + __int128(r.stored_size) > end_) throw Declined("entry past the end");
       if (r.size > uint64_t(INT64_MAX)) throw Declined("entry size");
       d.entries.push_back(ZipEntry{std::move(r.name), int64_t(header), int64_t(data), int64_t(r.stored_size),
