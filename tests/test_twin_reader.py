@@ -8,6 +8,9 @@ files holding every kind of object the copy knows; a file that is not a twin is 
 """
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from tests.planting import LOSS_SCALER, Build, Global, copy_checkpoint, save, ze
 from zerofast.errors import CorruptCheckpointError, UnsafeCheckpointError
 from zerofast.load import reader
 from zerofast.load.reader import Template, TwinDeclined, load_archive, load_like, native_core, read_errors
+from zerofast.load.parallel import read_ahead
 from zerofast.load.rank_states import TwinModelStates, read_rank_model_states
 from zerofast.load.records import read_model_states
 from zerofast.load.stand_ins import DeepSpeedRecord
@@ -113,8 +117,8 @@ def test_real_rank_files_read_as_twins_are_their_full_reads(layout, monkeypatch)
     verdicts = []
     real_like = reader.load_like
 
-    def spy(path, templates):
-        result, how = real_like(path, templates)
+    def spy(path, templates, index):
+        result, how = real_like(path, templates, index)
         verdicts.append(how if isinstance(how, int) else type(how).__name__)
         return result, how
 
@@ -126,6 +130,8 @@ def test_real_rank_files_read_as_twins_are_their_full_reads(layout, monkeypatch)
     for got, path in zip(twins, paths):
         # A twin's placeholders are copied only when asked for (planning never does).
         assert isinstance(got, TwinModelStates) == ("module" not in vars(got)) == (path not in paths[:2])
+        if isinstance(got, TwinModelStates):  # the shapes too are the template's, and copied only for raw
+            assert {"module", "param_shapes"}.isdisjoint(vars(got)["_pending"][2])
         assert_in_file(got.raw, path)
         want = read_model_states(path)
         assert got.path == path
@@ -311,3 +317,38 @@ def test_rank_files_whose_twin_copy_declines_are_read_in_full(tmp_path):
     assert not any(isinstance(s, TwinModelStates) for s in states)  # a set does not copy
     assert [float(s.module["w"][0]) for s in states] == [0.0, 1.0, 2.0]
     assert all(s.raw["tags"] == {1, 2, 3} for s in states)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: read_ahead reads in turn, as it should")
+def test_read_ahead_gives_each_read_in_order_with_a_bounded_number_under_way(tmp_path):
+    paths = [tmp_path / f"{i}.pt" for i in range(12)]
+    lock, running, peak, started = threading.Lock(), [0], [0], []
+
+    def read(path):
+        with lock:
+            started.append(path)
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.01)
+        with lock:
+            running[0] -= 1
+        if path.name == "7.pt":
+            raise CorruptCheckpointError("expected a zip archive", path)
+        return path.name
+
+    calls = read_ahead(read, paths, ahead=3)
+    got = [next(calls)() for _ in range(7)]
+    assert got == [p.name for p in paths[:7]]
+    with pytest.raises(CorruptCheckpointError, match="7.pt"):  # at its own turn, not before
+        next(calls)()
+    calls.close()  # leaving early: what is under way finishes, nothing more starts
+    n = len(started)
+    time.sleep(0.05)
+    assert peak[0] <= 3 and len(started) == n <= 8 + 3 and running[0] == 0
+
+
+def test_read_ahead_reads_in_turn_on_one_path(tmp_path):
+    me = threading.current_thread().name
+    seen = []
+    calls = read_ahead(lambda p: seen.append(threading.current_thread().name) or p, [tmp_path], ahead=4)
+    assert [c() for c in calls] == [tmp_path] and seen == [me]

@@ -13,11 +13,14 @@ if the first few take long (large pickles in small files) do the rest go to the 
 """
 from __future__ import annotations
 
+import collections
+import functools
+import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 T = TypeVar("T")
 MAX_THREADS = 8
@@ -53,3 +56,27 @@ def _size(path: Path) -> int:
         return os.stat(path).st_size
     except OSError:
         return 0  # the read itself says what is wrong with the file
+
+
+def read_ahead(read: Callable[[Path], T], paths: Sequence[Path], ahead: int = 4) -> Iterator[Callable[[], T]]:
+    """Per path in order, a call returning ``read(path)`` (or raising what it raised), with up to
+    ``ahead`` of the paths after it under way on threads meanwhile: for reads that leave the GIL
+    free (a zip directory), done while the caller works on the files before. ``ahead`` bounds
+    what is held at once (each index holds its file's pickle). Close the iterator when leaving
+    it early: the reads under way are waited for, the rest not started."""
+    workers = min(len(paths), os.cpu_count() or 1, MAX_THREADS, ahead)
+    if workers < 2:
+        for path in paths:
+            yield functools.partial(read, path)
+        return
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zerofast-read-ahead")
+    try:
+        waiting = iter(paths)
+        started = collections.deque(pool.submit(read, p) for p in itertools.islice(waiting, ahead))
+        while started:
+            first = started.popleft()
+            for p in itertools.islice(waiting, 1):
+                started.append(pool.submit(read, p))
+            yield first.result
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -9,15 +9,17 @@ checked metadata kept, and its tree copied onto this file's storages, the parts 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .. import keys as K
-from .parallel import read_all
+from .archive import index_archive
+from .parallel import read_ahead, read_all
 from .reader import Template, Twin, TwinDeclined, load_file, load_like, read_errors
 from .records import ModelStates, model_states_from, read_model_states
 
@@ -28,30 +30,38 @@ MAX_TEMPLATES = 4
 
 def read_rank_model_states(paths: Sequence[Path]) -> list[ModelStates]:
     """The files in order, each repeated pickle read once. Where two files in a row repeat none
-    read before, the rest are read in full, several at a time."""
+    read before, the rest are read in full, several at a time. The zip directories of the files
+    ahead are read on threads meanwhile (without the GIL, while this one unpickles)."""
     known: list[tuple[Template, ModelStates]] = []
-    later: dict[int, bool] = {}  # per template: whether its module may be copied later (asked once)
+    later: dict[int, frozenset] = {}  # per template: the keys that may be copied later (asked once)
     states: list[ModelStates] = []
     misses = 0
-    for i, path in enumerate(paths):
-        if misses == 2:
-            return states + read_all(read_model_states, paths[i:])
-        one, how = _read_rank(path, known, later)
-        states.append(one)
-        misses = 0 if isinstance(how, int) else misses + (i > 0)
-        if isinstance(how, Template) and len(known) < MAX_TEMPLATES:
-            known.append((how, one))
-    return states
+    with contextlib.closing(read_ahead(_index, paths)) as indexes:
+        for i, (path, index) in enumerate(zip(paths, indexes)):
+            if misses == 2:
+                break
+            one, how = _read_rank(path, index, known, later)
+            states.append(one)
+            misses = 0 if isinstance(how, int) else misses + (i > 0)
+            if isinstance(how, Template) and len(known) < MAX_TEMPLATES:
+                known.append((how, one))
+    return states + read_all(read_model_states, paths[len(states):])
 
 
-def _read_rank(path: Path, known: list, later: dict) -> tuple[ModelStates, int | Template | None]:
-    """One rank file's states, and how :func:`load_like` read it (None: its twin copy declined)."""
+def _index(path: Path):
     with read_errors(path):
-        raw, how = load_like(path, [t for t, _ in known])
+        return index_archive(path)
+
+
+def _read_rank(path: Path, index: Callable, known: list, later: dict) -> tuple[ModelStates, int | Template | None]:
+    """One rank file's states (``index()``: its archive index), and how :func:`load_like` read
+    it (None: its twin copy declined)."""
+    with read_errors(path):
+        raw, how = load_like(path, [t for t, _ in known], index())
         if isinstance(how, int):
             first = known[how][1]
             if how not in later:
-                later[how] = type(first.raw) is dict and _copies_later(first.raw.get(K.MODULE))
+                later[how] = _later_keys(first.raw)
             twin = _twin_states(first, raw, later[how])
             if twin is not None:
                 return twin, how
@@ -69,28 +79,28 @@ class TwinModelStates(ModelStates):
         twin, first, made = pending
         try:
             raw = {k: made[k] if k in made else twin.copy(v) for k, v in first.items()}
-        except TwinDeclined:  # not expected (_copies_later checked it); the file then read in full
+        except TwinDeclined:  # not expected (_later_keys checked what is left): the file read in full
             raw = load_file(twin.path)
         self.raw, self.module = raw, raw[K.MODULE]
         del self.__dict__["_pending"]
         return getattr(self, name)
 
 
-def _twin_states(first: ModelStates, twin: Twin, module_later: bool) -> ModelStates | None:
+def _twin_states(first: ModelStates, twin: Twin, later: frozenset) -> ModelStates | None:
     """The twin's states from ``first``'s (the template's): its checks hold for the copy as they
     are, and its checked lists and dicts (param_shapes, ...) are shared, not copied (nothing
-    changes them once read). ``module_later``: its module is copied when asked for. None where
-    a part read now does not copy."""
+    changes them once read). The parts in ``later`` (the placeholders of ``module`` and the
+    shapes, which planning does not read from a twin) are copied when ``raw`` or ``module`` is
+    asked for, the rest now. None where a part read now does not copy."""
     raw = first.raw
-    later = K.MODULE if module_later else None
     try:
-        made = {k: twin.copy(v) for k, v in raw.items() if k != later}
+        made = {k: twin.copy(v) for k, v in raw.items() if k not in later}
     except TwinDeclined:
         return None
     fields = {f.name: getattr(first, f.name) for f in dataclasses.fields(ModelStates)}
     fields.update(path=twin.path, frozen_param_fragments=dict(made.get(K.FROZEN_PARAM_FRAGMENTS) or {}))
     states = TwinModelStates.__new__(TwinModelStates)
-    if later is None:
+    if not later:
         states.__dict__.update(fields, raw=made, module=made[K.MODULE])
     else:
         del fields["raw"], fields["module"]
@@ -98,9 +108,21 @@ def _twin_states(first: ModelStates, twin: Twin, module_later: bool) -> ModelSta
     return states
 
 
-def _copies_later(module: Any) -> bool:
-    """Whether ``module`` surely copies (plain tensors under names, an OrderedDict's _metadata
-    at most), so that it may be copied only when asked for, without a fallback to decide then."""
-    if type(module) not in (dict, OrderedDict) or (type(module) is OrderedDict and set(vars(module)) - {"_metadata"}):
+def _later_keys(raw: Any) -> frozenset:
+    """The parts of a template's tree that surely copy, so that a twin may copy them only when
+    asked for, without a fallback to decide then: ``module`` of plain tensors under names (an
+    OrderedDict's _metadata at most), ``param_shapes`` of sizes under names. Empty unless
+    ``module`` is one of them."""
+    if type(raw) is not dict or not _copies_later(raw.get(K.MODULE), torch.Tensor):
+        return frozenset()
+    shapes = raw.get(K.PARAM_SHAPES)
+    plain = type(shapes) is list and all(_copies_later(group, torch.Size) for group in shapes)
+    return frozenset((K.MODULE, K.PARAM_SHAPES) if plain else (K.MODULE,))
+
+
+def _copies_later(mapping: Any, value_type: type) -> bool:
+    """Whether ``mapping`` holds only ``value_type`` objects under str names, in a dict or an
+    OrderedDict with no attribute but _metadata."""
+    if type(mapping) not in (dict, OrderedDict) or (type(mapping) is OrderedDict and set(vars(mapping)) - {"_metadata"}):
         return False
-    return all(type(k) is str for k in module) and all(type(v) is torch.Tensor for v in module.values())
+    return set(map(type, mapping)) <= {str} and set(map(type, mapping.values())) <= {value_type}

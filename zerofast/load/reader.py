@@ -165,7 +165,8 @@ class Twin:
         return self.copy(self.template.result)
 
 
-def load_like(path: Path, templates: Sequence[Template]) -> tuple[Any, int | Template | None]:
+def load_like(path: Path, templates: Sequence[Template], index: ArchiveIndex | None = None
+              ) -> tuple[Any, int | Template | None]:
     """Read ``path`` as the twin of the first template it repeats outside its storages, else in full.
 
     A twin's zip directory, read and checked as any other, holds the template's entries but for
@@ -174,8 +175,9 @@ def load_like(path: Path, templates: Sequence[Template]) -> tuple[Any, int | Tem
     GPU). Its tree is the template's copied, each storage cut from this file's entry of the same
     key: what reading the file would build. Returns ``(Twin, i)`` for a twin of ``templates[i]``
     (the caller copies what it needs); else ``(tree, Template)`` where the native reader read it
-    in full (a template for the files after it), or ``(tree, None)``."""
-    index = index_archive(path)
+    in full (a template for the files after it), or ``(tree, None)``. ``index``: the file's
+    :func:`~.archive.index_archive`, where the caller read it already."""
+    index = index_archive(path) if index is None else index
     core = ops.native_module() if native_core() is not None and index.directory is not None else None
     if core is None:
         return _read(path, index), None
