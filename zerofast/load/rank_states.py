@@ -110,19 +110,18 @@ def _twin_states(first: ModelStates, twin: Twin, later: frozenset) -> ModelState
 
 def _later_keys(raw: Any) -> frozenset:
     """The parts of a template's tree that surely copy, so that a twin may copy them only when
-    asked for, without a fallback to decide then: ``module`` of plain tensors under names (an
-    OrderedDict's _metadata at most), ``param_shapes`` of sizes under names. Empty unless
-    ``module`` is one of them."""
-    if type(raw) is not dict or not _copies_later(raw.get(K.MODULE), torch.Tensor):
+    asked for, without a fallback to decide then: ``module`` and ``param_shapes``. The template's
+    own checks (:func:`~.records.model_states_from`) proved that ``module`` maps str names to
+    tensors (plain ``torch.Tensor``: the only kind the native reader builds) and each shapes
+    group str names to tuples or lists of ints, all of which the copy knows; what is left to ask
+    is that their containers are plain. Empty unless ``module`` is one of them."""
+    if type(raw) is not dict or not _plain_mapping(raw.get(K.MODULE)):
         return frozenset()
     shapes = raw.get(K.PARAM_SHAPES)
-    plain = type(shapes) is list and all(_copies_later(group, torch.Size) for group in shapes)
+    plain = type(shapes) is list and all(_plain_mapping(group) for group in shapes)
     return frozenset((K.MODULE, K.PARAM_SHAPES) if plain else (K.MODULE,))
 
 
-def _copies_later(mapping: Any, value_type: type) -> bool:
-    """Whether ``mapping`` holds only ``value_type`` objects under str names, in a dict or an
-    OrderedDict with no attribute but _metadata."""
-    if type(mapping) not in (dict, OrderedDict) or (type(mapping) is OrderedDict and set(vars(mapping)) - {"_metadata"}):
-        return False
-    return set(map(type, mapping)) <= {str} and set(map(type, mapping.values())) <= {value_type}
+def _plain_mapping(mapping: Any) -> bool:
+    """A dict, or an OrderedDict with no attribute but _metadata (others could hide its methods)."""
+    return type(mapping) is dict or (type(mapping) is OrderedDict and not set(vars(mapping)) - {"_metadata"})
