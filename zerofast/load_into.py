@@ -20,6 +20,7 @@ from . import dtypes
 from .errors import LoadIntoError
 from .execute.executor import STAGING_BYTES, in_runs
 from .pipeline import prepare
+from .load.reader import release_freed_heap
 from .dtypes import out_dtype_for
 from .plan import Plan, TensorPlan
 
@@ -63,6 +64,7 @@ def load_into(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, strict: bo
     _check_shapes(pairs, targets, prepared.checkpoint.files.tag_dir)
     executor = prepared.streaming_executor()
     del prepared  # the records are not needed to move the bytes (see reconstruct)
+    release_freed_heap(len(plan.tensors))
     in_place, staged = _split(pairs, targets, dtype)
     with torch.no_grad():
         executor.run_into([tp for tp, _ in in_place], [target.data for _, target in in_place])

@@ -11,6 +11,7 @@ import torch
 
 from .results import LazyStateDict, eager_state_dict
 from .pipeline import prepare
+from .load.reader import release_freed_heap
 
 
 def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype | None = torch.float32,
@@ -36,4 +37,5 @@ def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype
     prepared = prepare(ckpt_dir, dtype, tag=tag, optimizer_keys=[key], follow_symlinks=follow_symlinks)
     plan, executor = prepared.plan, prepared.lazy_executor() if lazy else prepared.streaming_executor()
     del prepared  # the records are not needed to move the bytes (see reconstruct)
+    release_freed_heap(len(plan.tensors))
     return LazyStateDict(plan, executor) if lazy else eager_state_dict(plan, executor)

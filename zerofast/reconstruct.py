@@ -8,6 +8,7 @@ import torch
 from . import ops
 from .results import LazyStateDict, eager_state_dict
 from .pipeline import prepare
+from .load.reader import release_freed_heap
 
 
 def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
@@ -40,4 +41,5 @@ def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.f
     # The records (every rank file's tree: tens of thousands of placeholders per rank at ZeRO-3)
     # are not needed to move the bytes: dropped here, before the outputs are made, not after.
     del prepared
+    release_freed_heap(len(plan.tensors))
     return LazyStateDict(plan, executor) if lazy else eager_state_dict(plan, executor)

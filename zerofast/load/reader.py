@@ -13,6 +13,8 @@ messages are the reference's by construction. ``ZEROFAST_NATIVE=0`` selects the 
 from __future__ import annotations
 
 import collections
+import ctypes
+import functools
 import gc
 import pickle
 import struct
@@ -74,6 +76,30 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+# Where a plan has at least this many tensors, the heap its rank files' trees left is trimmed.
+TRIM_TENSORS = 32768
+
+
+def release_freed_heap(tensors: int) -> None:
+    """Hand the memory the dropped rank-file trees left free back to the system, where the plan
+    has ``tensors >= TRIM_TENSORS`` (small trees leave little, and the trim walks the whole heap).
+
+    The C library keeps freed small blocks resident for reuse, but the outputs made next are
+    larger blocks that rarely fit the holes, so without this the peak holds both. A 200k-tensor
+    ZeRO-3 save: peak RSS 1441 MiB without, 1276 MiB with, for 51 ms; 50k tensors: 572 -> 528
+    MiB for 15 ms. A no-op where the C library has no ``malloc_trim`` (it is glibc's)."""
+    if tensors >= TRIM_TENSORS and (trim := _malloc_trim()) is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
 
 
 def load_file(path: Path) -> Any:

@@ -1,0 +1,96 @@
+"""The heap the rank files' trees leave is handed back before the outputs are made (reader.release_freed_heap).
+
+The trim itself is glibc's; what is ours is when it runs: once per public call, after the records
+are dropped and before any output exists, and only for plans large enough to leave much. The
+peak it saves is measured in benchmarks/ (README, Performance), not here.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import zerofast
+from zerofast.execute import Executor
+from zerofast.pipeline import prepare
+from tests.conftest import needs_deepspeed
+from tests.helpers import real_root
+from zerofast.load import reader
+
+
+def _trims(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    monkeypatch.setattr(reader, "_malloc_trim", lambda: calls.append)
+    return calls
+
+
+def test_only_plans_of_many_tensors_trim(monkeypatch):
+    calls = _trims(monkeypatch)
+    reader.release_freed_heap(reader.TRIM_TENSORS - 1)
+    assert calls == []
+    reader.release_freed_heap(reader.TRIM_TENSORS)
+    assert calls == [0]  # malloc_trim(0): keep no slack at the top of the heap
+
+
+def test_without_malloc_trim_nothing_happens(monkeypatch):
+    monkeypatch.setattr(reader, "_malloc_trim", lambda: None)
+    reader.release_freed_heap(10 ** 9)  # a C library without malloc_trim (musl): a no-op, no error
+
+
+def test_glibc_trim_is_found_here():
+    trim = reader._malloc_trim()
+    if trim is None:
+        pytest.skip("this C library has no malloc_trim (not glibc): release_freed_heap is a no-op here")
+    assert trim(0) in (0, 1)  # 1: memory was handed back, 0: there was none to hand back
+
+
+def _module_like(sd) -> torch.nn.Module:
+    """A module whose parameters are zeros shaped as the state dict's tensors, under its names."""
+    root = torch.nn.Module()
+    for name, value in sd.items():
+        *path, leaf = name.split(".")
+        owner = root
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        if not hasattr(owner, leaf):
+            owner.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(value), requires_grad=False))
+    return root
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("entry", ["reconstruct", "lazy", "load_into", "optimizer_state"])
+def test_each_entry_point_trims_once_before_making_outputs(entry, monkeypatch):
+    root = real_root("s3_bf16_w2_frozen_tied")
+    where = {"reconstruct": "zerofast.reconstruct", "lazy": "zerofast.reconstruct", "load_into": "zerofast.load_into",
+             "optimizer_state": "zerofast.optimizer_states"}[entry]
+    target = _module_like(zerofast.reconstruct(root)) if entry == "load_into" else None
+    events: list = []
+    monkeypatch.setattr(importlib.import_module(where), "release_freed_heap", lambda n: events.append(n))
+    for method in ("run_all", "run_into", "run", "view_or_run"):
+        real = getattr(Executor, method, None)
+        if real is not None:
+            monkeypatch.setattr(Executor, method, _noting(real, events))
+    if entry == "reconstruct":
+        assert zerofast.reconstruct(root)
+    elif entry == "lazy":
+        assert [v for v in zerofast.reconstruct(root, lazy=True).values()]
+    elif entry == "load_into":
+        zerofast.load_into(target, root, strict=False)
+    else:
+        assert zerofast.optimizer_state(root, "exp_avg")
+    assert "outputs" in events and events.count("outputs") < len(events)
+    first = events[0]
+    assert isinstance(first, int) and events.count(first) == 1  # once, before any output
+    want = prepare(root, None if entry == "load_into" else torch.float32,
+                   optimizer_keys=["exp_avg"] if entry == "optimizer_state" else None).plan
+    assert first == len(want.tensors)
+
+
+def _noting(real, events):
+    def run(self, *args, **kwargs):
+        events.append("outputs")
+        return real(self, *args, **kwargs)
+    return run
