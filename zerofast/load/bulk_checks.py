@@ -28,11 +28,17 @@ def all_shapes(shapes: Iterable) -> bool:
     shapes = list(shapes)
     if not shapes:
         return True
-    if not all_instances(shapes, (tuple, list)) or max(map(len, shapes)) > MAX_DIMS:
+    if not all_instances(shapes, (tuple, list)):
+        return False
+    longest = max(map(len, shapes))
+    if longest > MAX_DIMS:
         return False
     dims = list(itertools.chain.from_iterable(shapes))
     if not dims:
         return True
-    if set(map(type, dims)) != {int} or min(dims) <= 0 or max(dims) > INT64_MAX:
+    if set(map(type, dims)) != {int} or min(dims) <= 0:
         return False
-    return max(map(math.prod, shapes)) <= INT64_MAX
+    largest = max(dims)
+    # No product passes 2**63 where the largest dim to the most dims does not (the usual case:
+    # then the products need not be taken).
+    return largest <= INT64_MAX and (largest ** longest <= INT64_MAX or max(map(math.prod, shapes)) <= INT64_MAX)

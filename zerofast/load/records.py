@@ -97,7 +97,7 @@ def _expect_names(path: Path, obj: Any, what: str) -> list[str]:
 
 def expect_mapping(path: Path, obj: Any, what: str, value_type: type, value_what: str) -> dict:
     mapping = expect_dict(path, obj, what)
-    if all_instances(mapping, str) and all_instances(mapping.values(), value_type):
+    if all_instances(mapping, str) and (value_type is object or all_instances(mapping.values(), value_type)):
         return mapping
     for k, v in mapping.items():
         if not isinstance(k, str) or not isinstance(v, value_type):
