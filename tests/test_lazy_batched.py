@@ -3,6 +3,7 @@ makes, bit for bit against the eager dict; ``materialize``; read-ahead in iterat
 its byte budget; and no use of the per-tensor mapped path (``ops.gather_cast``) on the CPU."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections import Counter
 
@@ -171,3 +172,39 @@ def test_a_device_reads_host_batches_within_the_staging_budget(monkeypatch, no_m
     assert all(tp.out_dtype == tp.stored_dtype for b in reads for tp in b)
     sizes = [sum(tp.stored_dtype.itemsize * tp.numel for tp in b) for b in reads]
     assert all(len(b) == 1 or size <= budget for b, size in zip(reads, sizes)), (budget, sizes)
+
+
+def _reference_view(sources, tp) -> torch.Tensor:
+    src, offset, _, length = tuple(tp.segments[0])
+    return sources[src][offset:offset + length].view(tp.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, None, torch.bfloat16])
+@pytest.mark.parametrize("root_name", [SMALL, "s2_bf16_w2_frozen_tied", "s1_bf16_w2_frozen", "s0_bf16_w2"])
+def test_view_ranges_say_what_may_view_says_and_views_are_the_slices(root_name, dtype):
+    """The whole-table answer (``view_ranges``) is the per-tensor one, for columnar plans and for
+    plans of tuples alike; a lazy lookup's view is the slice-and-view of its source exactly."""
+    prepared = prepare(real_root(root_name), dtype)
+    tps = list(prepared.plan.tensors.values())
+    ranges = executor_module.view_ranges(tps)
+    assert [r is not None for r in ranges] == [Executor.may_view(tp) for tp in tps]
+    if dtype == torch.float32 and root_name.startswith(("s2", "s3")):  # the fp32 masters are whole tensors
+        assert any(r is not None for r in ranges) and not all(r is not None for r in ranges)
+    as_tuples = [dataclasses.replace(tp, segments=tuple(map(tuple, tp.segments))) for tp in tps]
+    assert executor_module.view_ranges(as_tuples) == ranges
+    lazy = zerofast.reconstruct(real_root(root_name), dtype=dtype, lazy=True)
+    executor = prepared.lazy_executor()
+    for tp, where in zip(tps, ranges):
+        if where is None:
+            continue
+        assert where == tuple(tp.segments[0])[:2] + (tuple(tp.segments[0])[3],)
+        got, want = executor.view(tp, where), _reference_view(prepared.sources, tp)
+        assert (got.shape, got.stride(), got.storage_offset(), got.untyped_storage().data_ptr()) == \
+            (want.shape, want.stride(), want.storage_offset(), want.untyped_storage().data_ptr())
+        assert got._base is not None  # a view, as the slice is
+        assert_bitwise_equal(lazy[tp.name], want, tp.name)
+
+
+def test_contiguous_strides_are_torch_s():
+    for shape in [(), (3,), (2, 3), (0, 3), (3, 0, 2), (1, 1, 5), (4, 1, 3), (2, 3, 4, 5)]:
+        assert executor_module.contiguous_strides(shape) == torch.empty(shape).stride(), shape

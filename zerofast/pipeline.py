@@ -14,7 +14,7 @@ import torch
 
 from . import dtypes
 from .errors import FrozenWeightsAbsentWarning
-from .execute import Executor
+from .execute import Executor, view_ranges
 from .execute.read_batch import BatchReader, locate
 from .layouts import discover, load_checkpoint
 from .load import LoadedCheckpoint
@@ -38,7 +38,7 @@ class Prepared:
         whole in the requested dtype), so it never drops their pages; everything else is read
         from the files in batches, as the eager dict is, so reading every tensor once keeps no
         more than what is read at once resident."""
-        viewable = {tp.segments[0][0] for tp in self.plan.tensors.values() if Executor.may_view(tp)}
+        viewable = {where[0] for where in view_ranges(list(self.plan.tensors.values())) if where is not None}
         streamable = [m and i not in viewable for i, m in enumerate(self.mapped)]
         return Executor(self.sources, device, streamable=streamable, batch=self._batch_reader())
 

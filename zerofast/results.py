@@ -9,7 +9,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .execute import Executor
+from .execute import Executor, view_ranges
 from .load.reader import collector_paused
 from .plan.model import Plan, TensorPlan
 
@@ -61,6 +61,9 @@ class LazyStateDict(Mapping):
         self._window_end = 0  # the names before it are (or were) in the window
         self._at: int | None = None  # where the latest loop over the mapping is
         self.read_ahead_bytes = READ_AHEAD_BYTES
+        # plan name -> where it is viewed from, for those handed out as views (on the CPU)
+        self._views = {} if executor.device.type != "cpu" else {
+            k: where for k, where in zip(plan.tensors, view_ranges(list(plan.tensors.values()))) if where is not None}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         key = self._plan.aliases.get(name, name)
@@ -69,7 +72,10 @@ class LazyStateDict(Mapping):
         if at is not None and at >= self._window_end and self._plan.order[at] == name:
             self._window_end = self._read_ahead(at)
         ahead = self._window.pop(key, None)
-        return ahead if ahead is not None else self._executor.view_or_run(tp)
+        if ahead is not None:
+            return ahead
+        where = self._views.get(key)
+        return self._executor.run(tp) if where is None else self._executor.view(tp, where)
 
     def __iter__(self) -> Iterator[str]:
         self._window_end = 0
@@ -87,11 +93,11 @@ class LazyStateDict(Mapping):
         order, budget = self._plan.order, self.read_ahead_bytes
         picked: dict[str, TensorPlan] = {}
         size, end = 0, start
-        viewed = self._executor.device.type == "cpu"
+        viewed = self._views
         while end < len(order) and len(picked) < READ_AHEAD_TENSORS:
             key = self._plan.aliases.get(order[end], order[end])
             tp = self._plan.tensors[key]
-            if tp.nbytes > budget or (viewed and Executor.may_view(tp)):
+            if tp.nbytes > budget or key in viewed:
                 end += 1  # read alone (or viewed) when looked up
                 continue
             if size + tp.nbytes > budget:

@@ -4,6 +4,6 @@
   results come back through its :mod:`zerofast.devices` entry);
 - :mod:`.read_batch`: whole passes as one native call that preads the checkpoint files.
 """
-from .executor import Executor
+from .executor import Executor, view_ranges
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "view_ranges"]

@@ -3,13 +3,15 @@ gather-and-cast op over the mappings otherwise."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from .. import ops
 from ..devices import device_of
-from ..plan.model import TensorPlan
+from ..plan.model import SegmentTable, TableSegments, TensorPlan
 
 if TYPE_CHECKING:
     from .read_batch import BatchReader
@@ -128,8 +130,16 @@ class Executor:
         of its (memory-mapped) source: casting to the dtype a tensor already has copies nothing."""
         if self.device.type == "cpu" and self.may_view(tp):
             src, src_off, _, length = tp.segments[0]
-            return self.sources[src][src_off:src_off + length].view(tp.shape)
+            return self.view(tp, (src, src_off, length))
         return self.run(tp)
+
+    def view(self, tp: TensorPlan, where: tuple[int, int, int]) -> torch.Tensor:
+        """``tp`` as a view of ``where`` (source, offset, length: see :func:`view_ranges`), on the
+        CPU: what ``source[offset:offset + length].view(shape)`` makes, in one op, not two (a lazy
+        mapping of tens of thousands of small tensors makes one per lookup)."""
+        source = self.sources[where[0]]
+        shape = tuple(tp.shape)
+        return source.as_strided(shape, contiguous_strides(shape), source.storage_offset() + where[1])
 
     def _local(self, tp: TensorPlan) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Renumber the sources one tensor uses, so the op gets a short list."""
@@ -139,6 +149,51 @@ class Executor:
             rows.append((index.setdefault(src, len(index)), src_off, dst_off, length))
         sources = [self.sources[s] for s in index]
         return sources, torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+
+
+@functools.lru_cache(maxsize=4096)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``, as torch gives them (a dim of size 0 or 1
+    steps as if it were 1)."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def view_ranges(tps: Sequence[TensorPlan]) -> list[tuple[int, int, int] | None]:
+    """Per tensor, the ``(source, offset, length)`` it may be viewed from, where
+    :meth:`Executor.may_view`, else None. Each columnar plan's segment table is read whole,
+    without a trip through :class:`~zerofast.plan.model.TableSegments` per tensor (a lazy
+    mapping of tens of thousands of tensors asks this of all of them)."""
+    out: list[tuple[int, int, int] | None] = [None] * len(tps)
+    tables: dict[int, tuple[SegmentTable, list[int], list[int], list[int]]] = {}
+    for i, tp in enumerate(tps):
+        segments = tp.segments
+        if tp.stored_dtype != tp.out_dtype:
+            continue
+        if type(segments) is not TableSegments:
+            if Executor.may_view(tp):
+                src, offset, _, length = segments[0]
+                out[i] = (src, offset, length)
+            continue
+        table, at, numbers, numels = tables.setdefault(id(segments.table), (segments.table, [], [], []))
+        at.append(i)
+        numbers.append(segments.number)
+        numels.append(tp.numel)
+    for table, at, numbers, numels in tables.values():
+        if not len(table.rows):
+            continue  # no tensor of this table has a segment
+        which = np.array(numbers, dtype=np.int64)
+        first = table.starts[which]
+        one = table.starts[which + 1] - first == 1
+        rows = table.rows[np.minimum(first, len(table.rows) - 1)]  # (a tensor without segments: some row, unused)
+        ok = one & (rows[:, 2] == 0) & (rows[:, 3] == np.array(numels, dtype=np.int64))
+        for i, yes, (src, offset, _, length) in zip(at, ok.tolist(), rows.tolist()):
+            if yes:
+                out[i] = (src, offset, length)
+    return out
 
 
 # Host memory a batch read for a GPU (or staged for a model that is not written in place) holds at once.
