@@ -38,9 +38,11 @@ class Prepared:
         whole in the requested dtype), so it never drops their pages; everything else is read
         from the files in batches, as the eager dict is, so reading every tensor once keeps no
         more than what is read at once resident."""
-        viewable = {where[0] for where in view_ranges(list(self.plan.tensors.values())) if where is not None}
-        streamable = [m and i not in viewable for i, m in enumerate(self.mapped)]
-        return Executor(self.sources, device, streamable=streamable, batch=self._batch_reader())
+        views = {name: where for name, where in zip(self.plan.tensors, view_ranges(list(self.plan.tensors.values())))
+                 if where is not None} if torch.device(device).type == "cpu" else {}
+        viewed = {where[0] for where in views.values()}
+        streamable = [m and i not in viewed for i, m in enumerate(self.mapped)]
+        return Executor(self.sources, device, streamable=streamable, batch=self._batch_reader(), views=views)
 
     def streaming_executor(self, device: str | torch.device = "cpu",
                            compute: str | torch.device | None = None) -> Executor:

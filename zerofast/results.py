@@ -9,7 +9,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .execute import Executor, view_ranges
+from .execute import Executor
 from .load.reader import collector_paused
 from .plan.model import Plan, TensorPlan
 
@@ -61,9 +61,7 @@ class LazyStateDict(Mapping):
         self._window_end = 0  # the names before it are (or were) in the window
         self._at: int | None = None  # where the latest loop over the mapping is
         self.read_ahead_bytes = READ_AHEAD_BYTES
-        # plan name -> where it is viewed from, for those handed out as views (on the CPU)
-        self._views = {} if executor.device.type != "cpu" else {
-            k: where for k, where in zip(plan.tensors, view_ranges(list(plan.tensors.values()))) if where is not None}
+        self._views = executor.views or {}  # plan name -> where it is viewed from
 
     def __getitem__(self, name: str) -> torch.Tensor:
         key = self._plan.aliases.get(name, name)

@@ -40,8 +40,11 @@ class Executor:
 
     def __init__(self, sources: Sequence[torch.Tensor], device: str | torch.device = "cpu",
                  streamable: Sequence[bool] | None = None, compute: str | torch.device | None = None,
-                 batch: BatchReader | None = None):
+                 batch: BatchReader | None = None, views: dict[str, tuple[int, int, int]] | None = None):
         self.sources = sources
+        # plan name -> where it is viewed from (view_ranges), for the tensors this executor hands
+        # out as views of their sources (the lazy mapping's; None: it hands out none)
+        self.views = views
         self.device = torch.device(device)
         self.compute = self.device if compute is None else torch.device(compute)
         self.streamable = streamable
