@@ -130,11 +130,15 @@ class Parser {
     }
     if (__int128(cd_offset) + __int128(cd_size) != cd_end - start_) throw Declined("directory misplaced");
     const uint8_t* dir = at(__int128(start_) + cd_offset, cd_size);
-    // Entry indices are int32 (ZipDirectory::numbered); each entry takes at least kCentral bytes.
-    if (count > uint64_t(INT32_MAX) || count > cd_size / kCentral) throw Declined("directory entry cut short");
+    // Each entry takes at least kCentral bytes (the loop below would find the last cut short);
+    // entry indices are int32 (ZipDirectory::numbered).
+    if (count > cd_size / kCentral) throw Declined("directory entry cut short");
+    if (count > uint64_t(INT32_MAX)) throw Declined("too many entries");
     std::vector<Raw> out;
     out.reserve(size_t(count));
-    d.names.reserve(size_t(cd_size - count * kCentral));  // the names fit in what the fixed parts leave
+    // Room for names as long as torch.save's usually are; not all the directory leaves them,
+    // which a file with a few entries and a huge extra field would make gigabytes.
+    d.names.reserve(size_t(std::min<uint64_t>(cd_size - count * kCentral, count * 64)));
     uint64_t pos = 0;
     for (uint64_t i = 0; i < count; ++i) out.push_back(central_entry(dir, cd_size, &pos, &d.names));
     if (pos != cd_size) throw Declined("bytes after the directory's entries");

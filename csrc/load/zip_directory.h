@@ -37,7 +37,7 @@ class ZipDirectory {
   int64_t pickle_offset = 0;  // data.pkl's data, in file offsets
   int64_t pickle_size = 0;
 
-  std::string_view name(size_t i) const { return std::string_view(names).substr(entries[i].name_at, entries[i].name_len); }
+  std::string_view name(size_t i) const { return std::string_view(names.data() + entries[i].name_at, entries[i].name_len); }
 
   // The entry named `name` matched case-insensitively (as archive.py's dict of lower-cased
   // names matches), or -1.
