@@ -180,3 +180,91 @@ def test_storage_checks_fall_back_to_the_reference_messages(victim):
     with pytest.raises(CorruptCheckpointError, match="expected zip entry '.*/data/nope'"):
         index.storage_offset("nope", 4)
 
+
+
+# -- names: the numbered ones, the others, and names equal but for case -------------------------
+
+def _add_entries(path: Path, names: list[str], shuffle: random.Random | None = None) -> None:
+    """Append stored entries named ``names`` (each a few bytes of its own); with ``shuffle``, the
+    central directory then lists all entries in a shuffled order (the data stays in file order)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "a") as zf:
+        for i, name in enumerate(names):
+            zf.writestr(name, bytes(range(i % 7 + 1)))
+        if shuffle is not None:
+            first = zf.filelist[0]  # kept first: the reference takes the folder from it
+            rest = zf.filelist[1:]
+            shuffle.shuffle(rest)
+            zf.filelist[:] = [first, *rest]
+
+
+def _prefix(path: Path) -> str:
+    return member(path, "/data.pkl").filename.split("/", 1)[0]
+
+
+def _other_names(prefix: str, count: int) -> list[str]:
+    """Names the native reader cannot file by number: not decimal as str(n) writes it, past the
+    entry count, not in data/, or spelled with capitals."""
+    kinds = [f"{prefix}/data/k{{}}", f"{prefix}/data/{10**7}{{}}", f"{prefix}/data/0{{}}", f"{prefix}/extra/{{}}",
+             f"{prefix}/Data/X{{}}"]
+    return [kind.format(i) for i in range(count) for kind in kinds]
+
+
+def _assert_reference_index(path: Path, monkeypatch) -> None:
+    """The native reader accepts ``path``, builds the reference's index, and finds each storage
+    key (as spelled and upper-cased) where the reference finds it."""
+    reference = _reference(path, monkeypatch)
+    native = index_archive(path)
+    _same_index(native, reference)
+    for entry in reference.entries.values():
+        folder, _, key = entry.name.rpartition("/")
+        if folder.lower() != f"{reference.prefix}/data".lower():
+            continue
+        for spelled in (key, key.upper()):
+            expected = _verdict(lambda: reference.storage_offset(spelled, entry.size))
+            assert native.directory.storage_offset(spelled, entry.size) == (
+                expected[1] if expected[0] == "ok" else -1), spelled
+
+
+@needs_core
+def test_many_other_names_get_the_reference_index(victim, monkeypatch):
+    _add_entries(victim, _other_names(_prefix(victim), 1000))
+    assert len(_native(victim)[1]) > 5000
+    _assert_reference_index(victim, monkeypatch)
+
+
+@needs_core
+def test_entries_listed_out_of_file_order_get_the_reference_index(victim, monkeypatch):
+    _add_entries(victim, _other_names(_prefix(victim), 50), shuffle=random.Random(SEED))
+    _assert_reference_index(victim, monkeypatch)
+    info = member(victim, "/data.pkl")  # now its bytes run into the next entry's local header
+    patch_central_directory(victim, "/data.pkl", compress_size=info.file_size + 64, file_size=info.file_size + 64)
+    assert _native(victim)[:2] == (False, "entries overlap")
+    assert index_archive(victim).directory is None
+
+
+def _twins(prefix: str) -> dict[str, tuple[list[str], str]]:
+    """Names to add, and one of them again but for case: among the numbered names (the folder's
+    case too), among the others, and each at either end of the directory."""
+    others = _other_names(prefix, 200)
+    return {
+        "numbered": ([], f"{prefix.upper()}/DATA/0"),
+        "numbered_folder_case": ([], f"{prefix[0].swapcase()}{prefix[1:]}/data/1"),
+        "numbered_among_others": (others, f"{prefix}/Data/2"),
+        "other_first_added": (others, others[0].upper()),
+        "other_last_added": (others, others[-1].swapcase()),
+        "other_mid": (others, others[len(others) // 2].upper()),
+        "pickle": (others, f"{prefix}/DATA.pkl"),
+    }
+
+
+@needs_core
+@pytest.mark.parametrize("case", sorted(_twins("p")))
+def test_names_equal_but_for_case_are_declined_with_the_reference_verdict(victim, monkeypatch, case):
+    names, twin = _twins(_prefix(victim))[case]
+    _add_entries(victim, [*names, twin])
+    assert _native(victim)[:2] == (False, "a name twice")
+    reference = _verdict(lambda: _reference(victim, monkeypatch))
+    assert reference[0] is CorruptCheckpointError and "expected unique zip entry names" in reference[1]
+    assert _verdict(lambda: index_archive(victim)) == reference

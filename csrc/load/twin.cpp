@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 #include <unordered_map>
@@ -43,9 +44,10 @@ bool same_entries(const ZipDirectory& a, const ZipDirectory& b) {
   const size_t pa = a.prefix.size(), pb = b.prefix.size();
   for (size_t i = 0; i < a.entries.size(); ++i) {
     const ZipEntry &x = a.entries[i], &y = b.entries[i];
+    const std::string_view xn = a.name(i), yn = b.name(i);
     const bool pickle = x.data_offset == a.pickle_offset;
-    if (pickle != (y.data_offset == b.pickle_offset) || x.name.compare(0, pa, a.prefix) != 0 ||
-        y.name.compare(0, pb, b.prefix) != 0 || x.name.compare(pa, std::string::npos, y.name, pb, std::string::npos) != 0 ||
+    if (pickle != (y.data_offset == b.pickle_offset) || xn.compare(0, pa, a.prefix) != 0 ||
+        yn.compare(0, pb, b.prefix) != 0 || xn.substr(pa) != yn.substr(pb) ||
         x.compressed != y.compressed || (!pickle && (x.stored_size != y.stored_size || x.size != y.size)))
       return false;
   }

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <string_view>
 
 #include "pickle_scan.h"
 
@@ -23,19 +24,24 @@ constexpr int64_t kEocd = 22, kLocator = 20, kZip64Eocd = 56, kCentral = 46, kLo
 constexpr int64_t kMaxComment = 0xFFFF;
 
 
-std::string lower_ascii(std::string s) {
-  for (char& c : s)
-    if (c >= 'A' && c <= 'Z') c = char(c - 'A' + 'a');
-  return s;
-}
-
 char lower_char(char c) { return c >= 'A' && c <= 'Z' ? char(c - 'A' + 'a') : c; }
 
-bool lower_prefix(const std::string& s, const std::string& lowered) {  // lower_ascii(s) starts with it
-  if (s.size() < lowered.size()) return false;
-  for (size_t i = 0; i < lowered.size(); ++i)
-    if (lower_char(s[i]) != lowered[i]) return false;
-  return true;
+// How `a` compares with `b`, both lower-cased, byte by byte: the order `others` is sorted in.
+int compare_lower(std::string_view a, std::string_view b) {
+  const size_t n = std::min(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    unsigned char x = (unsigned char)lower_char(a[i]), y = (unsigned char)lower_char(b[i]);
+    if (x != y) return x < y ? -1 : 1;
+  }
+  return a.size() == b.size() ? 0 : (a.size() < b.size() ? -1 : 1);
+}
+
+// Whether `s` starts with `head`, ignoring case: first as spelled (every name of a torch.save
+// archive repeats the first one's folder exactly), then letter by letter.
+bool starts_lower(std::string_view s, std::string_view head) {
+  if (s.size() < head.size()) return false;
+  if (s.compare(0, head.size(), head) == 0) return true;
+  return compare_lower(s.substr(0, head.size()), head) == 0;
 }
 
 // The file mapped read-only for one call: the local headers sit all over it.
@@ -67,10 +73,11 @@ class Mapped {
 };
 
 struct Raw {  // one central-directory entry, offsets relative to the archive's start
-  std::string name;
+  size_t name_at;  // its name, already in ZipDirectory::names
+  uint16_t name_len;
+  bool compressed;
   __int128 header_offset;
   uint64_t stored_size, size;
-  bool compressed;
 };
 
 class Parser {
@@ -78,8 +85,10 @@ class Parser {
   Parser(const uint8_t* file, int64_t start, int64_t end) : f_(file), start_(start), end_(end) {}
 
   ZipDirectory run() {
-    std::vector<Raw> raw = central_directory();
-    return entries(raw);
+    ZipDirectory d;
+    std::vector<Raw> raw = central_directory(d);
+    entries(raw, d);
+    return d;
   }
 
  private:
@@ -92,7 +101,7 @@ class Parser {
     return f_ + int64_t(pos);
   }
 
-  std::vector<Raw> central_directory() {
+  std::vector<Raw> central_directory(ZipDirectory& d) {
     const int64_t tail_size = std::min<int64_t>(end_ - start_, kEocd + kMaxComment);
     const uint8_t* tail = at(end_ - tail_size, tail_size);
     int64_t found = -1;
@@ -121,14 +130,22 @@ class Parser {
     }
     if (__int128(cd_offset) + __int128(cd_size) != cd_end - start_) throw Declined("directory misplaced");
     const uint8_t* dir = at(__int128(start_) + cd_offset, cd_size);
+    // Each entry takes at least kCentral bytes (the loop below would find the last cut short);
+    // entry indices are int32 (ZipDirectory::numbered).
+    if (count > cd_size / kCentral) throw Declined("directory entry cut short");
+    if (count > uint64_t(INT32_MAX)) throw Declined("too many entries");
     std::vector<Raw> out;
+    out.reserve(size_t(count));
+    // Room for names as long as torch.save's usually are; not all the directory leaves them,
+    // which a file with a few entries and a huge extra field would make gigabytes.
+    d.names.reserve(size_t(std::min<uint64_t>(cd_size - count * kCentral, count * 64)));
     uint64_t pos = 0;
-    for (uint64_t i = 0; i < count; ++i) out.push_back(central_entry(dir, cd_size, &pos));
+    for (uint64_t i = 0; i < count; ++i) out.push_back(central_entry(dir, cd_size, &pos, &d.names));
     if (pos != cd_size) throw Declined("bytes after the directory's entries");
     return out;
   }
 
-  static Raw central_entry(const uint8_t* dir, uint64_t dir_size, uint64_t* pos) {
+  static Raw central_entry(const uint8_t* dir, uint64_t dir_size, uint64_t* pos, std::string* names) {
     if (*pos + kCentral > dir_size) throw Declined("directory entry cut short");
     const uint8_t* c = dir + *pos;
     if (std::memcmp(c, "PK\x01\x02", 4) != 0) throw Declined("not a directory entry");
@@ -137,13 +154,16 @@ class Parser {
     uint64_t offset = little(c + 42, 4);
     uint64_t name_at = *pos + kCentral;
     if (name_at + name_len + extra_len > dir_size) throw Declined("directory entry cut short");
-    std::string name(reinterpret_cast<const char*>(dir + name_at), size_t(name_len));
-    for (unsigned char ch : name)
-      if (ch >= 0x80) throw Declined("a name that is not ASCII");
+    const uint8_t* name = dir + name_at;
+    uint8_t bits = 0;  // or-ed over the name: one loop the compiler vectorizes, no branch a byte
+    for (uint64_t i = 0; i < name_len; ++i) bits |= name[i];
+    if (bits >= 0x80) throw Declined("a name that is not ASCII");
     if (csize == kSat32 || usize == kSat32 || offset == kSat32)
       zip64_fields(dir + name_at + name_len, extra_len, &usize, &csize, &offset);
     *pos = name_at + name_len + extra_len + comment_len;
-    return Raw{std::move(name), __int128(offset), csize, usize, method != 0};
+    const size_t at = names->size();
+    names->append(reinterpret_cast<const char*>(name), size_t(name_len));
+    return Raw{at, uint16_t(name_len), method != 0, __int128(offset), csize, usize};
   }
 
   static void zip64_fields(const uint8_t* extra, uint64_t len, uint64_t* usize, uint64_t* csize, uint64_t* offset) {
@@ -166,69 +186,88 @@ class Parser {
     throw Declined("no zip64 field");
   }
 
-  ZipDirectory entries(std::vector<Raw>& raw) {
-    if (raw.empty() || raw[0].name.find('/') == std::string::npos) throw Declined("not entries in one folder");
-    ZipDirectory d;
+  void entries(const std::vector<Raw>& raw, ZipDirectory& d) {
+    if (raw.empty() || std::string_view(d.names).substr(raw[0].name_at, raw[0].name_len).find('/') == std::string_view::npos)
+      throw Declined("not entries in one folder");
     d.entries.reserve(raw.size());
-    d.by_lower.reserve(raw.size());
-    for (Raw& r : raw) {
+    for (const Raw& r : raw) {
       __int128 header = r.header_offset + start_;
-      if (!d.by_lower.emplace(lower_ascii(r.name), d.entries.size()).second) throw Declined("a name twice");
       const uint8_t* h = at(header, kLocal);
       if (std::memcmp(h, "PK\x03\x04", 4) != 0) throw Declined("no local header");
       __int128 data = header + kLocal + little(h + 26, 2) + little(h + 28, 2);
       if (data + __int128(r.stored_size) > end_) throw Declined("entry past the end");
       if (r.size > uint64_t(INT64_MAX)) throw Declined("entry size");
-      d.entries.push_back(ZipEntry{std::move(r.name), int64_t(header), int64_t(data), int64_t(r.stored_size),
-                                   int64_t(r.size), r.compressed});
+      d.entries.push_back(ZipEntry{r.name_at, r.name_len, r.compressed, int64_t(header), int64_t(data),
+                                   int64_t(r.stored_size), int64_t(r.size)});
     }
     no_overlaps(d.entries);
-    d.prefix = d.entries[0].name.substr(0, d.entries[0].name.find('/'));
-    auto pkl = d.by_lower.find(lower_ascii(d.prefix + "/data.pkl"));
-    if (pkl == d.by_lower.end() || d.entries[pkl->second].compressed) throw Declined("no stored data.pkl");
-    d.pickle_offset = d.entries[pkl->second].data_offset;
-    d.pickle_size = d.entries[pkl->second].stored_size;
-    index_numbered(d);
-    return d;
+    const std::string_view first = d.name(0);
+    d.prefix = std::string(first.substr(0, first.find('/')));
+    d.folder = d.prefix + "/data/";
+    index_names(d);
+    int64_t pkl = d.find(d.prefix + "/data.pkl");
+    if (pkl < 0 || d.entries[size_t(pkl)].compressed) throw Declined("no stored data.pkl");
+    d.pickle_offset = d.entries[size_t(pkl)].data_offset;
+    d.pickle_size = d.entries[size_t(pkl)].stored_size;
   }
 
-  // Names differ case-insensitively (checked above) and digits have no case, so each number
-  // has at most one entry, the one by_lower would find for its name.
-  static void index_numbered(ZipDirectory& d) {
-    const std::string folder = lower_ascii(d.prefix + "/data/");
+  // archive.py's dict of lower-cased names, and its check that no name comes twice. A name's
+  // lower-cased form decides whether it is a numbered one (the folder, "/data/", a decimal
+  // below the count; digits have no case) and which number, so two names equal without case
+  // meet either in one slot of `numbered` or side by side in the sorted `others`.
+  static void index_names(ZipDirectory& d) {
     d.numbered.assign(d.entries.size(), -1);
     for (size_t i = 0; i < d.entries.size(); ++i) {
-      const std::string& name = d.entries[i].name;
-      if (name.size() <= folder.size() || !lower_prefix(name, folder)) continue;
-      int64_t n = numbered_key(name.data() + folder.size(), name.size() - folder.size(), d.entries.size());
-      if (n >= 0) d.numbered[size_t(n)] = int32_t(i);
+      int64_t n = d.number_of(d.name(i));
+      if (n < 0) {
+        d.others.push_back(int32_t(i));
+      } else {
+        if (d.numbered[size_t(n)] >= 0) throw Declined("a name twice");
+        d.numbered[size_t(n)] = int32_t(i);
+      }
     }
+    std::sort(d.others.begin(), d.others.end(),
+              [&d](int32_t a, int32_t b) { return compare_lower(d.name(size_t(a)), d.name(size_t(b))) < 0; });
+    for (size_t i = 1; i < d.others.size(); ++i)
+      if (compare_lower(d.name(size_t(d.others[i - 1])), d.name(size_t(d.others[i]))) == 0)
+        throw Declined("a name twice");
   }
 
+  static bool ends_before(const ZipEntry& a, const ZipEntry& b) {
+    return a.data_offset + a.stored_size <= b.header_offset;
+  }
+
+  // torch.save writes the entries in file order: then each need only be checked against the
+  // next, without sorting 50k of them.
   static void no_overlaps(const std::vector<ZipEntry>& entries) {
+    size_t i = 1;
+    for (; i < entries.size() && entries[i - 1].header_offset <= entries[i].header_offset; ++i)
+      if (!ends_before(entries[i - 1], entries[i])) throw Declined("entries overlap");
+    if (i == entries.size()) return;
     std::vector<const ZipEntry*> order;
     order.reserve(entries.size());
     for (const ZipEntry& e : entries) order.push_back(&e);
     std::sort(order.begin(), order.end(),
               [](const ZipEntry* a, const ZipEntry* b) { return a->header_offset < b->header_offset; });
-    for (size_t i = 1; i < order.size(); ++i)
-      if (order[i - 1]->data_offset + order[i - 1]->stored_size > order[i]->header_offset)
-        throw Declined("entries overlap");
+    for (size_t j = 1; j < order.size(); ++j)
+      if (!ends_before(*order[j - 1], *order[j])) throw Declined("entries overlap");
   }
 };
 
 py::tuple zip_directory(const std::string& path, int64_t start, int64_t end) {
   try {
     std::shared_ptr<ZipDirectory> d;
-    std::string pickle;
+    std::unique_ptr<Mapped> file;
     {
       py::gil_scoped_release unlocked;  // touches no Python object
-      Mapped file(path);
-      if (start < 0 || start > end || end > file.size()) throw Declined("archive bounds");
-      d = std::make_shared<ZipDirectory>(Parser(file.data(), start, end).run());
-      pickle.assign(reinterpret_cast<const char*>(file.data() + d->pickle_offset), size_t(d->pickle_size));
+      file = std::make_unique<Mapped>(path);
+      if (start < 0 || start > end || end > file->size()) throw Declined("archive bounds");
+      d = std::make_shared<ZipDirectory>(Parser(file->data(), start, end).run());
     }
-    return py::make_tuple(true, d, py::bytes(pickle));
+    // data.pkl copied once, from the mapping into the bytes object (a copy into a std::string
+    // first would copy its megabytes twice).
+    py::bytes pickle(reinterpret_cast<const char*>(file->data() + d->pickle_offset), size_t(d->pickle_size));
+    return py::make_tuple(true, d, pickle);
   } catch (const Declined& e) {
     return py::make_tuple(false, std::string(e.what()), py::none());
   }
@@ -236,21 +275,42 @@ py::tuple zip_directory(const std::string& path, int64_t start, int64_t end) {
 
 py::list entry_tuples(const ZipDirectory& d) {
   py::list out;
-  for (const ZipEntry& e : d.entries)
-    out.append(py::make_tuple(e.name, e.data_offset, e.stored_size, e.size, e.compressed));
+  for (size_t i = 0; i < d.entries.size(); ++i) {
+    const ZipEntry& e = d.entries[i];
+    const std::string_view name = d.name(i);
+    out.append(py::make_tuple(py::str(name.data(), name.size()), e.data_offset, e.stored_size, e.size, e.compressed));
+  }
   return out;
+}
+
+// The checks ArchiveIndex.storage_offset makes of the entry it found.
+int64_t stored_data(const ZipDirectory& d, int64_t at, int64_t nbytes) {
+  if (at < 0) return -1;
+  const ZipEntry& e = d.entries[size_t(at)];
+  if (e.compressed || e.stored_size != e.size || e.size != nbytes) return -1;
+  return e.data_offset;
 }
 
 }  // namespace
 
+int64_t ZipDirectory::number_of(std::string_view name) const {
+  if (name.size() <= folder.size() || !starts_lower(name, folder)) return -1;
+  return numbered_key(name.data() + folder.size(), name.size() - folder.size(), entries.size());
+}
+
+int64_t ZipDirectory::find(std::string_view name) const {
+  int64_t n = number_of(name);
+  if (n >= 0) return numbered[size_t(n)];  // -1 where no entry has that number: no other could match
+  auto at = std::lower_bound(others.begin(), others.end(), name, [this](int32_t i, std::string_view key) {
+    return compare_lower(this->name(size_t(i)), key) < 0;
+  });
+  return at != others.end() && compare_lower(this->name(size_t(*at)), name) == 0 ? *at : -1;
+}
+
 int64_t ZipDirectory::storage_offset(const std::string& key, int64_t nbytes) const {
   for (unsigned char ch : key)
     if (ch >= 0x80) return -1;
-  auto found = by_lower.find(lower_ascii(prefix + "/data/" + key));
-  if (found == by_lower.end()) return -1;
-  const ZipEntry& e = entries[found->second];
-  if (e.compressed || e.stored_size != e.size || e.size != nbytes) return -1;
-  return e.data_offset;
+  return stored_data(*this, find(folder + key), nbytes);
 }
 
 int64_t numbered_key(const char* key, size_t len, size_t bound) {
@@ -266,10 +326,7 @@ int64_t numbered_key(const char* key, size_t len, size_t bound) {
 int64_t ZipDirectory::storage_offset(const char* key, size_t len, int64_t nbytes) const {
   int64_t n = numbered_key(key, len, numbered.size());
   if (n < 0) return storage_offset(std::string(key, len), nbytes);
-  if (numbered[size_t(n)] < 0) return -1;  // by_lower has no entry of that name either
-  const ZipEntry& e = entries[size_t(numbered[size_t(n)])];
-  if (e.compressed || e.stored_size != e.size || e.size != nbytes) return -1;
-  return e.data_offset;
+  return stored_data(*this, numbered[size_t(n)], nbytes);  // where it is -1, no other name matches either
 }
 
 void register_zip_directory(py::module_& m) {

@@ -12,38 +12,53 @@
 
 #include <cstdint>
 #include <string>
-#include <unordered_map>
+#include <string_view>
 #include <vector>
 
 namespace zerofast::load {
 
 struct ZipEntry {
-  std::string name;
+  size_t name_at;  // the name is ZipDirectory::names[name_at, name_at + name_len)
+  uint16_t name_len;
+  bool compressed;
   int64_t header_offset;
   int64_t data_offset;
   int64_t stored_size;
   int64_t size;
-  bool compressed;
 };
 
 class ZipDirectory {
  public:
   std::string prefix;
+  std::string folder;  // prefix + "/data/": where the storages are
   std::vector<ZipEntry> entries;  // in directory order
-  std::unordered_map<std::string, size_t> by_lower;
+  // Every entry's name, back to back: one allocation for the directory, not one per entry.
+  std::string names;
   int64_t pickle_offset = 0;  // data.pkl's data, in file offsets
   int64_t pickle_size = 0;
+
+  std::string_view name(size_t i) const { return std::string_view(names.data() + entries[i].name_at, entries[i].name_len); }
+
+  // The entry named `name` matched case-insensitively (as archive.py's dict of lower-cased
+  // names matches), or -1.
+  int64_t find(std::string_view name) const;
 
   // The file offset of storage `key` holding `nbytes`, as ArchiveIndex.storage_offset checks it;
   // -1 where that would raise (or the key is not ASCII): the reference then decides.
   int64_t storage_offset(const std::string& key, int64_t nbytes) const;
   // The same lookup for a key given as bytes: a decimal key (what torch.save writes) is found
-  // by its number, without building and hashing the entry's name.
+  // by its number, without building the entry's name.
   int64_t storage_offset(const char* key, size_t len, int64_t nbytes) const;
 
-  // Entry index of "<prefix>/data/<n>" (matched as by_lower matches), or -1, for n below the
+  // Entry index of "<prefix>/data/<n>" (matched case-insensitively), or -1, for n below the
   // number of entries: the storages' names as numbers.
   std::vector<int32_t> numbered;
+  // The other entries (not named as one of `numbered`'s), sorted by lower-cased name: found by
+  // binary search. torch.save writes a handful of them (data.pkl, version, byteorder, ...).
+  std::vector<int32_t> others;
+
+  // `n` where `name` is numbered's n-th name (matched case-insensitively), else -1.
+  int64_t number_of(std::string_view name) const;
 };
 
 // `n` where key[0, len) is n written in decimal as Python's str(n) writes it (no sign, no
