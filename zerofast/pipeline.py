@@ -38,8 +38,9 @@ class Prepared:
         whole in the requested dtype), so it never drops their pages; everything else is read
         from the files in batches, as the eager dict is, so reading every tensor once keeps no
         more than what is read at once resident."""
-        views = {name: where for name, where in zip(self.plan.tensors, view_ranges(list(self.plan.tensors.values())))
-                 if where is not None} if torch.device(device).type == "cpu" else {}
+        with collector_paused():  # tens of thousands of small objects made, none of them garbage
+            views = {name: where for name, where in zip(self.plan.tensors, view_ranges(list(self.plan.tensors.values())))
+                     if where is not None} if torch.device(device).type == "cpu" else {}
         viewed = {where[0] for where in views.values()}
         streamable = [m and i not in viewed for i, m in enumerate(self.mapped)]
         return Executor(self.sources, device, streamable=streamable, batch=self._batch_reader(), views=views)
