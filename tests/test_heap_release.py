@@ -6,6 +6,7 @@ peak it saves is measured in benchmarks/ (README, Performance), not here.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 
 import pytest
@@ -94,3 +95,28 @@ def _noting(real, events):
         events.append("outputs")
         return real(self, *args, **kwargs)
     return run
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("was_enabled", [True, False])
+def test_the_collector_is_paused_for_the_whole_call_and_given_back_as_found(was_enabled, monkeypatch):
+    """The entry points run with the cyclic collector off (the records and the plan are freed
+    before it is back, so its owed collection walks only the result), and leave it as they
+    found it, also when the call fails."""
+    root = real_root("s3_bf16_w2_frozen_tied")
+    seen = []
+    real_run_all = Executor.run_all
+    monkeypatch.setattr(Executor, "run_all", lambda self, tps: seen.append(gc.isenabled()) or real_run_all(self, tps))
+    real_prepare = importlib.import_module("zerofast.reconstruct").prepare
+    monkeypatch.setattr(importlib.import_module("zerofast.reconstruct"), "prepare",
+                        lambda *a, **k: seen.append(gc.isenabled()) or real_prepare(*a, **k))
+    (gc.enable if was_enabled else gc.disable)()
+    try:
+        assert zerofast.reconstruct(root)
+        assert gc.isenabled() == was_enabled
+        with pytest.raises(zerofast.ZeroFastError):
+            zerofast.reconstruct(root / "no such tag")
+        assert gc.isenabled() == was_enabled
+    finally:
+        gc.enable()
+    assert seen and not any(seen)

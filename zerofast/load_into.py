@@ -20,7 +20,7 @@ from . import dtypes
 from .errors import LoadIntoError
 from .execute.executor import STAGING_BYTES, in_runs
 from .pipeline import prepare
-from .load.reader import release_freed_heap
+from .load.reader import collector_paused, release_freed_heap
 from .dtypes import out_dtype_for
 from .plan import Plan, TensorPlan
 
@@ -32,6 +32,9 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
+# The cyclic collector paused for the whole call (see collector_paused): the collection it owes
+# then walks the result alone; the records and the plan are gone before it is back.
+@collector_paused()
 def load_into(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, strict: bool = True, tag: str | None = None,
               dtype: torch.dtype | None = None, follow_symlinks: bool | None = None) -> IncompatibleKeys:
     """Load a DeepSpeed ZeRO checkpoint into ``model`` in place, tensor by tensor.

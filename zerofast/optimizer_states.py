@@ -11,9 +11,12 @@ import torch
 
 from .results import LazyStateDict, eager_state_dict
 from .pipeline import prepare
-from .load.reader import release_freed_heap
+from .load.reader import collector_paused, release_freed_heap
 
 
+# The cyclic collector paused for the whole call (see collector_paused): the collection it owes
+# then walks the result alone; the records and the plan are gone before it is back.
+@collector_paused()
 def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype | None = torch.float32,
                     tag: str | None = None, lazy: bool = False, follow_symlinks: bool | None = None):
     """The full value of one per-element optimizer state for every trainable parameter.
