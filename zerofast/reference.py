@@ -18,8 +18,9 @@ def read_cast(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source
               segments: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
     """Reference for ``torch.ops.zerofast.read_cast``: reads the tensors, which hold the same bytes
     as the files the native kernel reads."""
+    flat = [o.view(-1) for o in outs]  # the kernel indexes each output by element, whatever its shape
     for out, src, src_off, dst_off, length in segments.tolist():
-        outs[out][dst_off:dst_off + length].copy_(sources[src][src_off:src_off + length])
+        flat[out][dst_off:dst_off + length].copy_(sources[src][src_off:src_off + length])
 
 
 def read_cast_to_file(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,

@@ -73,7 +73,7 @@ class Executor:
         contiguous CPU ``outs`` in one batched read."""
         if self.reader is not None and all(o.device.type == "cpu" and o.is_contiguous() for o in outs):
             for tp, out in zip(tps, outs):
-                self._check_out(tp, out.view(-1))
+                self._check_out(tp, out)  # its numel and dtype: no flat view needed to ask
             self.reader.read_into(tps, outs)
             return
         for tp, out in zip(tps, outs):
@@ -98,10 +98,10 @@ class Executor:
         return out.view(tp.shape)
 
     @staticmethod
-    def _check_out(tp: TensorPlan, flat: torch.Tensor) -> None:
-        if flat.numel() != tp.numel or flat.dtype != tp.out_dtype:
+    def _check_out(tp: TensorPlan, out: torch.Tensor) -> None:
+        if out.numel() != tp.numel or out.dtype != tp.out_dtype:
             raise ValueError(f"out for {tp.name!r} must hold {tp.numel} x {tp.out_dtype}, got "
-                             f"{flat.numel()} x {flat.dtype}")
+                             f"{out.numel()} x {out.dtype}")
 
     def _gather_elsewhere(self, tp: TensorPlan, sources: list[torch.Tensor], segments: torch.Tensor,
                           flat: torch.Tensor) -> None:

@@ -62,7 +62,7 @@ class BatchReader:
         if tps:
             rows = _rows(tps)
             with self.opened(_used([rows])) as (fds, offsets):
-                ops.read_cast(self.sources, fds, offsets, rows, [o.view(-1) for o in outs])
+                ops.read_cast(self.sources, fds, offsets, rows, outs)  # contiguous: written by element index
 
     def write(self, fd: int, placed: Sequence[tuple[TensorPlan, int]]) -> None:
         """Each ``(tp, byte offset)`` into file ``fd``, one call per output dtype."""
