@@ -91,17 +91,18 @@ class LazyStateDict(Mapping):
         order, budget = self._plan.order, self.read_ahead_bytes
         picked: dict[str, TensorPlan] = {}
         size, end = 0, start
-        viewed = self._views
-        while end < len(order) and len(picked) < READ_AHEAD_TENSORS:
-            key = self._plan.aliases.get(order[end], order[end])
-            tp = self._plan.tensors[key]
-            if tp.nbytes > budget or key in viewed:
+        viewed, aliases, tensors, count = self._views, self._plan.aliases, self._plan.tensors, len(order)
+        while end < count and len(picked) < READ_AHEAD_TENSORS:  # once per tensor: no call it can spare
+            key = aliases.get(order[end], order[end])
+            tp = tensors[key]
+            nbytes = tp.nbytes
+            if nbytes > budget or key in viewed:
                 end += 1  # read alone (or viewed) when looked up
                 continue
-            if size + tp.nbytes > budget:
+            if size + nbytes > budget:
                 break
             picked[key] = tp
-            size += tp.nbytes
+            size += nbytes
             end += 1
         if picked:
             self._window = dict(zip(picked, self._executor.run_all(list(picked.values()))))
