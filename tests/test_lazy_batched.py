@@ -208,3 +208,19 @@ def test_view_ranges_say_what_may_view_says_and_views_are_the_slices(root_name, 
 def test_contiguous_strides_are_torch_s():
     for shape in [(), (3,), (2, 3), (0, 3), (3, 0, 2), (1, 1, 5), (4, 1, 3), (2, 3, 4, 5)]:
         assert executor_module.contiguous_strides(shape) == torch.empty(shape).stride(), shape
+
+
+def test_a_view_past_its_source_is_not_handed_out():
+    """A plan row past its source's end (no builder makes one) must fail as the read checks it,
+    not come back as a view of whatever follows the source in its storage."""
+    prepared = prepare(real_root(SMALL), torch.float32)
+    name, tp = next((n, tp) for n, tp in prepared.plan.tensors.items() if Executor.may_view(tp) and tp.numel > 1)
+    src, _, _, length = tuple(tp.segments[0])
+    past = dataclasses.replace(tp, segments=((src, prepared.sources[src].numel() - length + 1, 0, length),))
+    prepared = dataclasses.replace(prepared, plan=dataclasses.replace(
+        prepared.plan, tensors={**prepared.plan.tensors, name: past}))
+    executor = prepared.lazy_executor()
+    assert name not in executor.views
+    lazy = zerofast.LazyStateDict(prepared.plan, executor)
+    with pytest.raises(Exception, match="segment|source|past|range|outside"):
+        lazy[name]

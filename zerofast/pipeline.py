@@ -40,10 +40,17 @@ class Prepared:
         more than what is read at once resident."""
         with collector_paused():  # tens of thousands of small objects made, none of them garbage
             views = {name: where for name, where in zip(self.plan.tensors, view_ranges(list(self.plan.tensors.values())))
-                     if where is not None} if torch.device(device).type == "cpu" else {}
+                     if where is not None and self._inside(where)} if torch.device(device).type == "cpu" else {}
         viewed = {where[0] for where in views.values()}
         streamable = [m and i not in viewed for i, m in enumerate(self.mapped)]
         return Executor(self.sources, device, streamable=streamable, batch=self._batch_reader(), views=views)
+
+    def _inside(self, where: tuple[int, int, int]) -> bool:
+        """Whether a view's range lies inside its source, as slicing it would check (a view is
+        made with ``as_strided``, which checks only against the whole storage); one outside is
+        read instead, where the native reader's own row checks word the error."""
+        src, offset, length = where
+        return 0 <= offset and offset + length <= self.sources[src].numel()
 
     def streaming_executor(self, device: str | torch.device = "cpu",
                            compute: str | torch.device | None = None) -> Executor:

@@ -265,8 +265,16 @@ py::tuple zip_directory(const std::string& path, int64_t start, int64_t end) {
       d = std::make_shared<ZipDirectory>(Parser(file->data(), start, end).run());
     }
     // data.pkl copied once, from the mapping into the bytes object (a copy into a std::string
-    // first would copy its megabytes twice).
-    py::bytes pickle(reinterpret_cast<const char*>(file->data() + d->pickle_offset), size_t(d->pickle_size));
+    // first would copy its megabytes twice); the object is made with the GIL, filled without it
+    // (the copy may fault the pickle's pages in from disk: other threads run meanwhile).
+    PyObject* raw = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(d->pickle_size));
+    if (!raw) throw py::error_already_set();
+    py::bytes pickle = py::reinterpret_steal<py::bytes>(raw);
+    {
+      py::gil_scoped_release unlocked;
+      std::memcpy(PyBytes_AS_STRING(raw), file->data() + d->pickle_offset, size_t(d->pickle_size));
+      file.reset();  // the unmap, also without the GIL
+    }
     return py::make_tuple(true, d, pickle);
   } catch (const Declined& e) {
     return py::make_tuple(false, std::string(e.what()), py::none());

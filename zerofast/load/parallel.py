@@ -62,8 +62,10 @@ def read_ahead(read: Callable[[Path], T], paths: Sequence[Path], ahead: int = 4)
     """Per path in order, a call returning ``read(path)`` (or raising what it raised), with up to
     ``ahead`` of the paths after it under way on threads meanwhile: for reads that leave the GIL
     free (a zip directory), done while the caller works on the files before. ``ahead`` bounds
-    what is held at once (each index holds its file's pickle). Close the iterator when leaving
-    it early: the reads under way are waited for, the rest not started."""
+    what is held at once (each index holds its file's pickle): ``ahead`` under way, plus the
+    one handed out, plus the one before it where the caller still holds it while taking the
+    next. Close the iterator when leaving it early: the reads under way are waited for, the
+    rest not started."""
     workers = min(len(paths), os.cpu_count() or 1, MAX_THREADS, ahead)
     if workers < 2:
         for path in paths:

@@ -97,9 +97,11 @@ def release_freed_heap(tensors: int) -> None:
 @functools.cache
 def _malloc_trim() -> Callable | None:
     try:
-        return ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # TypeError: no CDLL(None) where there is no libc to name
         return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 def load_file(path: Path) -> Any:
