@@ -352,3 +352,20 @@ def test_read_ahead_reads_in_turn_on_one_path(tmp_path):
     seen = []
     calls = read_ahead(lambda p: seen.append(threading.current_thread().name) or p, [tmp_path], ahead=4)
     assert [c() for c in calls] == [tmp_path] and seen == [me]
+
+
+def test_without_the_native_core_the_directories_are_read_in_turn(tmp_path, monkeypatch):
+    """The Python reference reads a zip directory under the GIL: threads would only contend."""
+    import zerofast.load.rank_states as rank_states
+
+    paths = []
+    for r in range(3):
+        paths.append(tmp_path / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+        save({"module": OrderedDict(w=torch.full((2,), float(r))), "buffer_names": []}, paths[-1])
+    threads = []
+    index = rank_states._index
+    monkeypatch.setattr(rank_states, "_index", lambda p: threads.append(threading.current_thread().name) or index(p))
+    monkeypatch.setattr(rank_states, "native_core", lambda: None)
+    states = read_rank_model_states(paths)
+    assert [float(s.module["w"][0]) for s in states] == [0.0, 1.0, 2.0]
+    assert threads == [threading.current_thread().name] * 3

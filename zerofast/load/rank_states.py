@@ -20,12 +20,14 @@ import torch
 from .. import keys as K
 from .archive import index_archive
 from .parallel import read_ahead, read_all
-from .reader import Template, Twin, TwinDeclined, load_file, load_like, read_errors
+from .reader import Template, Twin, TwinDeclined, load_file, load_like, native_core, read_errors
 from .records import ModelStates, model_states_from, read_model_states
 
 # Distinct pickles kept to compare rank files with: rank 0's, and the one other ranks share
 # where rank 0 alone records something (DeepSpeed writes shared_params on rank 0 only).
 MAX_TEMPLATES = 4
+# Rank files whose zip directories are read ahead of the one being unpickled.
+READ_AHEAD = 4
 
 
 def read_rank_model_states(paths: Sequence[Path]) -> list[ModelStates]:
@@ -36,7 +38,10 @@ def read_rank_model_states(paths: Sequence[Path]) -> list[ModelStates]:
     later: dict[int, frozenset] = {}  # per template: the keys that may be copied later (asked once)
     states: list[ModelStates] = []
     misses = 0
-    with contextlib.closing(read_ahead(_index, paths)) as indexes:
+    # Ahead only where the native core reads the directories (without the GIL): the Python
+    # reference's would only contend for it.
+    ahead = READ_AHEAD if native_core() is not None else 0
+    with contextlib.closing(read_ahead(_index, paths, ahead)) as indexes:
         for i, (path, index) in enumerate(zip(paths, indexes)):
             if misses == 2:
                 break
