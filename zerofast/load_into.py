@@ -66,7 +66,7 @@ def load_into(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, strict: bo
     pairs = [(name, _plan_of(plan, name)) for name in targets if name not in missing]
     _check_shapes(pairs, targets, prepared.checkpoint.files.tag_dir)
     executor = prepared.streaming_executor()
-    del prepared  # the records are not needed to move the bytes (see reconstruct)
+    del prepared  # the records are not needed to move the bytes (see results.state_dict_of)
     release_freed_heap(len(plan.tensors))
     in_place, staged = _split(pairs, targets, dtype)
     with torch.no_grad():

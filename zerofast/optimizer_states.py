@@ -5,18 +5,15 @@ builders as the fp32 masters; it runs through the same executor.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-from .results import LazyStateDict, eager_state_dict
+from .results import state_dict_of
 from .pipeline import prepare
-from .load.reader import collector_paused, release_freed_heap
 
 
-# The cyclic collector paused for the whole call (see collector_paused): the collection it owes
-# then walks the result alone; the records and the plan are gone before it is back.
-@collector_paused()
 def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype | None = torch.float32,
                     tag: str | None = None, lazy: bool = False, follow_symlinks: bool | None = None):
     """The full value of one per-element optimizer state for every trainable parameter.
@@ -37,8 +34,5 @@ def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype
         ``OrderedDict``, or a :class:`~zerofast.LazyStateDict` when ``lazy`` is set). Frozen and
         tied-alias names are absent: the optimizer keeps no state for them.
     """
-    prepared = prepare(ckpt_dir, dtype, tag=tag, optimizer_keys=[key], follow_symlinks=follow_symlinks)
-    plan, executor = prepared.plan, prepared.lazy_executor() if lazy else prepared.streaming_executor()
-    del prepared  # the records are not needed to move the bytes (see reconstruct)
-    release_freed_heap(len(plan.tensors))
-    return LazyStateDict(plan, executor) if lazy else eager_state_dict(plan, executor)
+    return state_dict_of(functools.partial(prepare, ckpt_dir, dtype, tag=tag, optimizer_keys=[key],
+                                           follow_symlinks=follow_symlinks), lazy)

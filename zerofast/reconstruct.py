@@ -1,19 +1,16 @@
 """``zerofast.reconstruct``: discover, load safely, plan, execute, and hand back a state dict."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
 from . import ops
-from .results import LazyStateDict, eager_state_dict
+from .results import state_dict_of
 from .pipeline import prepare
-from .load.reader import collector_paused, release_freed_heap
 
 
-# The cyclic collector paused for the whole call (see collector_paused): the collection it owes
-# then walks the result alone; the records and the plan are gone before it is back.
-@collector_paused()
 def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,
                 lazy: bool = False, exclude_frozen: bool = False, device: str | torch.device = "cpu",
                 follow_symlinks: bool | None = None):
@@ -39,10 +36,5 @@ def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.f
         storage), or a :class:`~zerofast.LazyStateDict` when ``lazy`` is set.
     """
     device = ops.resolve_device(device)
-    prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen, follow_symlinks=follow_symlinks)
-    plan, executor = prepared.plan, (prepared.lazy_executor if lazy else prepared.streaming_executor)(device)
-    # The records (every rank file's tree: tens of thousands of placeholders per rank at ZeRO-3)
-    # are not needed to move the bytes: dropped here, before the outputs are made, not after.
-    del prepared
-    release_freed_heap(len(plan.tensors))
-    return LazyStateDict(plan, executor) if lazy else eager_state_dict(plan, executor)
+    return state_dict_of(functools.partial(prepare, ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen,
+                                           follow_symlinks=follow_symlinks), lazy, device)

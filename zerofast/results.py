@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 
 from .execute import Executor
-from .load.reader import collector_paused
+from .load.reader import collector_paused, release_freed_heap
 from .plan.model import Plan, TensorPlan
+
+if TYPE_CHECKING:
+    from .pipeline import Prepared
 
 
 def eager_state_dict(plan: Plan, executor: Executor) -> "OrderedDict[str, torch.Tensor]":
@@ -140,3 +143,21 @@ class LazyStateDict(Mapping):
 
     def __repr__(self) -> str:
         return f"LazyStateDict({len(self)} tensors, stage {self._plan.stage}, world size {self._plan.world_size})"
+
+
+# The cyclic collector paused for the whole call (see collector_paused): the collection it owes
+# then walks the result alone; the records and the plan are gone before it is back.
+@collector_paused()
+def state_dict_of(prepare: Callable[[], "Prepared"], lazy: bool,
+                  device: str | torch.device = "cpu") -> "OrderedDict[str, torch.Tensor] | LazyStateDict":
+    """The eager dict (or with ``lazy`` the lazy mapping) of what ``prepare()`` reads and plans.
+
+    The records (every rank file's tree: tens of thousands of placeholders per rank at ZeRO-3)
+    are not needed to move the bytes: they are dropped, and the heap they leave handed back,
+    before the outputs are made, not after. ``prepare`` is called here so that nothing else
+    holds them."""
+    prepared = prepare()
+    plan, executor = prepared.plan, (prepared.lazy_executor if lazy else prepared.streaming_executor)(device)
+    del prepared
+    release_freed_heap(len(plan.tensors))
+    return LazyStateDict(plan, executor) if lazy else eager_state_dict(plan, executor)

@@ -128,18 +128,12 @@ class Executor:
         _, _, dst_off, length = tp.segments[0]
         return dst_off == 0 and length == tp.numel
 
-    def view_or_run(self, tp: TensorPlan) -> torch.Tensor:
-        """Like :meth:`run`, but a tensor stored whole in the requested dtype comes back as a view
-        of its (memory-mapped) source: casting to the dtype a tensor already has copies nothing."""
-        if self.device.type == "cpu" and self.may_view(tp):
-            src, src_off, _, length = tp.segments[0]
-            return self.view(tp, (src, src_off, length))
-        return self.run(tp)
-
     def view(self, tp: TensorPlan, where: tuple[int, int, int]) -> torch.Tensor:
         """``tp`` as a view of ``where`` (source, offset, length: see :func:`view_ranges`), on the
-        CPU: what ``source[offset:offset + length].view(shape)`` makes, in one op, not two (a lazy
-        mapping of tens of thousands of small tensors makes one per lookup)."""
+        CPU: a tensor stored whole in the requested dtype needs no copy (casting to the dtype a
+        tensor already has copies nothing). What ``source[offset:offset + length].view(shape)``
+        makes, in one op, not two (a lazy mapping of tens of thousands of small tensors makes
+        one per lookup)."""
         source = self.sources[where[0]]
         shape = tuple(tp.shape)
         return source.as_strided(shape, contiguous_strides(shape), source.storage_offset() + where[1])
