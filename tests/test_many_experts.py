@@ -1,5 +1,6 @@
-"""Saves of many expert files (issue 22): each expert file is read on the loader's thread pool, and
-a real DeepSpeed 0.19.8 MoE save of 1024 expert files (benchmarks/generate.py's ``ds_moe_1k``)
+"""Saves of many expert files (issue 22): the expert files are indexed in one native batch, small
+ones read whole; the pool policy of ``read_all`` (rank files); and a real DeepSpeed 0.19.8 MoE
+save of 1024 expert files (benchmarks/generate.py's ``ds_moe_1k``)
 reads back bit for bit against DeepSpeed's own ground truth.
 
 The 1024-file save takes a minute or more to train and save on two cores, so that test runs only
@@ -20,8 +21,14 @@ from safetensors.torch import load_file as load_safetensors
 
 import zerofast
 import zerofast.layouts.moe as moe_layout
+import zerofast.load.archive as archive
 import zerofast.load.parallel as parallel
+import zerofast.load.reader as reader_module
+from zerofast.errors import CorruptCheckpointError
 from zerofast.layouts import discover
+from zerofast.load.reader import load_file, load_files, native_core
+from zerofast.execute import Executor
+from zerofast.plan.model import SourceTable, TensorPlan
 
 from tests.conftest import HAVE_DEEPSPEED
 from tests.helpers import assert_bitwise_equal, expected_value, real_root, stored_values
@@ -32,42 +39,115 @@ SMALL_MOE = "moe_s2_bf16_w2_ep2"
 pytestmark = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed 0.19.8 makes the real checkpoints")
 
 
-def _expert_readers(monkeypatch) -> dict[str, str]:
-    """Each expert file of the small MoE save, by the name of the thread that read it."""
-    root = real_root(SMALL_MOE)
+def _expert_paths() -> list[Path]:
+    return list(discover(real_root(SMALL_MOE)).expert_files)
+
+
+def test_expert_files_are_indexed_in_one_native_batch_and_small_ones_read_whole(monkeypatch):
+    """Every expert file's zip directory is read in one call of the native core (on its threads,
+    without the GIL), and a file of a few KiB is read into memory, not mapped."""
+    if native_core() is None:
+        pytest.skip("no native core: each file is indexed by archive.py in turn")
+    batches, indexes = [], []
+    index_archives = reader_module.index_archives
+
+    def spy(paths):
+        batches.append([Path(p).name for p in paths])
+        indexes.extend(index_archives(paths))
+        return indexes
+
+    monkeypatch.setattr(reader_module, "index_archives", spy)
+    zerofast.reconstruct(real_root(SMALL_MOE))
+    experts = _expert_paths()
+    assert batches == [[p.name for p in experts]]
+    assert all(p.stat().st_size <= archive.READ_WHOLE_BYTES for p in experts)
+    assert all(i is not None and bytes(i.whole.numpy()) == p.read_bytes() for i, p in zip(indexes, experts))
+
+
+def test_sources_read_whole_are_never_streamed(monkeypatch, tmp_path):
+    """A tensor cut from a file read whole is plain memory: the plan must not mark it as a file
+    mapping, whose pages the executor drops once read (on plain memory that would zero it). One
+    cut from a mapping still is one. (A torch.save file of whole pages of floats: the executor
+    drops only whole pages.)"""
+    small, large = tmp_path / "small.pt", tmp_path / "large.pt"
+    torch.save({"w": torch.arange(1 << 16, dtype=torch.float32)}, small)
+    torch.save({"w": torch.arange(1 << 17, dtype=torch.float32)}, large)
+    monkeypatch.setattr(archive, "READ_WHOLE_BYTES", small.stat().st_size)
+    table = SourceTable()
+    for path, tree in zip((small, large), load_files([small, large])):
+        table.add(str(path), "w", tree["w"])
+    whole = native_core() is not None  # without the core every file is mapped
+    assert table.mapped == [not whole, True]
+    executor = Executor(table.tensors, streamable=table.mapped)
+    for i, t in enumerate(table.tensors):
+        tp = TensorPlan(str(i), tuple(t.shape), "trainable", t.dtype, torch.float64, ((i, 0, 0, t.numel()),))
+        want = torch.arange(t.numel(), dtype=torch.float64)
+        assert_bitwise_equal(executor.run(tp), want, str(i))
+        assert_bitwise_equal(executor.run(tp), want, f"{i}, read again")
+
+
+def test_small_files_read_whole_match_their_mapped_reading(monkeypatch):
+    """The trees of files read whole equal those of the same files mapped, bit for bit."""
+    paths = _expert_paths()
+    batch = load_files(paths)
+    monkeypatch.setattr(archive, "READ_WHOLE_BYTES", 0)  # every file mapped
+    mapped = load_files(paths)
+    one_by_one = [load_file(p) for p in paths]
+    for a, b, c in zip(batch, mapped, one_by_one):
+        assert list(a) == list(b) == list(c)
+        for name in a:
+            assert_bitwise_equal(a[name], b[name], name)
+            assert_bitwise_equal(a[name], c[name], name)
+
+
+def test_a_damaged_expert_file_in_a_batch_raises_its_own_error(tmp_path):
+    """The batch reads every file at once, but the first bad one in order raises, naming it, as
+    reading them one by one would; later ones are not blamed."""
+    paths = []
+    for i, p in enumerate(_expert_paths()[:6]):
+        q = tmp_path / p.name
+        data = p.read_bytes()
+        q.write_bytes(data[:len(data) // 2] if i in (2, 4) else data)
+        paths.append(q)
+    with pytest.raises(CorruptCheckpointError) as batch:
+        load_files(paths)
+    with pytest.raises(CorruptCheckpointError) as single:
+        load_file(paths[2])
+    assert batch.value.path == single.value.path == str(paths[2])
+    assert str(batch.value) == str(single.value)
+
+
+def _readers(monkeypatch, paths: list[Path]) -> dict[str, str]:
+    """Each of ``paths`` read through ``read_all``, by the name of the thread that read it."""
     readers: dict[str, str] = {}
-    read = moe_layout.load_file
 
-    def spy(path):
+    def read(path):
         readers[Path(path).name] = threading.current_thread().name
-        return read(path)
+        return load_file(path)
 
-    monkeypatch.setattr(moe_layout, "load_file", spy)
-    zerofast.reconstruct(root)
-    experts = {p.name for p in discover(root).expert_files}
-    assert experts and set(readers) >= experts
-    return {name: readers[name] for name in experts}
+    parallel.read_all(read, paths)
+    return readers
 
 
-def test_small_expert_files_are_read_in_turn(monkeypatch):
+def test_small_files_are_read_in_turn(monkeypatch):
     """Files of a few KiB that read quickly: the pool's hand-offs would cost more than they hide."""
     me = threading.current_thread().name
-    assert set(_expert_readers(monkeypatch).values()) == {me}
+    assert set(_readers(monkeypatch, _expert_paths()).values()) == {me}
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: the files are read one by one, as they should")
 @pytest.mark.parametrize("knob", ["POOL_FILE_BYTES", "POOL_FILE_SECONDS"])
-def test_expert_files_are_read_on_the_thread_pool_where_they_are_large_or_slow(monkeypatch, knob):
+def test_files_are_read_on_the_thread_pool_where_they_are_large_or_slow(monkeypatch, knob):
     # Every file counts as large (all go to the pool), or as slow to read (all but the first two,
     # read in turn to find that out).
     monkeypatch.setattr(parallel, knob, 0)
     monkeypatch.setattr(parallel, "PROBE_FILES", 2)
-    readers = _expert_readers(monkeypatch)
-    order = [p.name for p in discover(real_root(SMALL_MOE)).expert_files]
+    order = _expert_paths()
+    readers = _readers(monkeypatch, order)
     probed = 0 if knob == "POOL_FILE_BYTES" else 2
     me = threading.current_thread().name
-    assert [readers[n] for n in order[:probed]] == [me] * probed
-    assert all(readers[n].startswith("zerofast-read") for n in order[probed:])
+    assert [readers[p.name] for p in order[:probed]] == [me] * probed
+    assert all(readers[p.name].startswith("zerofast-read") for p in order[probed:])
 
 
 def _many_experts_root() -> Path:

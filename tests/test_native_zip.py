@@ -18,10 +18,12 @@ import pytest
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
 from tests.planting import member, patch_central_directory
+from tests.test_native_reader import same_tree
 from zerofast import ops
 from zerofast.errors import CorruptCheckpointError, ZeroFastError
-from zerofast.load.archive import index_archive
-from zerofast.load.reader import native_core
+from zerofast.load import archive
+from zerofast.load.archive import index_archive, index_archives
+from zerofast.load.reader import load_file, load_files, native_core
 
 pytestmark = needs_deepspeed
 
@@ -67,6 +69,43 @@ def test_real_files_get_the_reference_index(layout, monkeypatch):
                 assert native.directory.storage_offset(key, entry.size + 1) == -1
 
 
+@needs_core
+@pytest.mark.parametrize("whole", [0, archive.READ_WHOLE_BYTES, 1 << 40], ids=["mapped", "small-whole", "all-whole"])
+def test_a_batch_of_real_files_gets_the_reference_index(whole, monkeypatch):
+    """index_archives: each file's index as index_archive builds it; the files it reads whole
+    (at most READ_WHOLE_BYTES) come with their bytes, and read back the same trees as mapped."""
+    monkeypatch.setattr(archive, "READ_WHOLE_BYTES", whole)
+    paths = [p for layout in LAYOUTS for p in _rank_files(layout)]
+    for path, index in zip(paths, index_archives(paths)):
+        _same_index(index, _reference(path, monkeypatch))
+        if path.stat().st_size <= whole:
+            assert bytes(index.whole.numpy()) == path.read_bytes()
+        else:
+            assert index.whole is None
+    for path, tree in zip(paths, load_files(paths)):
+        same_tree(tree, load_file(path))
+
+
+def test_a_batch_without_the_core_leaves_every_file_to_archive_py(monkeypatch):
+    monkeypatch.setenv("ZEROFAST_NATIVE", "0")
+    paths = _rank_files(LAYOUTS[0])
+    assert index_archives(paths) == [None] * len(paths)
+
+
+@needs_core
+def test_a_batch_leaves_what_is_not_a_regular_file_to_archive_py(tmp_path):
+    real = _rank_files(LAYOUTS[0])[0]
+    folder, missing, empty = tmp_path / "folder", tmp_path / "missing.pt", tmp_path / "empty.pt"
+    folder.mkdir()
+    empty.write_bytes(b"")
+    got = index_archives([folder, real, missing, empty])
+    assert got[0] is None and got[2] is None and got[3] is None and got[1] is not None
+    for path in (folder, missing, empty):
+        with pytest.raises(CorruptCheckpointError) as e:
+            load_files([real, path])
+        assert e.value.path == str(path)
+
+
 def _verdict(fn):
     try:
         return "ok", fn()
@@ -104,6 +143,10 @@ def test_damaged_directories_get_the_reference_verdict(tmp_path, monkeypatch):
         what = _damage(rng, data, hot)
         victim.write_bytes(data)
         reference = _verdict(lambda: _reference(victim, monkeypatch))
+        batch = index_archives([victim])[0]
+        assert (batch is not None) == bool(_native(victim)[0]), what
+        if batch is not None:
+            _same_index(batch, reference[1]) if reference[0] == "ok" else None
         if _native(victim)[0]:
             accepted += 1
             assert reference[0] == "ok", f"case {case} ({what}): native accepted what the reference refuses: {reference}"

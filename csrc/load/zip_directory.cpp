@@ -2,6 +2,11 @@
 // _zip64_fields, _entries, index_archive); where archive.py would raise, this declines.
 #include "zip_directory.h"
 
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cerrno>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -44,32 +49,59 @@ bool starts_lower(std::string_view s, std::string_view head) {
   return compare_lower(s.substr(0, head.size()), head) == 0;
 }
 
-// The file mapped read-only for one call: the local headers sit all over it.
-class Mapped {
+// A file's bytes for one read: mapped read-only, or (files of at most `whole` bytes) read into
+// a tensor of their own, which outlives the call as the storages' base (see zip_directories).
+class FileBytes {
  public:
-  explicit Mapped(const std::string& path) {
+  FileBytes(const std::string& path, int64_t whole) {
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_ < 0) throw Declined("cannot open");
     struct stat st {};
     if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) throw Declined("not a regular file");
     size_ = st.st_size;
+    if (size_ <= whole) {
+      read_whole();
+      return;
+    }
     void* p = ::mmap(nullptr, size_t(size_), PROT_READ, MAP_PRIVATE, fd_, 0);
     if (p == MAP_FAILED) throw Declined("cannot map");
+    mapped_ = true;
     data_ = static_cast<const uint8_t*>(p);
   }
-  ~Mapped() {
-    if (data_) ::munmap(const_cast<uint8_t*>(data_), size_t(size_));
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Mapped(const Mapped&) = delete;
-  Mapped& operator=(const Mapped&) = delete;
+  ~FileBytes() { release(); }
+  FileBytes(const FileBytes&) = delete;
+  FileBytes& operator=(const FileBytes&) = delete;
   const uint8_t* data() const { return data_; }
   int64_t size() const { return size_; }
+  // The bytes as a uint8 tensor where they were read whole (undefined where mapped).
+  const at::Tensor& read() const { return read_; }
+  void release() {  // the unmap and the close, early
+    if (mapped_) ::munmap(const_cast<uint8_t*>(data_), size_t(size_));
+    if (fd_ >= 0) ::close(fd_);
+    mapped_ = false, fd_ = -1;
+  }
 
  private:
+  // One pread (a few for a file that arrives in pieces): at this size a mapping, its page
+  // faults and its unmap cost several times the copy.
+  void read_whole() {
+    read_ = at::empty({size_}, at::TensorOptions().dtype(at::kByte));
+    auto* out = static_cast<uint8_t*>(read_.data_ptr());
+    int64_t done = 0;
+    while (done < size_) {
+      ssize_t got = ::pread(fd_, out + done, size_t(size_ - done), off_t(done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) throw Declined("a short read");  // the file shrank meanwhile, or an I/O error
+      done += got;
+    }
+    data_ = out;
+  }
+
   int fd_ = -1;
   int64_t size_ = 0;
+  bool mapped_ = false;
   const uint8_t* data_ = nullptr;
+  at::Tensor read_;
 };
 
 struct Raw {  // one central-directory entry, offsets relative to the archive's start
@@ -257,10 +289,10 @@ class Parser {
 py::tuple zip_directory(const std::string& path, int64_t start, int64_t end) {
   try {
     std::shared_ptr<ZipDirectory> d;
-    std::unique_ptr<Mapped> file;
+    std::unique_ptr<FileBytes> file;
     {
       py::gil_scoped_release unlocked;  // touches no Python object
-      file = std::make_unique<Mapped>(path);
+      file = std::make_unique<FileBytes>(path, 0);
       if (start < 0 || start > end || end > file->size()) throw Declined("archive bounds");
       d = std::make_shared<ZipDirectory>(Parser(file->data(), start, end).run());
     }
@@ -279,6 +311,58 @@ py::tuple zip_directory(const std::string& path, int64_t start, int64_t end) {
   } catch (const Declined& e) {
     return py::make_tuple(false, std::string(e.what()), py::none());
   }
+}
+
+// One file of zip_directories, read on a pool thread: its directory, and data.pkl either as a
+// range of the bytes read whole or copied out of the mapping before it is unmapped.
+struct OneFile {
+  std::shared_ptr<ZipDirectory> directory;
+  at::Tensor whole;
+  std::string pickle;  // where the file was mapped
+  int64_t size = 0;
+  std::string declined;
+};
+
+OneFile read_one(const std::string& path, int64_t whole) {
+  OneFile one;
+  try {
+    FileBytes file(path, whole);
+    one.size = file.size();
+    one.directory = std::make_shared<ZipDirectory>(Parser(file.data(), 0, file.size()).run());
+    one.whole = file.read();
+    if (!one.whole.defined())
+      one.pickle.assign(reinterpret_cast<const char*>(file.data() + one.directory->pickle_offset),
+                        size_t(one.directory->pickle_size));
+  } catch (const Declined& e) {
+    one = OneFile{};
+    one.declined = e.what();
+  }
+  return one;
+}
+
+py::list zip_directories(const std::vector<std::string>& paths, int64_t whole) {
+  std::vector<OneFile> read(paths.size());
+  {
+    py::gil_scoped_release unlocked;  // opening, reading and checking thousands of files: no Python
+    at::parallel_for(0, int64_t(paths.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) read[size_t(i)] = read_one(paths[size_t(i)], whole);
+    });
+  }
+  py::list out;
+  for (OneFile& one : read) {
+    if (!one.directory) {
+      out.append(py::make_tuple(false, one.declined, py::none(), py::none(), 0));
+      continue;
+    }
+    const ZipDirectory& d = *one.directory;
+    py::bytes pickle = one.whole.defined()
+        ? py::bytes(reinterpret_cast<const char*>(one.whole.data_ptr<uint8_t>() + d.pickle_offset), size_t(d.pickle_size))
+        : py::bytes(one.pickle);
+    py::object whole_bytes = one.whole.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(one.whole))
+                                                 : py::none();
+    out.append(py::make_tuple(true, one.directory, pickle, whole_bytes, one.size));
+  }
+  return out;
 }
 
 py::list entry_tuples(const ZipDirectory& d) {
@@ -351,6 +435,10 @@ void register_zip_directory(py::module_& m) {
   m.def("zip_directory", &zip_directory, py::arg("path"), py::arg("start"), py::arg("end"),
         "Read and check a torch.save zip directory natively: (True, ZipDirectory, data.pkl bytes), or "
         "(False, why, None) when archive.py must decide");
+  m.def("zip_directories", &zip_directories, py::arg("paths"), py::arg("whole"),
+        "zip_directory of whole files, on the intra-op threads without the GIL: per path (True, ZipDirectory, "
+        "data.pkl bytes, the file's bytes as a uint8 tensor where it holds at most `whole` of them else None, "
+        "its size), or (False, why, None, None, 0) when archive.py must decide");
 }
 
 }  // namespace zerofast::load

@@ -20,15 +20,15 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .. import keys as K
 from ..discover import MODEL_FILE_STAGE012, OPTIM, CheckpointFiles, Found, ranked
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
-from ..load import LoadedCheckpoint, PartitionedCheckpoint, Partition, Stored, load_file
+from ..load import LoadedCheckpoint, PartitionedCheckpoint, Partition, Stored, load_file, load_files
 from ..load.checkpoint import check_partitions, merged_meta
-from ..load.parallel import read_all
 from ..load.records import (expect_dict, expect_int, expect_list, expect_mapping, read_model_states, read_optim_states,
                             settle_stage, settle_world_size)
 from ..plan.builders import stage0
@@ -135,17 +135,18 @@ def load(files: CheckpointFiles) -> PartitionedCheckpoint:
     return ckpt
 
 
-def _expert_file(path: Path) -> tuple[int, int, Path, dict]:
+def _expert_file(path: Path, tree: Any) -> tuple[int, int, Path, dict]:
     m = MOE_EXPERT.match(path.name)
-    tensors = expect_mapping(path, expect_dict(path, load_file(path), "an expert file"), "an expert file",
-                             torch.Tensor, "tensors")
+    tensors = expect_mapping(path, expect_dict(path, tree, "an expert file"), "an expert file", torch.Tensor,
+                             "tensors")
     return int(m.group(1)), int(m.group(2)), path, tensors
 
 
 def _expert_layers(files: CheckpointFiles, num_experts: list[int]) -> dict[str, tuple[list, int]]:
     """``{name prefix up to the expert id: ([(global id, file, {name: tensor})...], experts in layer)}``."""
     by_layer: dict[int, list] = {}
-    for layer, expert, path, tensors in read_all(_expert_file, files.expert_files):
+    paths = files.expert_files
+    for layer, expert, path, tensors in map(_expert_file, paths, load_files(paths)):
         by_layer.setdefault(layer, []).append((expert, path, tensors))
     if sorted(by_layer) != list(range(len(num_experts))):
         raise InconsistentCheckpointError(

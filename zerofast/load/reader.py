@@ -28,7 +28,7 @@ import torch
 from .. import ops
 from ..errors import (CorruptCheckpointError, NativeExtensionError, UnsafeCheckpointError, ZeroFastError,
                       first_line)
-from .archive import ArchiveIndex, index_archive
+from .archive import ArchiveIndex, index_archive, index_archives
 from .pickle_bounds import BoundsExceeded
 from .stand_ins import DeepSpeedRecord, RefusedState
 from .unpickle import ALLOWED, REBUILD_PARAMETER, REBUILD_TENSOR, Refused, load_indexed, map_file, resolve_global, \
@@ -59,7 +59,10 @@ def read_native(path: Path, index: ArchiveIndex, core: Callable) -> tuple[bool, 
 
 
 def _whole_file(path: Path, index: ArchiveIndex) -> torch.Tensor:
-    """The file's one private mapping (remembered by :func:`map_file`), as a uint8 tensor."""
+    """The file's bytes as a uint8 tensor: those :func:`~.archive.index_archives` read whole,
+    else its one private mapping (remembered by :func:`map_file`)."""
+    if index.whole is not None:
+        return index.whole
     return torch.empty(0, dtype=torch.uint8).set_(map_file(path, index.stat))
 
 
@@ -141,6 +144,19 @@ def read_errors(path: Path) -> Iterator[None]:
 def load_archive(path: Path) -> Any:
     """Unpickle one ``torch.save`` archive with only allowlisted globals and mapped storages."""
     return _read(path, index_archive(path))
+
+
+def load_files(paths: Sequence[Path]) -> list[Any]:
+    """``[load_file(p) for p in paths]`` for saves of thousands of files: their zip directories
+    are read and checked at once, on the native core's threads, small files read whole
+    (:func:`~.archive.index_archives`); then each is unpickled in turn. The first file in order
+    that fails raises its own error, as the plain loop would."""
+    trees = []
+    with collector_paused():
+        for path, index in zip(paths, index_archives(paths)):
+            with read_errors(path):
+                trees.append(_read(path, index_archive(path) if index is None else index))
+    return trees
 
 
 def _read(path: Path, index: ArchiveIndex) -> Any:

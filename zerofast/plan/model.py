@@ -16,6 +16,8 @@ from itertools import chain, repeat
 import numpy as np
 import torch
 
+from ..load.unpickle import file_location
+
 TRAINABLE, FROZEN, BUFFER = "trainable", "frozen", "buffer"
 
 Segment = tuple[int, int, int, int]  # (source index, source offset, output offset, length)
@@ -169,7 +171,9 @@ class SourceTable:
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        self.mapped: list[bool] = []  # still a view of the file mapping (not copied to fit)
+        # still a view of its file's live mapping: not copied to fit, not read whole into memory
+        # (a small file, archive.READ_WHOLE_BYTES), which must never have its pages dropped
+        self.mapped: list[bool] = []
         self.files: list[str] = []  # the file each came from
         self._index: dict[tuple[str, str], int] = {}
 
@@ -179,7 +183,7 @@ class SourceTable:
             flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
             self._index[ident] = len(self.tensors)
             self.tensors.append(flat)
-            self.mapped.append(tensor.is_contiguous())
+            self.mapped.append(tensor.is_contiguous() and file_location(file, flat) is not None)
             self.files.append(file)
         return self._index[ident]
 
