@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -404,6 +405,72 @@ def test_follow_symlinks_keyword_allows_and_refuses_over_the_variable(ckpt, tmp_
     with pytest.raises(zerofast.UnsafeCheckpointError, match=f"{OPTIM0} is a symbolic link"):
         zerofast.reconstruct(root, follow_symlinks=False)
     assert list(zerofast.reconstruct(root)) == list(truth)
+
+
+def _linked_out(ckpt, tmp_path):
+    root, tag_dir = ckpt
+    (tag_dir / OPTIM0).rename(tmp_path / "outside.pt")
+    (tag_dir / OPTIM0).symlink_to(tmp_path / "outside.pt")
+    return root
+
+
+# Every public call that reads a checkpoint takes follow_symlinks=, as reconstruct does.
+READERS = {
+    "export": lambda root, out, **kw: zerofast.export(root, out / "hf", **kw),
+    "reshard": lambda root, out, **kw: zerofast.reshard(root, out / "w1", 1, **kw),
+    "to_universal": lambda root, out, **kw: zerofast.to_universal(root, out / "universal", **kw),
+    "to_dcp": lambda root, out, **kw: zerofast.to_dcp(root, out / "dcp", **kw),
+    "verify": lambda root, out, **kw: zerofast.verify(root, **kw),
+    "diff": lambda root, out, **kw: zerofast.diff(root, ensure_checkpoint(S2), **kw),
+    "load_into": lambda root, out, **kw: zerofast.load_into(_model_for(ensure_checkpoint(S2)), root, **kw),
+    "sequential_names": lambda root, out, **kw: zerofast.sequential_names(root, **kw),
+}
+
+
+def _model_for(root):
+    sd = zerofast.reconstruct(root)
+    model = torch.nn.Module()
+    for name, value in sd.items():
+        *parents, leaf = name.split(".")
+        owner = model
+        for part in parents:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, torch.nn.Parameter(torch.empty_like(value), requires_grad=False))
+    return model
+
+
+@pytest.mark.parametrize("call", list(READERS))
+def test_every_reader_takes_follow_symlinks(ckpt, tmp_path, call):
+    root = _linked_out(ckpt, tmp_path)
+    read = READERS[call]
+    refusal = f"{OPTIM0} is a symbolic link.*--follow-symlinks"
+    if call == "verify":  # a report: the refusal is its files finding
+        report = read(root, tmp_path)
+        assert not report.ok and re.search(refusal, report.failures[0].line()), report.failures
+    else:
+        with pytest.raises(zerofast.UnsafeCheckpointError, match=refusal):
+            read(root, tmp_path)
+    result = read(root, tmp_path, follow_symlinks=True)
+    if call == "verify":
+        assert result.ok, result.failures
+    if call == "diff":
+        assert result.identical, result.lines()
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "export"])
+def test_the_cli_takes_follow_symlinks(ckpt, tmp_path, command):
+    root = _linked_out(ckpt, tmp_path)
+    args = [str(root)] + ([str(tmp_path / "hf")] if command == "export" else [])
+    env = {k: v for k, v in os.environ.items() if k != "ZEROFAST_FOLLOW_SYMLINKS"}
+    run = lambda *extra: subprocess.run([sys.executable, "-m", "zerofast", command, *args, *extra], cwd=REPO_ROOT,
+                                        env=dict(env, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True,
+                                        timeout=300)
+    refused = run()
+    assert refused.returncode != 0 and "is a symbolic link" in refused.stderr + refused.stdout
+    followed = run("--follow-symlinks")
+    assert followed.returncode == 0, followed.stderr
 
 
 # Which names are links: an lstat per file, or (from discover.LISTED_FROM files in a folder, a

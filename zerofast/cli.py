@@ -20,7 +20,7 @@ import warnings
 from collections import Counter
 from typing import Sequence
 
-from .cli_args import Later, Version, dtype_arg, positive, size_arg
+from .cli_args import Later, Version, common_options, dtype_arg, positive, size_arg
 from .cli_report import offloaded_suffix, optimizer_lines
 from .cli_dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines
 from .errors import ZeroFastError, short_repr, some
@@ -66,9 +66,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--tag", help="which save to read when the root holds several (default: 'latest')")
-    common.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    common = common_options()
     parser = argparse.ArgumentParser(prog="zerofast", description="Consolidate DeepSpeed ZeRO checkpoints.")
     parser.add_argument("--version", action=Version, help="show zerofast's, torch's and Python's versions, the "
                         "native core and the thread count, and exit")
@@ -148,7 +146,7 @@ def _export(args: argparse.Namespace) -> int:
                      duplicate_tied=args.duplicate_tied, overwrite=args.overwrite,
                      optimizer_states=args.optimizer_states, progress=bar, device=args.device,
                      adapter=args.adapter, merge_adapters=args.merge_adapters, base_model=args.base_model,
-                     hf_files=not args.weights_only)
+                     hf_files=not args.weights_only, follow_symlinks=args.follow_symlinks)
     finally:
         bar.close()
     if leader and not args.quiet:
@@ -253,7 +251,7 @@ def _reshard(args: argparse.Namespace) -> int:
     from .writers.reshard import write_resharded
 
     written = _shared(args, "reshard", write_resharded, args.ckpt, args.out, args.world_size, tag=args.tag,
-                      overwrite=args.overwrite, keep_nvme=args.keep_nvme)
+                      overwrite=args.overwrite, keep_nvme=args.keep_nvme, follow_symlinks=args.follow_symlinks)
     if written is not None:
         print(f"wrote {written.path} for {args.world_size} data-parallel ranks ({_summary(written)})")
     return 0
@@ -263,7 +261,7 @@ def _to_universal(args: argparse.Namespace) -> int:
     from .writers.universal import write_universal
 
     written = _shared(args, "to-universal", write_universal, args.ckpt, args.out, tag=args.tag,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, follow_symlinks=args.follow_symlinks)
     if written is not None:
         print(f"wrote the universal checkpoint {written.path} (latest_universal in {written.path.parent}; "
               f"{_summary(written)})")
@@ -304,14 +302,15 @@ def _shared(args: argparse.Namespace, what: str, write, *positional, **options):
 # ---------------------------------------------------------------------------------------------
 # inspect
 
-def describe(ckpt_dir, tag: str | None = None) -> dict:
+def describe(ckpt_dir, tag: str | None = None, follow_symlinks: bool | None = None) -> dict:
     """What ``inspect`` reports, as plain JSON-ready data. Reads metadata only, no tensor data."""
     from . import dtypes, keys
     from .dtypes import out_dtype_for
     from .pipeline import prepare
     from .plan import BUFFER, FROZEN, TRAINABLE
 
-    prepared = prepare(ckpt_dir, None, tag=tag, warn_absent=False)  # the report says it instead
+    # warn_absent: the report says it instead
+    prepared = prepare(ckpt_dir, None, tag=tag, warn_absent=False, follow_symlinks=follow_symlinks)
     plan, ckpt = prepared.plan, prepared.checkpoint
     tensors = {k: {"count": 0, "elements": 0, "bytes": 0, "dtypes": set()} for k in (TRAINABLE, FROZEN, BUFFER)}
     for tp in plan.tensors.values():
@@ -399,7 +398,7 @@ def _model_dtype(meta) -> str | None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    report = describe(args.ckpt, tag=args.tag)
+    report = describe(args.ckpt, tag=args.tag, follow_symlinks=args.follow_symlinks)
     if args.json:
         print(json.dumps(report, indent=2, allow_nan=False))
     else:

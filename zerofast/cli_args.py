@@ -33,6 +33,17 @@ class Later(Sequence):
         return value in self._all()
 
 
+def common_options() -> argparse.ArgumentParser:
+    """The options of every command that reads a checkpoint (a parent parser)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--tag", help="which save to read when the root holds several (default: 'latest')")
+    common.add_argument("--follow-symlinks", action="store_const", const=True, default=None,
+                        help="follow symbolic links that lead out of the checkpoint folder (refused by default; "
+                             "as ZEROFAST_FOLLOW_SYMLINKS=1)")
+    common.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    return common
+
+
 class Version(argparse.Action):
     """``--version``: zerofast's, torch's and Python's versions, the native core, the threads."""
 

@@ -35,7 +35,7 @@ def _to_dcp(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     result = to_dcp(args.ckpt, args.out, dtype=args.dtype, optimizer=args.optimizer, tag=args.tag,
-                    overwrite=args.overwrite)
+                    overwrite=args.overwrite, follow_symlinks=args.follow_symlinks)
     print(f"wrote {len(result.files)} files ({result.nbytes:,} bytes of tensors, {result.tensors} tensors) to "
           f"{result.out_dir} in {time.perf_counter() - start:.2f} s")
     return 0

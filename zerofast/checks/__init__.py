@@ -21,7 +21,8 @@ from .report import Diff, Finding, Report, TensorChange
 
 
 def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, *, tag: str | None = None,
-           strict: bool = False, base_model: str | os.PathLike | None = None) -> Report:
+           strict: bool = False, base_model: str | os.PathLike | None = None,
+           follow_symlinks: bool | None = None) -> Report:
     """Check ``path`` and return a :class:`Report` (``report.ok``, ``report.findings``).
 
     Without ``against``, ``path`` is a DeepSpeed checkpoint (root or tag folder, universal
@@ -30,7 +31,8 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, *,
     checked against themselves (index, lengths, aliases, config dtype). With ``against`` (the source
     checkpoint), ``path`` is an export, a reshard or a universal conversion of it, and every
     tensor must equal the source's. ``strict`` makes a checkpoint's NaN/Inf findings fatal; ``tag`` picks the
-    source's save; ``base_model`` is the base folder of a merged PEFT export.
+    source's save; ``base_model`` is the base folder of a merged PEFT export; ``follow_symlinks``
+    follows links out of a checkpoint folder, as for :func:`zerofast.reconstruct`.
     """
     from .against import verify_against
     from .checkpoint import verify_checkpoint
@@ -38,7 +40,7 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, *,
 
     started = time.monotonic()
     if against is not None:
-        report = verify_against(path, against, tag=tag, base_model=base_model)
+        report = verify_against(path, against, tag=tag, base_model=base_model, follow_symlinks=follow_symlinks)
     elif is_export(path):
         report = Report(str(path), None, "export")
         folder = ExportFolder(path, report)
@@ -46,17 +48,18 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, *,
         report.checks.append(f"files: {len(folder.order)} tensors, {len(folder.aliases)} aliases, index and file "
                              "lengths consistent" if report.ok else f"files: {len(folder.order)} tensors readable")
     else:
-        report = verify_checkpoint(path, tag=tag, strict=strict)
+        report = verify_checkpoint(path, tag=tag, strict=strict, follow_symlinks=follow_symlinks)
     report.seconds = time.monotonic() - started
     return report
 
 
 def diff(a: str | os.PathLike, b: str | os.PathLike, *, optimizer: bool = False, tag_a: str | None = None,
-         tag_b: str | None = None) -> Diff:
-    """Compare two checkpoints, a checkpoint and an export, or two exports; see :class:`Diff`."""
+         tag_b: str | None = None, follow_symlinks: bool | None = None) -> Diff:
+    """Compare two checkpoints, a checkpoint and an export, or two exports; see :class:`Diff`.
+    ``follow_symlinks``: as for :func:`zerofast.reconstruct`, for either checkpoint."""
     from .difference import diff_paths
 
-    return diff_paths(a, b, optimizer=optimizer, tag_a=tag_a, tag_b=tag_b)
+    return diff_paths(a, b, optimizer=optimizer, tag_a=tag_a, tag_b=tag_b, follow_symlinks=follow_symlinks)
 
 
 __all__ = ["verify", "diff", "Report", "Finding", "Diff", "TensorChange"]

@@ -33,21 +33,21 @@ SAVED_STATE = (K.GLOBAL_STEPS, "lr_scheduler")  # model-states entries a resumed
 
 
 def verify_against(out: str | os.PathLike, ckpt: str | os.PathLike, *, tag: str | None = None,
-                   base_model: str | os.PathLike | None = None) -> Report:
+                   base_model: str | os.PathLike | None = None, follow_symlinks: bool | None = None) -> Report:
     if is_export(out):
-        return _export_against(out, ckpt, tag, base_model)
-    return _checkpoint_against(out, ckpt, tag)
+        return _export_against(out, ckpt, tag, base_model, follow_symlinks)
+    return _checkpoint_against(out, ckpt, tag, follow_symlinks)
 
 
 # ---------------------------------------------------------------------------------------------
 # Export folders
 
-def _export_against(out, ckpt, tag, base_model) -> Report:
+def _export_against(out, ckpt, tag, base_model, follow_symlinks) -> Report:
     report = Report(str(out), str(ckpt), "export")
     folder = ExportFolder(out, report)
     folder.check_config()
     try:
-        prepared = prepare(ckpt, None, tag=tag, warn_absent=False)
+        prepared = prepare(ckpt, None, tag=tag, warn_absent=False, follow_symlinks=follow_symlinks)
         expected = _expected(prepared, folder, base_model)
     except ZeroFastError as e:
         report.add("files", str(ckpt), " ".join(str(e).split()))
@@ -205,9 +205,10 @@ def _checked_pair(report: Report, expected: TensorSource, got: TensorSource, ne:
 # ---------------------------------------------------------------------------------------------
 # Checkpoints written from a checkpoint: reshard, to-universal
 
-def _checkpoint_against(out, ckpt, tag) -> Report:
+def _checkpoint_against(out, ckpt, tag, follow_symlinks) -> Report:
     report = Report(str(out), str(ckpt), "checkpoint")
-    mine, source = open_checkpoint(out, None, report), open_checkpoint(ckpt, tag, report)
+    mine = open_checkpoint(out, None, report, follow_symlinks=follow_symlinks)
+    source = open_checkpoint(ckpt, tag, report, follow_symlinks=follow_symlinks)
     if mine is None or source is None:
         return report
     report.kind = f"{mine.ckpt.layout.name} checkpoint"

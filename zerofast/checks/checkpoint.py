@@ -51,10 +51,11 @@ class Opened:
                                                                                        if n in plan.tensors])
 
 
-def open_checkpoint(path: str | os.PathLike, tag: str | None, report: Report, optimizer: bool = True) -> Opened | None:
+def open_checkpoint(path: str | os.PathLike, tag: str | None, report: Report, optimizer: bool = True,
+                    follow_symlinks: bool | None = None) -> Opened | None:
     """Load and plan ``path``; a refusal is recorded as a ``files`` finding and gives None."""
     try:
-        ckpt = load_checkpoint(discover(path, tag))
+        ckpt = load_checkpoint(discover(path, tag, follow_symlinks=follow_symlinks))
         table = SourceTable()
         plan = build_plan(ckpt, table, None)
         keys = available_keys(ckpt) if optimizer and ckpt.stage else []
@@ -65,9 +66,10 @@ def open_checkpoint(path: str | os.PathLike, tag: str | None, report: Report, op
     return Opened(ckpt, plan, oplan, keys, table)
 
 
-def verify_checkpoint(path: str | os.PathLike, *, tag: str | None = None, strict: bool = False) -> Report:
+def verify_checkpoint(path: str | os.PathLike, *, tag: str | None = None, strict: bool = False,
+                      follow_symlinks: bool | None = None) -> Report:
     report = Report(str(path), None, "checkpoint")
-    opened = open_checkpoint(path, tag, report)
+    opened = open_checkpoint(path, tag, report, follow_symlinks=follow_symlinks)
     if opened is None:
         return report
     ckpt = opened.ckpt

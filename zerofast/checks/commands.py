@@ -8,7 +8,7 @@ import json
 
 
 def add_verify_commands(sub, common) -> None:
-    """``verify`` and ``diff`` on the ``zerofast`` command's subparsers (``common``: --tag, --debug)."""
+    """``verify`` and ``diff`` on the ``zerofast`` command's subparsers (``common``: --tag, --follow-symlinks, --debug)."""
     v = sub.add_parser("verify", parents=[common], help="check a checkpoint, or an output against its source",
                        description="Check a checkpoint without converting it, or with --against an export, reshard "
                                    "or universal folder against the checkpoint it came from. One line per finding, "
@@ -33,7 +33,8 @@ def add_verify_commands(sub, common) -> None:
 def _verify(args: argparse.Namespace) -> int:
     from . import verify
 
-    report = verify(args.path, args.against, tag=args.tag, strict=args.strict, base_model=args.base_model)
+    report = verify(args.path, args.against, tag=args.tag, strict=args.strict, base_model=args.base_model,
+                    follow_symlinks=args.follow_symlinks)
     print(json.dumps(report.to_dict(), indent=2) if args.json else "\n".join(report.lines()))
     return 0 if report.ok else 1
 
@@ -41,6 +42,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _diff(args: argparse.Namespace) -> int:
     from . import diff
 
-    result = diff(args.a, args.b, optimizer=args.optimizer, tag_a=args.tag, tag_b=args.tag)
+    result = diff(args.a, args.b, optimizer=args.optimizer, tag_a=args.tag, tag_b=args.tag,
+                  follow_symlinks=args.follow_symlinks)
     print(json.dumps(result.to_dict(), indent=2) if args.json else "\n".join(result.lines()))
     return 0

@@ -53,7 +53,8 @@ class Union:
             yield from self.owner[run[0]].chunks(run)
 
 
-def open_tensors(path: str | os.PathLike, optimizer: bool = False, tag: str | None = None) -> TensorSource:
+def open_tensors(path: str | os.PathLike, optimizer: bool = False, tag: str | None = None,
+                 follow_symlinks: bool | None = None) -> TensorSource:
     """A checkpoint or an export folder as one source of tensors (raises on unreadable input)."""
     if is_export(path):
         report = Report(str(path), None, "export")
@@ -61,7 +62,7 @@ def open_tensors(path: str | os.PathLike, optimizer: bool = False, tag: str | No
         if not report.ok:
             raise ExportError(f"cannot be read as an export: {report.failures[0].line()}", path)
         return Union(parts)
-    prepared = prepare(path, None, tag=tag, warn_absent=False)
+    prepared = prepare(path, None, tag=tag, warn_absent=False, follow_symlinks=follow_symlinks)
     plan = prepared.plan
     parts = [PlanSource(plan.tensors, prepared.streaming_executor(), plan.aliases,
                         [n for n in plan.order if n in plan.tensors])]
@@ -73,9 +74,9 @@ def open_tensors(path: str | os.PathLike, optimizer: bool = False, tag: str | No
 
 
 def diff_paths(a: str | os.PathLike, b: str | os.PathLike, *, optimizer: bool = False, tag_a: str | None = None,
-               tag_b: str | None = None) -> Diff:
+               tag_b: str | None = None, follow_symlinks: bool | None = None) -> Diff:
     started = time.monotonic()
-    sa, sb = open_tensors(a, optimizer, tag_a), open_tensors(b, optimizer, tag_b)
+    sa, sb = open_tensors(a, optimizer, tag_a, follow_symlinks), open_tensors(b, optimizer, tag_b, follow_symlinks)
     result = diff_sources(sa, sb)
     result.a, result.b = str(a), str(b)
     result.seconds = time.monotonic() - started

@@ -77,7 +77,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
            optimizer_states: bool | Sequence[str] = False, progress: Progress | None = None,
            device: str | torch.device = "cpu", team: Team | None = None, adapter: bool = False,
            merge_adapters: bool = False, base_model: str | os.PathLike | None = None,
-           hf_files: bool = True) -> ExportResult:
+           hf_files: bool = True, follow_symlinks: bool | None = None) -> ExportResult:
     """Write a DeepSpeed ZeRO checkpoint out as Hugging Face-layout weight files.
 
     Args:
@@ -116,6 +116,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         hf_files: copy ``config.json`` (its dtype set to the exported dtype), the generation
             config and tokenizer files found next to the checkpoint, so that ``from_pretrained``
             loads the folder as it is.
+        follow_symlinks: follow symbolic links that lead out of the checkpoint folder (refused by default; None takes ``ZEROFAST_FOLLOW_SYMLINKS``), as for :func:`zerofast.reconstruct`.
     """
     fmt = formats.get(format)
     limit = parse_size(max_shard_size)
@@ -128,7 +129,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         raise ValueError("merge_adapters writes the whole base model: it excludes adapter and exclude_frozen")
     with team.step("reading the checkpoint", out):
         prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen or adapter,
-                           warn_absent=not merge_adapters)
+                           warn_absent=not merge_adapters, follow_symlinks=follow_symlinks)
         prepared, names, extras = _hf_view(prepared, fmt, dtype, adapter, merge_adapters, base_model, hf_files)
         if names != fmt.names:  # peft reads one adapter file
             limit = max(limit, sum(tp.nbytes for tp in prepared.plan.tensors.values()) + 1)

@@ -65,7 +65,8 @@ class _Lazy:
 
 
 def to_dcp(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32,
-           optimizer: bool = True, tag: str | None = None, overwrite: bool = False) -> DcpResult:
+           optimizer: bool = True, tag: str | None = None, overwrite: bool = False,
+           follow_symlinks: bool | None = None) -> DcpResult:
     """Write the checkpoint at ``ckpt_dir`` as a DCP folder in ``out_dir``.
 
     Args:
@@ -77,8 +78,9 @@ def to_dcp(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         optimizer: also write the optimizer state (ZeRO stage 1-3) in ``get_state_dict``'s layout.
         tag: which save to read when the root holds several.
         overwrite: write into a folder that holds files zerofast did not write.
+        follow_symlinks: follow symbolic links that lead out of the checkpoint folder (refused by default; None takes ``ZEROFAST_FOLLOW_SYMLINKS``), as for :func:`zerofast.reconstruct`.
     """
-    weights = prepare(ckpt_dir, dtype, tag=tag)
+    weights = prepare(ckpt_dir, dtype, tag=tag, follow_symlinks=follow_symlinks)
     lazy = _Lazy()
     state: dict[str, Any] = {MODEL: _model_state(weights, lazy)}
     if optimizer:

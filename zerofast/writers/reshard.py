@@ -59,7 +59,7 @@ _RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 def reshard(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *, tag: str | None = None,
             overwrite: bool = False, progress: Progress | None = None, team: Team | None = None,
-            keep_nvme: bool = False) -> Path:
+            keep_nvme: bool = False, follow_symlinks: bool | None = None) -> Path:
     """Write the checkpoint at ``ckpt_dir`` as DeepSpeed would have saved it at ``world_size``
     data-parallel ranks, so that a plain ``engine.load_checkpoint(out_dir)`` at that size resumes.
 
@@ -79,17 +79,19 @@ def reshard(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size:
             names those files by ``ds_id``, which the save does not record. Without it, such a
             save is written plain (everything in the optimizer files), which an engine without
             NVMe optimizer offload loads.
+        follow_symlinks: follow symbolic links that lead out of the checkpoint folder (refused by default; None takes ``ZEROFAST_FOLLOW_SYMLINKS``), as for :func:`zerofast.reconstruct`.
 
     Returns:
         The tag folder written.
     """
     return write_resharded(ckpt_dir, out_dir, world_size, tag=tag, overwrite=overwrite, progress=progress,
-                           team=team, keep_nvme=keep_nvme).path
+                           team=team, keep_nvme=keep_nvme, follow_symlinks=follow_symlinks).path
 
 
 def write_resharded(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size: int, *,
                     tag: str | None = None, overwrite: bool = False, progress: Progress | None = None,
-                    team: Team | None = None, keep_nvme: bool = False) -> Written:
+                    team: Team | None = None, keep_nvme: bool = False,
+                    follow_symlinks: bool | None = None) -> Written:
     """:func:`reshard`, returning what it wrote and replaced."""
     if type(world_size) is not int or world_size < 1:
         raise ReshardError(f"expected a world size (an int >= 1), got {world_size!r}")
@@ -102,7 +104,7 @@ def write_resharded(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, wor
     team = team or ALONE
     out = local_folder(out_dir)
     with team.step("reading the checkpoint", out):
-        files = discover(ckpt_dir, tag)
+        files = discover(ckpt_dir, tag, follow_symlinks=follow_symlinks)
         ckpt = load_checkpoint(files)
         source = Source.read(ckpt)
         writer = _LAYOUTS[ckpt.stage](source, world_size)

@@ -50,25 +50,28 @@ _SHARDED = (keys.ZERO12_INNER, keys.SLICE_MAPPINGS, keys.ZERO12_FLAT)
 
 
 def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag: str | None = None,
-                 overwrite: bool = False, progress: "Progress | None" = None, team: "Team | None" = None) -> Path:
+                 overwrite: bool = False, progress: "Progress | None" = None, team: "Team | None" = None,
+                 follow_symlinks: bool | None = None) -> Path:
     """Write the ZeRO stage 1-3 checkpoint at ``ckpt_dir`` as a universal checkpoint in ``out_dir``
     (a tag folder: ``latest_universal`` in its parent names it). Returns ``out_dir``.
 
     ``overwrite``: write into a folder holding files this command did not write, replacing only
     the names it writes. ``progress(bytes_done, bytes_total)``: as for :func:`zerofast.export`.
-    ``team``: the ranks sharing the files (:mod:`zerofast.output.team`); None writes them all."""
-    return write_universal(ckpt_dir, out_dir, tag=tag, overwrite=overwrite, progress=progress, team=team).path
+    ``team``: the ranks sharing the files (:mod:`zerofast.output.team`); None writes them all.
+    ``follow_symlinks``: follow symbolic links that lead out of the checkpoint folder (refused by default; None takes ``ZEROFAST_FOLLOW_SYMLINKS``), as for :func:`zerofast.reconstruct`."""
+    return write_universal(ckpt_dir, out_dir, tag=tag, overwrite=overwrite, progress=progress, team=team,
+                           follow_symlinks=follow_symlinks).path
 
 
 def write_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag: str | None = None,
                     overwrite: bool = False, progress: "Progress | None" = None,
-                    team: "Team | None" = None) -> Written:
+                    team: "Team | None" = None, follow_symlinks: bool | None = None) -> Written:
     """:func:`to_universal`, returning what it wrote and replaced."""
     started = time.monotonic()
     team = team or ALONE
     out = local_folder(out_dir)
     with team.step("reading the checkpoint", out):
-        files = discover(ckpt_dir, tag)
+        files = discover(ckpt_dir, tag, follow_symlinks=follow_symlinks)
         ckpt = load_checkpoint(files)
         if ckpt.stage == 0:
             raise UnsupportedCheckpointError(
