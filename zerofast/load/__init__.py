@@ -12,7 +12,8 @@ Which files a save has and how they fit together is each layout's business
 (:mod:`zerofast.layouts`); nothing here knows the kinds of save.
 """
 from .checkpoint import LoadedCheckpoint, PartitionedCheckpoint, Partition, Stored
-from .records import ModelStates, OptimStates, load_file, load_files
+from .reader import load_files
+from .records import ModelStates, OptimStates, load_file
 
 __all__ = ["LoadedCheckpoint", "PartitionedCheckpoint", "Partition", "Stored", "ModelStates", "OptimStates",
            "load_file", "load_files"]

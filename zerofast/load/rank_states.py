@@ -15,8 +15,6 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
-
 from .. import keys as K
 from .archive import index_archive
 from .parallel import read_ahead, read_all

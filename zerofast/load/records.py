@@ -28,7 +28,7 @@ from ..errors import (
     some,
 )
 from .bulk_checks import all_instances, all_shapes
-from .reader import load_file, load_files
+from .reader import load_file
 
 # ---------------------------------------------------------------------------------------------
 # Typed views of the two kinds of file. Only what planning needs is lifted out of the pickles;
