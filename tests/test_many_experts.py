@@ -9,6 +9,7 @@ folder path makes it (once) there or reuses it (``/work/bench-data`` holds the b
 """
 from __future__ import annotations
 
+import io
 import os
 import threading
 from pathlib import Path
@@ -24,13 +25,14 @@ import zerofast.layouts.moe as moe_layout
 import zerofast.load.archive as archive
 import zerofast.load.parallel as parallel
 import zerofast.load.reader as reader_module
-from zerofast.errors import CorruptCheckpointError
+from zerofast.errors import ZeroFastError
 from zerofast.layouts import discover
 from zerofast.load.reader import load_file, load_files, native_core
 from zerofast.execute import Executor
+from zerofast.pipeline import prepare
 from zerofast.plan.model import SourceTable, TensorPlan
 
-from tests.conftest import HAVE_DEEPSPEED
+from tests.conftest import HAVE_DEEPSPEED, needs_nvme
 from tests.helpers import assert_bitwise_equal, expected_value, real_root, stored_values
 
 MANY_EXPERTS = os.environ.get("ZEROFAST_TEST_MANY_EXPERTS", "")
@@ -53,8 +55,9 @@ def test_expert_files_are_indexed_in_one_native_batch_and_small_ones_read_whole(
 
     def spy(paths):
         batches.append([Path(p).name for p in paths])
-        indexes.extend(index_archives(paths))
-        return indexes
+        got = index_archives(paths)
+        indexes.extend(got)
+        return got
 
     monkeypatch.setattr(reader_module, "index_archives", spy)
     zerofast.reconstruct(real_root(SMALL_MOE))
@@ -100,21 +103,89 @@ def test_small_files_read_whole_match_their_mapped_reading(monkeypatch):
             assert_bitwise_equal(a[name], c[name], name)
 
 
-def test_a_damaged_expert_file_in_a_batch_raises_its_own_error(tmp_path):
-    """The batch reads every file at once, but the first bad one in order raises, naming it, as
-    reading them one by one would; later ones are not blamed."""
+def _copies(tmp_path, damage: dict) -> list[Path]:
+    """Six expert files copied, ``damage[i]`` applied to the bytes of copy ``i``."""
     paths = []
     for i, p in enumerate(_expert_paths()[:6]):
         q = tmp_path / p.name
-        data = p.read_bytes()
-        q.write_bytes(data[:len(data) // 2] if i in (2, 4) else data)
+        q.write_bytes(damage.get(i, lambda b: b)(p.read_bytes()))
         paths.append(q)
-    with pytest.raises(CorruptCheckpointError) as batch:
-        load_files(paths)
-    with pytest.raises(CorruptCheckpointError) as single:
-        load_file(paths[2])
-    assert batch.value.path == single.value.path == str(paths[2])
+    return paths
+
+
+def _same_error(batch_call, single_call, path: Path) -> None:
+    with pytest.raises(ZeroFastError) as batch:
+        batch_call()
+    with pytest.raises(ZeroFastError) as single:
+        single_call()
+    assert type(batch.value) is type(single.value)
+    assert batch.value.path == single.value.path == str(path)
     assert str(batch.value) == str(single.value)
+
+
+def _halved(data: bytes) -> bytes:
+    return data[:len(data) // 2]
+
+
+def _pickle_damaged(data: bytes) -> bytes:
+    """An opcode of data.pkl changed in place: the zip directory stays valid (the batch accepts
+    it), the pickle does not (the reader refuses it)."""
+    at = data.index(b"\x80\x02") + 2  # just past PROTO 2
+    return data[:at] + b"\xff" + data[at + 1:]
+
+
+@pytest.mark.parametrize("damage", [{2: _halved, 4: _halved}, {2: _pickle_damaged, 4: _halved}],
+                         ids=["directory", "pickle"])
+def test_a_damaged_expert_file_in_a_batch_raises_its_own_error(tmp_path, damage):
+    """The batch reads every file at once, but the first bad one in order raises, naming it, as
+    reading them one by one would; later ones are not blamed."""
+    paths = _copies(tmp_path, damage)
+    _same_error(lambda: load_files(paths), lambda: load_file(paths[2]), paths[2])
+
+
+def test_a_check_of_an_earlier_file_comes_before_a_later_damaged_file(tmp_path):
+    """What the layout checks of each file runs in order with the reading: a valid file that is
+    not an expert file (a list) raises before a damaged file after it."""
+    not_a_dict = io.BytesIO()
+    torch.save([1, 2], not_a_dict)
+    paths = _copies(tmp_path, {1: lambda _: not_a_dict.getvalue(), 3: _halved})
+    _same_error(lambda: load_files(paths, moe_layout._expert_file),
+                lambda: moe_layout._expert_file(paths[1], load_file(paths[1])), paths[1])
+
+
+def test_a_file_changed_since_its_stat_is_read_again_in_turn(tmp_path, monkeypatch):
+    """A file whose identity differs from its stat's (changed between the two) is left out of
+    the batch and read by itself: the same trees."""
+    paths = _copies(tmp_path, {})
+    stat_or_none = archive._stat_or_none
+
+    def stale(path):
+        st = stat_or_none(path)
+        if Path(path) != paths[3]:
+            return st
+        return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid, st.st_gid, st.st_size,
+                               st.st_atime, st.st_mtime - 1, st.st_ctime))
+
+    monkeypatch.setattr(archive, "_stat_or_none", stale)
+    indexes = archive.index_archives(paths)
+    assert indexes[3] is None
+    assert all(i is not None for k, i in enumerate(indexes) if k != 3) == (native_core() is not None)
+    for got, path in zip(load_files(paths), paths):
+        assert list(got) == list(load_file(path))
+        for name in got:
+            assert_bitwise_equal(got[name], load_file(path)[name], name)
+
+
+@pytest.mark.parametrize("layout", [pytest.param("s3_bf16_w2_nvme", marks=needs_nvme), "moe_s0_bf16_w2_ep2",
+                                    "moe_s2_fp32_w4_ep2"])
+def test_sources_cut_from_mappings_stay_streamable(layout):
+    """Every source cut from a file mapping is marked so, also where it is filed under another
+    file than the one it was cut from (NVMe swap files under their optimizer file, a ZeRO-off
+    MoE's module tensors under the expp_rank file)."""
+    prepared = prepare(real_root(layout))
+    for source, mapped, file in zip(prepared.sources, prepared.mapped, prepared.files):
+        if source.numel():
+            assert mapped, f"{Path(file).name}: a source of {source.numel()} elements is not marked streamable"
 
 
 def _readers(monkeypatch, paths: list[Path]) -> dict[str, str]:

@@ -129,7 +129,10 @@ def _damage(rng: random.Random, data: bytearray, hot: list[int]) -> str:
 
 
 @needs_core
-def test_damaged_directories_get_the_reference_verdict(tmp_path, monkeypatch):
+@pytest.mark.parametrize("whole", [None, 1 << 40], ids=["mapped", "read-whole"])
+def test_damaged_directories_get_the_reference_verdict(tmp_path, monkeypatch, whole):
+    if whole is not None:  # the batch reads every victim whole, not only those of a few KiB
+        monkeypatch.setattr(archive, "READ_WHOLE_BYTES", whole)
     rng = random.Random(SEED)
     files = _rank_files(LAYOUTS[0])[:2] + _rank_files(LAYOUTS[1])[:2]
     victim = tmp_path / "victim.pt"

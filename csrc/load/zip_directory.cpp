@@ -3,7 +3,7 @@
 #include "zip_directory.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
+#include <ATen/EmptyTensor.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cerrno>
@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <memory>
 #include <string_view>
@@ -59,6 +60,8 @@ class FileBytes {
     struct stat st {};
     if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) throw Declined("not a regular file");
     size_ = st.st_size;
+    identity_ = {int64_t(st.st_dev), int64_t(st.st_ino), int64_t(st.st_size),
+                 int64_t(st.st_mtim.tv_sec) * 1000000000 + int64_t(st.st_mtim.tv_nsec)};
     if (size_ <= whole) {
       read_whole();
       return;
@@ -75,6 +78,8 @@ class FileBytes {
   int64_t size() const { return size_; }
   // The bytes as a uint8 tensor where they were read whole (undefined where mapped).
   const at::Tensor& read() const { return read_; }
+  // What archive.py's file_identity takes from a stat: (dev, inode, size, mtime in ns).
+  const std::array<int64_t, 4>& identity() const { return identity_; }
   void release() {  // the unmap and the close, early
     if (mapped_) ::munmap(const_cast<uint8_t*>(data_), size_t(size_));
     if (fd_ >= 0) ::close(fd_);
@@ -85,7 +90,8 @@ class FileBytes {
   // One pread (a few for a file that arrives in pieces): at this size a mapping, its page
   // faults and its unmap cost several times the copy.
   void read_whole() {
-    read_ = at::empty({size_}, at::TensorOptions().dtype(at::kByte));
+    // Not through the dispatcher: on a pool thread the caller's modes would not apply anyway.
+    read_ = at::detail::empty_cpu({size_}, at::kByte);
     auto* out = static_cast<uint8_t*>(read_.data_ptr());
     int64_t done = 0;
     while (done < size_) {
@@ -102,6 +108,7 @@ class FileBytes {
   bool mapped_ = false;
   const uint8_t* data_ = nullptr;
   at::Tensor read_;
+  std::array<int64_t, 4> identity_{};
 };
 
 struct Raw {  // one central-directory entry, offsets relative to the archive's start
@@ -319,7 +326,7 @@ struct OneFile {
   std::shared_ptr<ZipDirectory> directory;
   at::Tensor whole;
   std::string pickle;  // where the file was mapped
-  int64_t size = 0;
+  std::array<int64_t, 4> identity{};
   std::string declined;
 };
 
@@ -327,7 +334,7 @@ OneFile read_one(const std::string& path, int64_t whole) {
   OneFile one;
   try {
     FileBytes file(path, whole);
-    one.size = file.size();
+    one.identity = file.identity();
     one.directory = std::make_shared<ZipDirectory>(Parser(file.data(), 0, file.size()).run());
     one.whole = file.read();
     if (!one.whole.defined())
@@ -336,6 +343,9 @@ OneFile read_one(const std::string& path, int64_t whole) {
   } catch (const Declined& e) {
     one = OneFile{};
     one.declined = e.what();
+  } catch (...) {  // out of memory, a torch error: this file is left to archive.py, not the batch
+    one = OneFile{};
+    one.declined = "native error";
   }
   return one;
 }
@@ -351,16 +361,22 @@ py::list zip_directories(const std::vector<std::string>& paths, int64_t whole) {
   py::list out;
   for (OneFile& one : read) {
     if (!one.directory) {
-      out.append(py::make_tuple(false, one.declined, py::none(), py::none(), 0));
+      out.append(py::make_tuple(false, one.declined, py::none(), py::none(), py::none()));
       continue;
     }
     const ZipDirectory& d = *one.directory;
     py::bytes pickle = one.whole.defined()
         ? py::bytes(reinterpret_cast<const char*>(one.whole.data_ptr<uint8_t>() + d.pickle_offset), size_t(d.pickle_size))
         : py::bytes(one.pickle);
-    py::object whole_bytes = one.whole.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(one.whole))
-                                                 : py::none();
-    out.append(py::make_tuple(true, one.directory, pickle, whole_bytes, one.size));
+    std::string().swap(one.pickle);  // the batch holds each pickle once, not twice
+    py::object whole_bytes = py::none();
+    if (one.whole.defined()) {
+      PyObject* wrapped = THPVariable_Wrap(std::move(one.whole));
+      if (!wrapped) throw py::error_already_set();
+      whole_bytes = py::reinterpret_steal<py::object>(wrapped);
+    }
+    const auto& id = one.identity;
+    out.append(py::make_tuple(true, one.directory, pickle, whole_bytes, py::make_tuple(id[0], id[1], id[2], id[3])));
   }
   return out;
 }
@@ -438,7 +454,7 @@ void register_zip_directory(py::module_& m) {
   m.def("zip_directories", &zip_directories, py::arg("paths"), py::arg("whole"),
         "zip_directory of whole files, on the intra-op threads without the GIL: per path (True, ZipDirectory, "
         "data.pkl bytes, the file's bytes as a uint8 tensor where it holds at most `whole` of them else None, "
-        "its size), or (False, why, None, None, 0) when archive.py must decide");
+        "its (dev, inode, size, mtime_ns)), or (False, why, None, None, None) when archive.py must decide");
 }
 
 }  // namespace zerofast::load

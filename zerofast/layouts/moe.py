@@ -145,8 +145,7 @@ def _expert_file(path: Path, tree: Any) -> tuple[int, int, Path, dict]:
 def _expert_layers(files: CheckpointFiles, num_experts: list[int]) -> dict[str, tuple[list, int]]:
     """``{name prefix up to the expert id: ([(global id, file, {name: tensor})...], experts in layer)}``."""
     by_layer: dict[int, list] = {}
-    paths = files.expert_files
-    for layer, expert, path, tensors in map(_expert_file, paths, load_files(paths)):
+    for layer, expert, path, tensors in load_files(files.expert_files, _expert_file):
         by_layer.setdefault(layer, []).append((expert, path, tensors))
     if sorted(by_layer) != list(range(len(num_experts))):
         raise InconsistentCheckpointError(

@@ -41,6 +41,7 @@ from ..discover import CheckpointFiles, Found, plain_files
 from ..errors import (IncompleteCheckpointError, InconsistentCheckpointError, UnplacedOptimizerStateError,
                       UnsupportedCheckpointError)
 from ..load import LoadedCheckpoint, OptimStates
+from ..load.unpickle import map_file
 from ..plan.model import Plan, SourceTable, ceil_div, rank_share
 from .zero import ZeroLayout
 
@@ -254,7 +255,8 @@ def _read(path: Path, numel: int, dtype: torch.dtype, align: int, used: set[Path
             f"expected {ceil_div(nbytes, align) * align} bytes ({numel} {dtype} elements padded to {align}), found "
             f"{size}", path)
     used.add(path)
-    return torch.from_file(str(path), shared=False, size=numel, dtype=dtype)
+    # Through map_file: a mapping the executor knows, so its pages are dropped once read.
+    return torch.empty(0, dtype=dtype).set_(map_file(path), 0, (numel,), (1,))
 
 
 LAYOUT = NvmeLayout()

@@ -114,27 +114,31 @@ READ_WHOLE_BYTES = 16 << 10
 
 def index_archives(paths: Sequence[Path]) -> list[ArchiveIndex | None]:
     """:func:`index_archive` of many whole files at once: the native core opens, reads and
-    checks them on its threads, without the GIL. None for a file it declines, or for every file
-    where it is not there: :func:`index_archive` of that file then decides, and words the verdict."""
+    checks them on its threads, without the GIL. None for a file it declines, one that changed
+    since its stat, or every file where the core is not there (or fails as a whole): then
+    :func:`index_archive` of that file decides, and words the verdict."""
     read = _native("zip_directories")
     if read is None:
         return [None] * len(paths)
     stats = list(map(_stat_or_none, paths))
     wanted = [i for i, st in enumerate(stats) if st is not None and stat.S_ISREG(st.st_mode)]
+    try:
+        found = read([os.fsencode(paths[i]) for i in wanted], READ_WHOLE_BYTES)
+    except (MemoryError, RuntimeError):
+        return [None] * len(paths)
     out: list[ArchiveIndex | None] = [None] * len(paths)
-    for i, (ok, directory, data, whole, size) in zip(wanted, read([os.fsencode(paths[i]) for i in wanted],
-                                                                   READ_WHOLE_BYTES)):
+    for i, (ok, directory, data, whole, identity) in zip(wanted, found):
         st = stats[i]
-        if ok and size == st.st_size:  # else the file changed since its stat: read it again, in turn
-            out[i] = ArchiveIndex(paths[i], size, directory.prefix, _NativeEntries(directory), data, directory, st,
-                                  whole)
+        if ok and identity == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+            out[i] = ArchiveIndex(paths[i], st.st_size, directory.prefix, _NativeEntries(directory), data, directory,
+                                  st, whole)
     return out
 
 
 def _stat_or_none(path: Path) -> os.stat_result | None:
     try:
         return os.stat(path)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in the name
         return None  # index_archive says what is wrong with it
 
 

@@ -21,7 +21,7 @@ import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -33,6 +33,9 @@ from .pickle_bounds import BoundsExceeded
 from .stand_ins import DeepSpeedRecord, RefusedState
 from .unpickle import ALLOWED, REBUILD_PARAMETER, REBUILD_TENSOR, Refused, load_indexed, map_file, resolve_global, \
     tensor_byte_limit
+
+
+T = TypeVar("T")
 
 
 def native_core() -> Callable | None:
@@ -146,17 +149,21 @@ def load_archive(path: Path) -> Any:
     return _read(path, index_archive(path))
 
 
-def load_files(paths: Sequence[Path]) -> list[Any]:
-    """``[load_file(p) for p in paths]`` for saves of thousands of files: their zip directories
-    are read and checked at once, on the native core's threads, small files read whole
-    (:func:`~.archive.index_archives`); then each is unpickled in turn. The first file in order
-    that fails raises its own error, as the plain loop would."""
-    trees = []
+def load_files(paths: Sequence[Path], then: Callable[[Path, Any], T] | None = None) -> list[T]:
+    """``[then(p, load_file(p)) for p in paths]`` (``then`` by default returns the tree) for saves
+    of thousands of files: their zip directories are read and checked at once, on the native
+    core's threads, small files read whole (:func:`~.archive.index_archives`); then each is
+    unpickled in turn. The first file in order that fails (in the reading or in ``then``)
+    raises its own error, as the plain loop would."""
+    out = []
+    indexes = index_archives(paths)
     with collector_paused():
-        for path, index in zip(paths, index_archives(paths)):
+        for i, path in enumerate(paths):
+            index, indexes[i] = indexes[i], None  # each file's pickle and bytes held only meanwhile
             with read_errors(path):
-                trees.append(_read(path, index_archive(path) if index is None else index))
-    return trees
+                tree = _read(path, index_archive(path) if index is None else index)
+            out.append(tree if then is None else then(path, tree))
+    return out
 
 
 def _read(path: Path, index: ArchiveIndex) -> Any:

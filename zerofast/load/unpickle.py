@@ -17,6 +17,7 @@ ever called.
 from __future__ import annotations
 
 import _compat_pickle
+import bisect
 import collections
 import io
 import math
@@ -278,10 +279,42 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
 
 
 def _remember_mapping(path: Path, mapping: torch.UntypedStorage, st: os.stat_result | None = None) -> None:
+    global _ranges
+    _ranges = None
     try:
         _MAPPINGS[str(path)] = (weakref.ref(mapping), file_identity(st or os.stat(path)))
     except (OSError, TypeError):
         _MAPPINGS.pop(str(path), None)
+
+
+def in_file_mapping(path: str, tensor: torch.Tensor) -> bool:
+    """Whether contiguous ``tensor`` lies inside a live private mapping of a file made here
+    (:func:`map_file`): that of ``path``, or of any other file (a source filed under another
+    file than the one it was cut from: NVMe swap files, an expert file). Such memory may have its
+    pages dropped once read, since they come back from the file; memory of a file read whole
+    (archive.READ_WHOLE_BYTES) or copied must not: dropping it would zero it."""
+    if file_location(path, tensor) is not None:
+        return True
+    if not tensor.is_contiguous():
+        return False
+    lo = tensor.data_ptr()
+    hi = lo + tensor.numel() * tensor.element_size()
+    starts, ends = _mapping_ranges()
+    at = bisect.bisect_right(starts, lo) - 1
+    return at >= 0 and hi <= ends[at]
+
+
+# The live mappings' (starts, ends), sorted by start; None once a file is mapped again.
+_ranges: tuple[list[int], list[int]] | None = None
+
+
+def _mapping_ranges() -> tuple[list[int], list[int]]:
+    global _ranges
+    if _ranges is None:
+        live = sorted((m.data_ptr(), m.data_ptr() + m.nbytes()) for ref, _ in _MAPPINGS.values()
+                      if (m := ref()) is not None and m.nbytes())
+        _ranges = ([lo for lo, _ in live], [hi for _, hi in live])
+    return _ranges
 
 
 def file_location(path: str, tensor: torch.Tensor) -> tuple[int, tuple[int, int, int, int]] | None:

@@ -16,7 +16,7 @@ from itertools import chain, repeat
 import numpy as np
 import torch
 
-from ..load.unpickle import file_location
+from ..load.unpickle import in_file_mapping
 
 TRAINABLE, FROZEN, BUFFER = "trainable", "frozen", "buffer"
 
@@ -171,8 +171,8 @@ class SourceTable:
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        # still a view of its file's live mapping: not copied to fit, not read whole into memory
-        # (a small file, archive.READ_WHOLE_BYTES), which must never have its pages dropped
+        # still a view of a file's live mapping (load.unpickle.in_file_mapping): not copied to
+        # fit, not read whole into memory (a small file), which must never have its pages dropped
         self.mapped: list[bool] = []
         self.files: list[str] = []  # the file each came from
         self._index: dict[tuple[str, str], int] = {}
@@ -183,7 +183,7 @@ class SourceTable:
             flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
             self._index[ident] = len(self.tensors)
             self.tensors.append(flat)
-            self.mapped.append(tensor.is_contiguous() and file_location(file, flat) is not None)
+            self.mapped.append(tensor.is_contiguous() and in_file_mapping(file, flat))
             self.files.append(file)
         return self._index[ident]
 
