@@ -5,6 +5,7 @@ all input problems while programming errors still surface as themselves.
 """
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -143,6 +144,43 @@ class UnplacedOptimizerStateError(UnsupportedCheckpointError):
     """A writer (reshard, to-universal, export of the optimizer states) met a partitioned
     optimizer value that no layout rule places, and refuses it instead of copying the old
     rank's partition through."""
+
+
+class MappingLimitError(ZeroFastError, OSError):
+    """The system refused to map one more file: the process holds as many mappings as
+    ``vm.max_map_count`` allows (a save of tens of thousands of rank or expert files). The file
+    itself may be fine; raise the limit (``sysctl -w vm.max_map_count=...``)."""
+
+
+def mapping_refused(e: BaseException) -> bool:
+    """Whether ``e`` (from ``mmap``, or torch's ``from_file``) is the kernel refusing one more
+    mapping (ENOMEM), not a bad file."""
+    if isinstance(e, OSError):
+        return e.errno == errno.ENOMEM
+    return isinstance(e, RuntimeError) and "unable to mmap" in str(e) and f"({errno.ENOMEM})" in str(e)
+
+
+def mapping_limit_error(path: str | os.PathLike) -> MappingLimitError:
+    return MappingLimitError(
+        f"cannot map the file: the process holds {_count_lines('/proc/self/maps')} mappings and the system allows "
+        f"{_read_text('/proc/sys/vm/max_map_count') or 'no more'} (vm.max_map_count); a save of this many files needs "
+        "the limit raised (sysctl -w vm.max_map_count=...)", path)
+
+
+def _count_lines(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return str(sum(1 for _ in f))
+    except OSError:
+        return "as many"
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 class DeviceError(ZeroFastError, RuntimeError):

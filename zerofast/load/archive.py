@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from .. import ops
-from ..errors import CorruptCheckpointError, NativeExtensionError, first_line
+from ..errors import CorruptCheckpointError, NativeExtensionError, first_line, mapping_limit_error, mapping_refused
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
 
@@ -99,6 +99,8 @@ def index_archive(path: Path, start: int = 0, length: int | None = None) -> Arch
             if len(data) != pkl.stored_size:
                 raise EOFError(f"data.pkl ends after {len(data)} of {pkl.stored_size} bytes")
     except (_BadZip, OSError, EOFError, ValueError, struct.error, UnicodeDecodeError) as e:
+        if mapping_refused(e):
+            raise mapping_limit_error(path) from None
         raise CorruptCheckpointError(
             f"expected a torch.save zip archive; the file is truncated or not one ({first_line(e)})", path) from None
     return ArchiveIndex(path, size, prefix, entries, data, stat=st)

@@ -27,7 +27,7 @@ import torch
 
 from .. import ops
 from ..errors import (CorruptCheckpointError, NativeExtensionError, UnsafeCheckpointError, ZeroFastError,
-                      first_line)
+                      first_line, mapping_limit_error, mapping_refused)
 from .archive import ArchiveIndex, index_archive, index_archives
 from .pickle_bounds import BoundsExceeded
 from .stand_ins import DeepSpeedRecord, RefusedState
@@ -141,6 +141,8 @@ def read_errors(path: Path) -> Iterator[None]:
     # opcodes, bad arguments, a storage too small for its tensor, ...).
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, TypeError, IndexError, KeyError,
             AttributeError, AssertionError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
+        if mapping_refused(e):
+            raise mapping_limit_error(path) from None
         raise CorruptCheckpointError(f"expected a valid pickle in data.pkl, got: {first_line(e)}", path) from None
 
 

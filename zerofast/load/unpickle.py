@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from .archive import ArchiveIndex, index_archive
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError, short_repr
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError, mapping_limit_error, mapping_refused, short_repr
 from .pickle_bounds import BoundsExceeded, check_pickle
 from .stand_ins import STAND_INS, DeepSpeedRecord, Frozen
 
@@ -229,11 +229,7 @@ class _Storages:
                  span: int | None = None):
         self.path = path
         self.index = index
-        if mapping is None:
-            mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=index.file_size) \
-                if index.file_size else torch.UntypedStorage(0)
-            _remember_mapping(path, mapping)
-        self.mapping = mapping
+        self.mapping = map_file(path, index.stat) if mapping is None else mapping
         self.made: dict[str, _StorageRef] = {}
         self.declared: dict[str, int] = {}
         self.built = _Built(tensor_byte_limit(index, span))
@@ -347,7 +343,13 @@ def map_file(path: Path, st: os.stat_result | None = None) -> torch.UntypedStora
     then no longer matches it, and is read through the mapping, never by offset."""
     st = st or os.stat(path)
     size = st.st_size
-    mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size) if size else torch.UntypedStorage(0)
+    try:
+        mapping = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size) if size else \
+            torch.UntypedStorage(0)
+    except RuntimeError as e:
+        if mapping_refused(e):
+            raise mapping_limit_error(path) from None
+        raise
     _remember_mapping(path, mapping, st)
     return mapping
 
