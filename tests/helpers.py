@@ -111,3 +111,18 @@ def every_writer_refuses(root: Path, tmp_path: Path, key: str, planted: list) ->
 def nothing_written(out: Path) -> bool:
     """``out`` is absent or holds nothing but zerofast's own leftovers (its lock, a temp folder)."""
     return not out.exists() or not [p for p in os.listdir(out) if not p.startswith(".zerofast")]
+
+
+def module_like(sd) -> torch.nn.Module:
+    """A module whose parameters are zeros shaped as the state dict's tensors, under its names."""
+    root = torch.nn.Module()
+    for name, value in sd.items():
+        *path, leaf = name.split(".")
+        owner = root
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        if not hasattr(owner, leaf):
+            owner.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(value), requires_grad=False))
+    return root

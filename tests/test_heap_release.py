@@ -16,7 +16,7 @@ import zerofast
 from zerofast.execute import Executor
 from zerofast.pipeline import prepare
 from tests.conftest import needs_deepspeed
-from tests.helpers import real_root
+from tests.helpers import module_like, real_root
 from zerofast.load import reader
 
 
@@ -46,28 +46,13 @@ def test_glibc_trim_is_found_here():
     assert trim(0) in (0, 1)  # 1: memory was handed back, 0: there was none to hand back
 
 
-def _module_like(sd) -> torch.nn.Module:
-    """A module whose parameters are zeros shaped as the state dict's tensors, under its names."""
-    root = torch.nn.Module()
-    for name, value in sd.items():
-        *path, leaf = name.split(".")
-        owner = root
-        for part in path:
-            if not hasattr(owner, part):
-                owner.add_module(part, torch.nn.Module())
-            owner = getattr(owner, part)
-        if not hasattr(owner, leaf):
-            owner.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(value), requires_grad=False))
-    return root
-
-
 @needs_deepspeed
 @pytest.mark.parametrize("entry", ["reconstruct", "lazy", "load_into", "optimizer_state"])
 def test_each_entry_point_trims_once_before_making_outputs(entry, monkeypatch):
     root = real_root("s3_bf16_w2_frozen_tied")
     # reconstruct and optimizer_state make their results through results.state_dict_of
     where = "zerofast.load_into" if entry == "load_into" else "zerofast.results"
-    target = _module_like(zerofast.reconstruct(root)) if entry == "load_into" else None
+    target = module_like(zerofast.reconstruct(root)) if entry == "load_into" else None
     events: list = []
     monkeypatch.setattr(importlib.import_module(where), "release_freed_heap", lambda n: events.append(n))
     for method in ("run_all", "run_into", "run", "view"):

@@ -22,6 +22,7 @@ import zerofast
 import zerofast.discover as discover_module
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
+from tests.helpers import module_like
 from tests.planting import LOSS_SCALER, REPO_ROOT, Call, copy_checkpoint, replace_member, rewrite
 from tests.test_fuzz import run_limited
 from zerofast.output.transaction import LEGACY_MARKER, MARKER
@@ -422,23 +423,9 @@ READERS = {
     "to_dcp": lambda root, out, **kw: zerofast.to_dcp(root, out / "dcp", **kw),
     "verify": lambda root, out, **kw: zerofast.verify(root, **kw),
     "diff": lambda root, out, **kw: zerofast.diff(root, ensure_checkpoint(S2), **kw),
-    "load_into": lambda root, out, **kw: zerofast.load_into(_model_for(ensure_checkpoint(S2)), root, **kw),
+    "load_into": lambda root, out, **kw: zerofast.load_into(module_like(zerofast.reconstruct(ensure_checkpoint(S2))), root, **kw),
     "sequential_names": lambda root, out, **kw: zerofast.sequential_names(root, **kw),
 }
-
-
-def _model_for(root):
-    sd = zerofast.reconstruct(root)
-    model = torch.nn.Module()
-    for name, value in sd.items():
-        *parents, leaf = name.split(".")
-        owner = model
-        for part in parents:
-            if not hasattr(owner, part):
-                owner.add_module(part, torch.nn.Module())
-            owner = getattr(owner, part)
-        owner.register_parameter(leaf, torch.nn.Parameter(torch.empty_like(value), requires_grad=False))
-    return model
 
 
 @pytest.mark.parametrize("call", list(READERS))
