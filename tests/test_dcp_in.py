@@ -209,3 +209,25 @@ def test_verify_and_diff_take_dcp_folders(tmp_path):
     assert same.identical and len(same.equal) == 9
     other = zerofast.diff(two, four)  # two different runs (each job seeds its own batches)
     assert not other.only_a and not other.only_b and other.changed
+
+
+def test_links_are_followed_where_discovery_allows_them(tmp_path):
+    """A DCP folder whose files are links: inside the folder they are followed; out of it they
+    are refused unless follow_symlinks (the Hub cache links every file into blobs/)."""
+    want = zerofast.reconstruct(ensure_dcp(2))
+    inside, outside = _copy(tmp_path / "in"), _copy(tmp_path / "out")
+    (inside / "blobs").mkdir()
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for name in (".metadata", "__0_0.distcp"):
+        (inside / name).rename(inside / "blobs" / name)
+        (inside / name).symlink_to(inside / "blobs" / name)
+        (outside / name).rename(blobs / name)
+        (outside / name).symlink_to(blobs / name)
+    for folder, options in ((inside, {}), (outside, {"follow_symlinks": True})):
+        got = zerofast.reconstruct(folder, **options)
+        assert list(got) == list(want)
+        for name in want:
+            assert_bitwise_equal(got[name], want[name], name)
+    with pytest.raises(zerofast.UnsafeCheckpointError, match="is a symbolic link"):
+        zerofast.reconstruct(outside)

@@ -9,11 +9,13 @@ folder path makes it (once) there or reuses it (``/work/bench-data`` holds the b
 """
 from __future__ import annotations
 
+import gc
 import io
 import os
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,6 +27,7 @@ import zerofast.layouts.moe as moe_layout
 import zerofast.load.archive as archive
 import zerofast.load.parallel as parallel
 import zerofast.load.reader as reader_module
+import zerofast.load.unpickle as unpickle
 from zerofast.errors import ZeroFastError
 from zerofast.layouts import discover
 from zerofast.load.reader import load_file, load_files, native_core
@@ -87,6 +90,29 @@ def test_sources_read_whole_are_never_streamed(monkeypatch, tmp_path):
         want = torch.arange(t.numel(), dtype=torch.float64)
         assert_bitwise_equal(executor.run(tp), want, str(i))
         assert_bitwise_equal(executor.run(tp), want, f"{i}, read again")
+
+
+def test_memory_that_is_not_a_live_mapping_is_not_streamable(tmp_path):
+    """A copy is not a mapping; nor is memory that a mapping, since freed, once covered. (Here the
+    memory stays put while the mapping object the listing holds dies: the listing is stale, and
+    the answer must still be no.)"""
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.arange(1 << 16, dtype=torch.float32)}, path)
+    mapped = load_file(path)["w"]
+    assert unpickle.in_file_mapping(str(path), mapped)
+    assert not unpickle.in_file_mapping(str(path), mapped.clone())
+    # Memory a listed mapping once covered, now plain memory: a numpy buffer seen twice by torch,
+    # the first time listed as if it were a mapping, the second time not.
+    buffer = np.zeros(1 << 16, dtype=np.float32)
+    listed = torch.frombuffer(buffer, dtype=torch.float32)
+    (tmp_path / "fake.pt").write_bytes(b"listed")
+    unpickle._remember_mapping(tmp_path / "fake.pt", listed.untyped_storage())
+    assert unpickle.in_file_mapping(str(tmp_path / "other.pt"), listed)  # listed: counted
+    del listed  # the listed storage dies, its ranges stay in the listing
+    gc.collect()
+    again = torch.frombuffer(buffer, dtype=torch.float32)
+    assert again.data_ptr() == buffer.ctypes.data
+    assert not unpickle.in_file_mapping(str(tmp_path / "other.pt"), again)
 
 
 def test_small_files_read_whole_match_their_mapped_reading(monkeypatch):

@@ -193,6 +193,7 @@ def _add_zero_to_fp32(sub) -> None:
     z.add_argument("--safe_serialization", action="store_true", help="write safetensors instead of torch pickles")
     z.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step1 (default: 'latest')")
     z.add_argument("--exclude_frozen_parameters", action="store_true", help="exclude frozen parameters")
+    z.add_argument("--follow-symlinks", action="store_const", const=True, help="(zerofast only) follow links out of it")
     z.add_argument("-d", "--debug", action="store_true", help="show the traceback of an error")
     z.set_defaults(run=_zero_to_fp32)
 
@@ -202,9 +203,9 @@ def _zero_to_fp32(args: argparse.Namespace) -> int:
 
     bar = ProgressBar(enabled=is_tty(sys.stderr), desc="export")
     try:
-        result = export_like_deepspeed(args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
-                                       safe_serialization=args.safe_serialization, tag=args.tag,
-                                       exclude_frozen_parameters=args.exclude_frozen_parameters, progress=bar)
+        options = {k: getattr(args, k) for k in ("max_shard_size", "safe_serialization", "tag",
+                                                 "exclude_frozen_parameters", "follow_symlinks")}
+        result = export_like_deepspeed(args.checkpoint_dir, args.output_dir, progress=bar, **options)
     finally:
         bar.close()
     print(f"saved {', '.join(result.files)}{' and ' + result.index if result.index else ''} "

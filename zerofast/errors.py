@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 
 
 def first_line(e: BaseException) -> str:
@@ -147,9 +148,19 @@ class UnplacedOptimizerStateError(UnsupportedCheckpointError):
 
 
 class MappingLimitError(ZeroFastError, OSError):
-    """The system refused to map one more file: the process holds as many mappings as
-    ``vm.max_map_count`` allows (a save of tens of thousands of rank or expert files). The file
-    itself may be fine; raise the limit (``sysctl -w vm.max_map_count=...``)."""
+    """The system refused to map one more file (ENOMEM): the process holds as many mappings as
+    ``vm.max_map_count`` allows (a save of tens of thousands of rank or expert files), or its
+    address space is limited. The file itself may be fine. ``errno`` is ENOMEM."""
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None):
+        super().__init__(message, path)
+        self.errno, self.strerror, self.filename = errno.ENOMEM, message, self.path
+
+    __str__ = ZeroFastError.__str__  # OSError's would print "[Errno 12]" and the filename again
+
+
+# torch's from_file: "unable to mmap <n> bytes from file <path>: <strerror> (<errno>)"
+_TORCH_MMAP_ERROR = re.compile(r"unable to mmap .*\((\d+)\)$")
 
 
 def mapping_refused(e: BaseException) -> bool:
@@ -157,29 +168,41 @@ def mapping_refused(e: BaseException) -> bool:
     mapping (ENOMEM), not a bad file."""
     if isinstance(e, OSError):
         return e.errno == errno.ENOMEM
-    return isinstance(e, RuntimeError) and "unable to mmap" in str(e) and f"({errno.ENOMEM})" in str(e)
+    if not isinstance(e, RuntimeError):
+        return False
+    m = _TORCH_MMAP_ERROR.search(first_line(e))
+    return m is not None and int(m.group(1)) == errno.ENOMEM
 
 
 def mapping_limit_error(path: str | os.PathLike) -> MappingLimitError:
+    """The error for a refused mapping of ``path``, blaming ``vm.max_map_count`` only where the
+    process is at that limit (else an address-space limit or overcommit refused it)."""
+    held, limit = _count_lines("/proc/self/maps"), _read_int("/proc/sys/vm/max_map_count")
+    if held is not None and limit is not None and held >= limit - 16:
+        return MappingLimitError(
+            f"cannot map the file: the process holds {held} mappings and the system allows {limit} "
+            "(vm.max_map_count); a save of this many files needs the limit raised (sysctl -w vm.max_map_count=...)",
+            path)
     return MappingLimitError(
-        f"cannot map the file: the process holds {_count_lines('/proc/self/maps')} mappings and the system allows "
-        f"{_read_text('/proc/sys/vm/max_map_count') or 'no more'} (vm.max_map_count); a save of this many files needs "
-        "the limit raised (sysctl -w vm.max_map_count=...)", path)
+        f"cannot map the file: the system refused the mapping (ENOMEM) though the process holds "
+        f"{'?' if held is None else held} of the {'?' if limit is None else limit} mappings it may "
+        "(vm.max_map_count): an address-space limit (ulimit -v) or the overcommit settings refused it, not the file",
+        path)
 
 
-def _count_lines(path: str) -> str:
+def _count_lines(path: str) -> int | None:
     try:
         with open(path, "rb") as f:
-            return str(sum(1 for _ in f))
+            return sum(1 for _ in f)
     except OSError:
-        return "as many"
+        return None
 
 
-def _read_text(path: str) -> str | None:
+def _read_int(path: str) -> int | None:
     try:
         with open(path) as f:
-            return f.read().strip()
-    except OSError:
+            return int(f.read().strip())
+    except (OSError, ValueError):
         return None
 
 

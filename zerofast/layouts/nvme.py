@@ -249,14 +249,15 @@ def _read(path: Path, numel: int, dtype: torch.dtype, align: int, used: set[Path
     if not path.is_file():
         raise IncompleteCheckpointError(f"expected the swap file {path.name} of a swapped sub-group, found none",
                                         path.parent)
-    size, nbytes = path.stat().st_size, numel * dtype.itemsize
+    st = path.stat()
+    size, nbytes = st.st_size, numel * dtype.itemsize
     if not _fits(size, nbytes, align):
         raise InconsistentCheckpointError(
             f"expected {ceil_div(nbytes, align) * align} bytes ({numel} {dtype} elements padded to {align}), found "
             f"{size}", path)
     used.add(path)
     # Through map_file: a mapping the executor knows, so its pages are dropped once read.
-    return torch.empty(0, dtype=dtype).set_(map_file(path), 0, (numel,), (1,))
+    return torch.empty(0, dtype=dtype).set_(map_file(path, st), 0, (numel,), (1,))
 
 
 LAYOUT = NvmeLayout()

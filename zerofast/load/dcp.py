@@ -101,7 +101,9 @@ def read_dcp(folder: str | os.PathLike) -> DcpRecords:
 
 def _unpickle_metadata(path: Path) -> DcpRecord:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        # A link is followed: discovery vetted every path of the folder (links that lead out of
+        # it are refused there unless follow_symlinks); O_NONBLOCK so that a FIFO cannot block.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise CorruptCheckpointError(f"expected a readable .metadata file, got: {e.strerror}", path) from None
     with os.fdopen(fd, "rb") as f:
@@ -219,11 +221,12 @@ class ChunkReader:
     def _file(self, name: str) -> Path:
         path = self.ckpt.folder / name
         try:
-            st = os.lstat(path)
+            st = os.stat(path)  # through a link: discovery vetted where the folder's links lead
         except OSError:
             raise CheckpointNotFoundError(f"expected the data file {name} that .metadata names", path) from None
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafeCheckpointError("expected a regular data file, found a link or a special file", path)
+            raise UnsafeCheckpointError("expected a regular data file, found a special file (FIFO, device, socket)",
+                                        path)
         return path
 
 

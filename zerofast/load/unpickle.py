@@ -276,11 +276,11 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
 
 def _remember_mapping(path: Path, mapping: torch.UntypedStorage, st: os.stat_result | None = None) -> None:
     global _ranges
-    _ranges = None
     try:
         _MAPPINGS[str(path)] = (weakref.ref(mapping), file_identity(st or os.stat(path)))
     except (OSError, TypeError):
         _MAPPINGS.pop(str(path), None)
+    _ranges = None  # after the insert: a rebuild in between would miss it
 
 
 def in_file_mapping(path: str, tensor: torch.Tensor) -> bool:
@@ -295,22 +295,33 @@ def in_file_mapping(path: str, tensor: torch.Tensor) -> bool:
         return False
     lo = tensor.data_ptr()
     hi = lo + tensor.numel() * tensor.element_size()
-    starts, ends = _mapping_ranges()
+    starts, mappings = _mapping_ranges()
     at = bisect.bisect_right(starts, lo) - 1
-    return at >= 0 and hi <= ends[at]
+    if at < 0:
+        return False
+    # Alive and still where it was: memory freed since the ranges were listed may hold anything now.
+    m = mappings[at]()
+    return m is not None and m.data_ptr() == starts[at] and hi <= starts[at] + m.nbytes()
 
 
-# The live mappings' (starts, ends), sorted by start; None once a file is mapped again.
-_ranges: tuple[list[int], list[int]] | None = None
+# The live mappings' starts, sorted, and a weak reference to each; None once a file is mapped again.
+_ranges: tuple[list[int], list[weakref.ref]] | None = None
 
 
-def _mapping_ranges() -> tuple[list[int], list[int]]:
+def _mapping_ranges() -> tuple[list[int], list[weakref.ref]]:
     global _ranges
-    if _ranges is None:
-        live = sorted((m.data_ptr(), m.data_ptr() + m.nbytes()) for ref, _ in _MAPPINGS.values()
-                      if (m := ref()) is not None and m.nbytes())
-        _ranges = ([lo for lo, _ in live], [hi for _, hi in live])
-    return _ranges
+    ranges = _ranges
+    if ranges is None:
+        live = []
+        for key, (ref, _) in list(_MAPPINGS.items()):  # a snapshot: reader threads may map meanwhile
+            m = ref()
+            if m is None and _MAPPINGS.get(key, (None,))[0] is ref:
+                _MAPPINGS.pop(key, None)  # dead, and not replaced since the snapshot
+            elif m is not None and m.nbytes():
+                live.append((m.data_ptr(), ref))
+        live.sort(key=lambda item: item[0])
+        ranges = _ranges = ([lo for lo, _ in live], [ref for _, ref in live])
+    return ranges
 
 
 def file_location(path: str, tensor: torch.Tensor) -> tuple[int, tuple[int, int, int, int]] | None:
