@@ -24,6 +24,7 @@ from safetensors.torch import load_file as load_safetensors
 
 import zerofast
 import zerofast.layouts.moe as moe_layout
+import zerofast.layouts.zero as zero_layout
 import zerofast.load.archive as archive
 import zerofast.load.parallel as parallel
 import zerofast.load.reader as reader_module
@@ -36,6 +37,7 @@ from zerofast.pipeline import prepare
 from zerofast.plan.model import SourceTable, TensorPlan
 
 from tests.conftest import HAVE_DEEPSPEED, needs_nvme
+from tests.planting import copy_checkpoint
 from tests.helpers import assert_bitwise_equal, expected_value, real_root, stored_values
 
 MANY_EXPERTS = os.environ.get("ZEROFAST_TEST_MANY_EXPERTS", "")
@@ -300,3 +302,49 @@ def test_split_expert_finds_what_the_pattern_finds(name):
                                   f"a{moe_layout.EXPERTS}12.w\n", f"a{moe_layout.EXPERTS}.w"])
 def test_split_expert_on_names_that_pick_an_occurrence(name):
     assert moe_layout.split_expert(name) == _by_pattern(name)
+
+
+S2 = "s2_bf16_w2_frozen_tied"
+
+
+def _damaged_copy(tmp_path, names: list[str]) -> Path:
+    root, _ = copy_checkpoint(real_root(S2), tmp_path / "ckpt")
+    for name in names:
+        for path in root.rglob(name):
+            path.write_bytes(path.read_bytes()[:200])
+    return root
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: nothing is read meanwhile")
+def test_optimizer_files_read_meanwhile_give_the_same_result_and_the_same_first_error(monkeypatch, tmp_path):
+    """Stages 0-2 read the optimizer files on threads while the model file is read (every file
+    counts as large here). The result is the plain loop's; with both kinds damaged the model
+    file's error comes first, as in the loop; no reader thread is left behind."""
+    monkeypatch.setattr(parallel, "POOL_FILE_BYTES", 0)
+    readers = set()
+    real = zero_layout.read_optim_states
+
+    def spy(path):
+        readers.add(threading.current_thread().name)
+        return real(path)
+
+    monkeypatch.setattr(zero_layout, "read_optim_states", spy)
+    got = zerofast.reconstruct(real_root(S2))
+    meanwhile = set(readers)
+    monkeypatch.setattr(parallel, "POOL_FILE_BYTES", 1 << 60)
+    want = zerofast.reconstruct(real_root(S2))
+    assert list(got) == list(want)
+    for name in want:
+        assert_bitwise_equal(got[name], want[name], name)
+    assert meanwhile and (native_core() is None or all(r.startswith("zerofast-read-meanwhile") for r in meanwhile))
+    monkeypatch.setattr(parallel, "POOL_FILE_BYTES", 0)
+    before = threading.active_count()
+    both = _damaged_copy(tmp_path / "both", ["mp_rank_00_model_states.pt", "*optim_states.pt"])
+    with pytest.raises(ZeroFastError) as e:
+        zerofast.reconstruct(both)
+    assert e.value.path.endswith("mp_rank_00_model_states.pt")
+    optim = _damaged_copy(tmp_path / "optim", ["bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"])
+    with pytest.raises(ZeroFastError) as e:
+        zerofast.reconstruct(optim)
+    assert e.value.path.endswith("bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert threading.active_count() == before

@@ -13,7 +13,8 @@ import torch
 
 from ..discover import CheckpointFiles, Found, plain_files
 from ..load import LoadedCheckpoint
-from ..load.parallel import read_all
+from ..load.parallel import read_all, read_meanwhile
+from ..load.reader import native_core
 from ..load.rank_states import read_rank_model_states
 from ..load.records import (agree_with_config, check_flat_groups, check_parallelism, read_model_states,
                             read_optim_states, settle_stage, settle_world_size)
@@ -36,12 +37,21 @@ class ZeroLayout(Layout):
         return CheckpointFiles(found.root, found.tag, found.tag_dir, model_files, optim_files, layout=self)
 
     def load(self, files: CheckpointFiles) -> LoadedCheckpoint:
-        if files.partitioned_model_states:
-            model_states = read_rank_model_states(files.model_files)
-        else:
-            model_states = read_all(read_model_states, files.model_files)
-        check_parallelism(model_states[0], universal=False)
-        optim_states = read_all(read_optim_states, files.optim_files)
+        # The optimizer files are read while the model files are (their GIL-free parts overlap):
+        # only with the native core, whose reader leaves the GIL for them; only for stages 0-2,
+        # whose one model file does not put reader threads of its own in the way.
+        optim = read_meanwhile(read_optim_states, files.optim_files,
+                               overlap=native_core() is not None and not files.partitioned_model_states)
+        try:
+            if files.partitioned_model_states:
+                model_states = read_rank_model_states(files.model_files)
+            else:
+                model_states = read_all(read_model_states, files.model_files)
+            check_parallelism(model_states[0], universal=False)
+        except BaseException:
+            optim.cancel()
+            raise
+        optim_states = optim()
         stage = settle_stage(files, model_states, optim_states)
         agree_with_config(files, model_states[0], stage, "the optimizer files")
         world_size = settle_world_size(files, stage, model_states, optim_states)

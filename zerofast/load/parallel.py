@@ -51,6 +51,37 @@ def read_all(read: Callable[[Path], T], paths: Sequence[Path]) -> list[T]:
         return done + list(pool.map(read, rest))
 
 
+def read_meanwhile(read: Callable[[Path], T], paths: Sequence[Path], overlap: bool = True) -> Callable[[], list[T]]:
+    """``read_all(read, paths)`` begun now on threads, while the caller reads other files: the
+    returned call waits for it and returns the list, or raises the first error in order. Large
+    files only (at least POOL_FILE_BYTES each; with ``overlap`` off, or for small ones, nothing
+    starts early and the call reads them then): the optimizer files of a save whose model file
+    holds tens of thousands of tensors, whose GIL-free parts (the zip directory, the bounds pass)
+    then run while the model file is unpickled (ds_zero2_20k: 1.14x, 7 fresh processes each).
+
+    Until the call is made, the reads run on; a caller leaving early (its own read raised) calls
+    it too, or the returned call's ``cancel``, so that no thread outlives it."""
+    threads = min(len(paths), os.cpu_count() or 1, MAX_THREADS)
+    if not overlap or threads < 2 or any(_size(p) < POOL_FILE_BYTES for p in paths):
+        later = functools.partial(read_all, read, paths)
+        later.cancel = lambda: None
+        return later
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zerofast-read-meanwhile")
+    futures = [pool.submit(read, p) for p in paths]
+
+    def results() -> list[T]:
+        try:
+            return [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def cancel() -> None:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+    results.cancel = cancel
+    return results
+
+
 def _size(path: Path) -> int:
     try:
         return os.stat(path).st_size
