@@ -185,8 +185,8 @@ def check_all_inside(root: Path, paths, follow_symlinks: bool | None = None) -> 
             if real != real_root and not real.startswith(inside):
                 raise UnsafeCheckpointError(
                     f"{path.relative_to(root)} is a symbolic link (or lies in a linked folder) that leads out of the "
-                    f"checkpoint folder, to {short_repr(real, 200)}; refused (pass follow_symlinks=True or --follow-symlinks, "
-                    f"or set {FOLLOW_SYMLINKS_ENV}=1, to follow such links)", root)
+                    f"checkpoint folder, to {short_repr(real, 200)}; refused (pass follow_symlinks=True or "
+                    f"--follow-symlinks, or set {FOLLOW_SYMLINKS_ENV}=1, to follow such links)", root)
 
 
 # From this many paths in one folder, one listing of it is cheaper than an lstat each.

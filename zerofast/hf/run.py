@@ -116,7 +116,8 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         hf_files: copy ``config.json`` (its dtype set to the exported dtype), the generation
             config and tokenizer files found next to the checkpoint, so that ``from_pretrained``
             loads the folder as it is.
-        follow_symlinks: follow symbolic links that lead out of the checkpoint folder (refused by default; None takes ``ZEROFAST_FOLLOW_SYMLINKS``), as for :func:`zerofast.reconstruct`.
+        follow_symlinks: as for :func:`zerofast.reconstruct`: follow symbolic links that lead out
+            of the checkpoint folder (None: ``ZEROFAST_FOLLOW_SYMLINKS``).
     """
     fmt = formats.get(format)
     limit = parse_size(max_shard_size)

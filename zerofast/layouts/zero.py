@@ -40,18 +40,14 @@ class ZeroLayout(Layout):
         # The optimizer files are read while the model files are (their GIL-free parts overlap):
         # only with the native core, whose reader leaves the GIL for them; only for stages 0-2,
         # whose one model file does not put reader threads of its own in the way.
-        optim = read_meanwhile(read_optim_states, files.optim_files,
-                               overlap=native_core() is not None and not files.partitioned_model_states)
-        try:
+        overlap = native_core() is not None and not files.partitioned_model_states
+        with read_meanwhile(read_optim_states, files.optim_files, overlap) as optim_states_read:
             if files.partitioned_model_states:
                 model_states = read_rank_model_states(files.model_files)
             else:
                 model_states = read_all(read_model_states, files.model_files)
             check_parallelism(model_states[0], universal=False)
-        except BaseException:
-            optim.cancel()
-            raise
-        optim_states = optim()
+            optim_states = optim_states_read()
         stage = settle_stage(files, model_states, optim_states)
         agree_with_config(files, model_states[0], stage, "the optimizer files")
         world_size = settle_world_size(files, stage, model_states, optim_states)

@@ -14,6 +14,7 @@ if the first few take long (large pickles in small files) do the rest go to the 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import os
@@ -51,35 +52,28 @@ def read_all(read: Callable[[Path], T], paths: Sequence[Path]) -> list[T]:
         return done + list(pool.map(read, rest))
 
 
-def read_meanwhile(read: Callable[[Path], T], paths: Sequence[Path], overlap: bool = True) -> Callable[[], list[T]]:
-    """``read_all(read, paths)`` begun now on threads, while the caller reads other files: the
-    returned call waits for it and returns the list, or raises the first error in order. Large
-    files only (at least POOL_FILE_BYTES each; with ``overlap`` off, or for small ones, nothing
-    starts early and the call reads them then): the optimizer files of a save whose model file
-    holds tens of thousands of tensors, whose GIL-free parts (the zip directory, the bounds pass)
-    then run while the model file is unpickled (ds_zero2_20k: 1.14x, 7 fresh processes each).
+@contextlib.contextmanager
+def read_meanwhile(read: Callable[[Path], T], paths: Sequence[Path], overlap: bool = True
+                   ) -> Iterator[Callable[[], list[T]]]:
+    """``read_all(read, paths)`` begun on threads as the block starts, while the caller reads
+    other files in it: the call it yields waits for the reads and returns the list, or raises the
+    first error in order. Leaving the block (the caller's own read raised) waits for the reads
+    under way and starts no more, so no thread outlives it.
 
-    Until the call is made, the reads run on; a caller leaving early (its own read raised) calls
-    it too, or the returned call's ``cancel``, so that no thread outlives it."""
+    Large files only (at least POOL_FILE_BYTES each; with ``overlap`` off, or for small ones,
+    nothing starts early and the call reads them then): the optimizer files of a save whose model
+    file holds tens of thousands of tensors, whose GIL-free parts (the zip directory, the bounds
+    pass) then run while the model file is unpickled (ds_zero2_20k: 1.14x, 7 fresh processes each)."""
     threads = min(len(paths), os.cpu_count() or 1, MAX_THREADS)
     if not overlap or threads < 2 or any(_size(p) < POOL_FILE_BYTES for p in paths):
-        later = functools.partial(read_all, read, paths)
-        later.cancel = lambda: None
-        return later
+        yield functools.partial(read_all, read, paths)
+        return
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zerofast-read-meanwhile")
-    futures = [pool.submit(read, p) for p in paths]
-
-    def results() -> list[T]:
-        try:
-            return [f.result() for f in futures]
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    def cancel() -> None:
+    try:
+        futures = [pool.submit(read, p) for p in paths]
+        yield lambda: [f.result() for f in futures]
+    finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-    results.cancel = cancel
-    return results
 
 
 def _size(path: Path) -> int:

@@ -183,7 +183,7 @@ class SourceTable:
             flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().reshape(-1)
             self._index[ident] = len(self.tensors)
             self.tensors.append(flat)
-            self.mapped.append(tensor.is_contiguous() and in_file_mapping(file, flat))
+            self.mapped.append(in_file_mapping(file, flat))  # a copy made to fit lies in no mapping
             self.files.append(file)
         return self._index[ident]
 

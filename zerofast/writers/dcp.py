@@ -78,7 +78,8 @@ def to_dcp(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         optimizer: also write the optimizer state (ZeRO stage 1-3) in ``get_state_dict``'s layout.
         tag: which save to read when the root holds several.
         overwrite: write into a folder that holds files zerofast did not write.
-        follow_symlinks: follow symbolic links that lead out of the checkpoint folder (refused by default; None takes ``ZEROFAST_FOLLOW_SYMLINKS``), as for :func:`zerofast.reconstruct`.
+        follow_symlinks: as for :func:`zerofast.reconstruct`: follow symbolic links that lead out
+            of the checkpoint folder (None: ``ZEROFAST_FOLLOW_SYMLINKS``).
     """
     weights = prepare(ckpt_dir, dtype, tag=tag, follow_symlinks=follow_symlinks)
     lazy = _Lazy()

@@ -79,7 +79,8 @@ def reshard(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, world_size:
             names those files by ``ds_id``, which the save does not record. Without it, such a
             save is written plain (everything in the optimizer files), which an engine without
             NVMe optimizer offload loads.
-        follow_symlinks: follow symbolic links that lead out of the checkpoint folder (refused by default; None takes ``ZEROFAST_FOLLOW_SYMLINKS``), as for :func:`zerofast.reconstruct`.
+        follow_symlinks: as for :func:`zerofast.reconstruct`: follow symbolic links that lead out
+            of the checkpoint folder (None: ``ZEROFAST_FOLLOW_SYMLINKS``).
 
     Returns:
         The tag folder written.

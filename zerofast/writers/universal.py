@@ -58,7 +58,7 @@ def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag
     ``overwrite``: write into a folder holding files this command did not write, replacing only
     the names it writes. ``progress(bytes_done, bytes_total)``: as for :func:`zerofast.export`.
     ``team``: the ranks sharing the files (:mod:`zerofast.output.team`); None writes them all.
-    ``follow_symlinks``: follow symbolic links that lead out of the checkpoint folder (refused by default; None takes ``ZEROFAST_FOLLOW_SYMLINKS``), as for :func:`zerofast.reconstruct`."""
+    ``follow_symlinks``: as for :func:`zerofast.reconstruct`."""
     return write_universal(ckpt_dir, out_dir, tag=tag, overwrite=overwrite, progress=progress, team=team,
                            follow_symlinks=follow_symlinks).path
 
