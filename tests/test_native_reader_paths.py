@@ -10,6 +10,7 @@ same verdict, same objects, the same sharing.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from pathlib import Path
 
@@ -193,3 +194,43 @@ def test_storage_keys_are_found_as_the_reference_finds_them(tmp_path, monkeypatc
                 assert found == (-1 if expected is None else expected), (spelled, n)
     compare(path, monkeypatch, Tally(), label=path.name)
     assert reader.read_native(path, native, CORE)[0]
+
+
+# -- the memo ---------------------------------------------------------------------------------------
+
+def _long_chain(puts: int) -> bytes:
+    # `puts` values put under LONG_BINPUT 1..puts; only the first and the last are read back.
+    body = b"".join(b"K\x07r" + i.to_bytes(4, "little") for i in range(1, puts + 1))
+    return (b"\x80\x02]q\x00(" + body + b"j\x01\x00\x00\x00j" + puts.to_bytes(4, "little") + b"h\x00e.")
+
+
+# Pickles that reach each branch of the memo the native reader keeps (only the indices some GET
+# reads, in slots the bounds pass assigned): overwritten indices, MEMOIZE's count mixed with
+# explicit indices, a GET of the list itself (a cycle), indices past 255, and the refusals.
+_MEMO_CASES = {
+    # [1, 2, 2, <the list>]: index 1 overwritten before it is read
+    "overwritten": b"\x80\x02]q\x00(K\x01q\x01K\x02q\x01h\x01h\x00e.",
+    # [7, 7, <the list>, 9]: MEMOIZE counts the values put by index too
+    "memoize": b"\x80\x04]\x94(K\x07\x94h\x01h\x00K\tq\x02h\x02e.",
+    # put 0..2, read 2 only, then MEMOIZE lands at index 3
+    "unread_then_memoize": b"\x80\x04(K\x01q\x00K\x02q\x01K\x03q\x02h\x02K\x04\x94h\x03l.",
+    "past_255": _long_chain(300),
+    "never_put": b"\x80\x02]q\x00h\x05a.",
+    "put_ahead": b"\x80\x02]r\x00\x00\x00\x10.",
+    "read_before_put": b"\x80\x02]h\x00q\x00a.",
+}
+_MEMO_ACCEPTED = {"overwritten", "memoize", "unread_then_memoize", "past_255"}
+
+
+def test_the_memo_keeps_what_is_read_back_and_refuses_what_the_reference_refuses(monkeypatch):
+    path = _source()
+    base = index_archive(path)
+    tally = Tally()
+    for label, data in _MEMO_CASES.items():
+        index = dataclasses.replace(base, pickle_bytes=data)
+        reference = _verdict(path, monkeypatch, native=False, index=index)
+        assert (reference[0] == "ok") == (label in _MEMO_ACCEPTED), f"{label}: {reference}"
+        compare(path, monkeypatch, tally, index=index, label=label)
+    assert tally.native == len(_MEMO_ACCEPTED), "the accepted cases should be read natively, not declined"
+    tree = reader.read_native(path, dataclasses.replace(base, pickle_bytes=_MEMO_CASES["overwritten"]), CORE)[1]
+    assert tree[:3] == [1, 2, 2] and tree[3] is tree

@@ -20,30 +20,43 @@ constexpr int32_t kEmptyTuple = 1;          // immutable, like the tuple: shared
 // Both arguments are at most a few kCap: their sum cannot overflow.
 int64_t sat(int64_t a, int64_t b) { return std::min(a + b, kCap); }
 
-struct Rec {
-  int32_t depth;
+struct Rec {  // 32 bytes: a 20k-tensor pickle makes about 200k of them
   int64_t cost;       // to hash the object
   int64_t item_cost;  // to hash each of its items
-  bool tuple;         // tuples keep their items' records (a callee iterating them)
+  int32_t depth;
   uint32_t items_at;
   uint32_t items_len;
+  bool tuple;         // tuples keep their items' records (a callee iterating them)
 };
 
+Rec rec(int32_t depth, int64_t cost, int64_t item_cost, bool tuple = false, uint32_t at = 0, uint32_t len = 0) {
+  return Rec{cost, item_cost, depth, at, len, tuple};
+}
 
+// Records taken off the stack, without a vector of their own: nearly every op takes a MARK's
+// worth or two, and this pass used to allocate one for each.
+struct Span {
+  const int32_t* p;
+  size_t n;
+  const int32_t* begin() const { return p; }
+  const int32_t* end() const { return p + n; }
+  size_t size() const { return n; }
+  int32_t operator[](size_t i) const { return p[i]; }
+};
 
 class Scan {
  public:
   Scan(const uint8_t* data, size_t n) : data_(data), n_(n), budget_(8 * int64_t(n) + (int64_t(1) << 20)) {
-    recs_.push_back({0, 1, 0, false, 0, 0});
-    recs_.push_back({1, 1, 0, true, 0, 0});
+    recs_.push_back(rec(0, 1, 0));
+    recs_.push_back(rec(1, 1, 0, true));
   }
 
-  void run() {
+  ScanFacts run() {
     while (pos_ < n_) {
       uint8_t op = data_[pos_++];
       if (op == STOP) {
         if (pos_ != n_) throw Declined("bytes after STOP");
-        return;
+        return facts();
       }
       step(op);
     }
@@ -58,7 +71,20 @@ class Scan {
   std::vector<Rec> recs_;
   std::vector<int32_t> items_;  // the tuples' item records, back to back
   std::vector<int32_t> stack_, memo_;
+  std::vector<uint8_t> fetched_;  // per memo index: whether a GET reads it
+  std::vector<int32_t> marked_;   // see pop_mark
   std::vector<size_t> marks_;
+  size_t tuples_ = 0, tuple_items_ = 0;
+
+  ScanFacts facts() const {
+    ScanFacts f;
+    f.memo_slot.resize(memo_.size(), -1);
+    for (size_t i = 0; i < memo_.size(); ++i)
+      if (fetched_[i]) f.memo_slot[i] = f.memo_slots++;
+    f.tuples = tuples_;
+    f.tuple_items = tuple_items_;
+    return f;
+  }
 
   size_t fence() const { return marks_.empty() ? 0 : marks_.back(); }
   const uint8_t* take(size_t width) {
@@ -77,24 +103,26 @@ class Scan {
     if (stack_.size() <= fence()) throw Declined("stack underflow");
     return stack_.back();
   }
-  std::vector<int32_t> pop_mark() {
+  // The records since the last MARK, taken off the stack: in `marked_`, valid until the next
+  // call (no op takes two MARKs' worth).
+  Span pop_mark() {
     if (marks_.empty()) throw Declined("no MARK");
     size_t start = marks_.back();
     marks_.pop_back();
-    std::vector<int32_t> out(stack_.begin() + start, stack_.end());
+    marked_.assign(stack_.begin() + ptrdiff_t(start), stack_.end());
     stack_.resize(start);
-    return out;
+    return Span{marked_.data(), marked_.size()};
   }
   void charge(int64_t cost) {
     budget_ -= cost;
     if (budget_ < 0) throw Declined("hash work over budget");
   }
-  int64_t costs(const std::vector<int32_t>& rs, size_t from = 0, size_t step = 1) const {
+  int64_t costs(Span rs, size_t from = 0, size_t step = 1) const {
     int64_t total = 0;
     for (size_t i = from; i < rs.size(); i += step) total = sat(total, recs_[rs[i]].cost);
     return total;
   }
-  int32_t depth_of(const std::vector<int32_t>& rs) const {
+  int32_t depth_of(Span rs) const {
     int32_t d = 0;
     for (int32_t r : rs) d = std::max(d, recs_[r].depth);
     if (d + 1 > kMaxDepth) throw Declined("nesting");
@@ -105,15 +133,17 @@ class Scan {
     recs_.push_back(r);
     return int32_t(recs_.size() - 1);
   }
-  int32_t container(const std::vector<int32_t>& rs) { return push_rec({depth_of(rs), 1, costs(rs), false, 0, 0}); }
-  int32_t tuple_of(const std::vector<int32_t>& rs) {
+  int32_t container(Span rs) { return push_rec(rec(depth_of(rs), 1, costs(rs))); }
+  int32_t tuple_of(Span rs) {
     int32_t d = 0;
     for (int32_t r : rs) d = std::max(d, recs_[r].depth);
     if (d >= kMaxDepth) throw Declined("nesting");
     int64_t cost = sat(1, costs(rs));
     uint32_t at = uint32_t(items_.size());
     items_.insert(items_.end(), rs.begin(), rs.end());
-    return push_rec({d + 1, cost, cost - 1, true, at, uint32_t(rs.size())});
+    ++tuples_;
+    tuple_items_ += rs.size();
+    return push_rec(rec(d + 1, cost, cost - 1, true, at, uint32_t(rs.size())));
   }
   int64_t reach(int32_t r) const {  // _reach: hashing r, its items, and its items' items
     const Rec& rec = recs_[r];
@@ -125,7 +155,7 @@ class Scan {
       }
     return total;
   }
-  void add(int32_t target, const std::vector<int32_t>& rs, int64_t key_cost) {
+  void add(int32_t target, Span rs, int64_t key_cost) {
     charge(key_cost);
     if (target == kScalar || recs_[target].tuple) return;
     int32_t d = depth_of(rs);
@@ -133,7 +163,7 @@ class Scan {
     t.depth = std::max(t.depth, d);
     t.item_cost = sat(t.item_cost, costs(rs));
   }
-  int32_t call(const std::vector<int32_t>& parts) {
+  int32_t call(Span parts) {
     int64_t total = 0, cost = 1;
     int32_t d = 0;
     for (int32_t r : parts) {
@@ -143,16 +173,21 @@ class Scan {
     }
     if (d >= kMaxDepth) throw Declined("nesting");
     charge(total);
-    return push_rec({d + 1, cost, total, false, 0, 0});
+    return push_rec(rec(d + 1, cost, total));
   }
   void put(uint64_t index) {
     if (index > memo_.size()) throw Declined("memo index runs ahead");
     int32_t value = top();
-    if (index == memo_.size()) memo_.push_back(value);
-    else memo_[index] = value;
+    if (index == memo_.size()) {
+      memo_.push_back(value);
+      fetched_.push_back(0);
+    } else {
+      memo_[index] = value;
+    }
   }
   void get(uint64_t index) {
     if (index >= memo_.size()) throw Declined("memo value not found");
+    fetched_[index] = 1;
     stack_.push_back(memo_[index]);
   }
   void line() {
@@ -167,9 +202,9 @@ class Scan {
     stack_.push_back(kScalar);
   }
   void tuple_n(int k) {
-    std::vector<int32_t> rs(k);
+    int32_t rs[3];
     for (int i = k - 1; i >= 0; --i) rs[i] = pop();
-    stack_.push_back(tuple_of(rs));
+    stack_.push_back(tuple_of(Span{rs, size_t(k)}));
   }
   void step(uint8_t op);
   void step_containers(uint8_t op);
@@ -195,9 +230,10 @@ void Scan::step(uint8_t op) {
     case TUPLE: stack_.push_back(tuple_of(pop_mark())); return;
     case TUPLE1: case TUPLE2: case TUPLE3: tuple_n(op - TUPLE1 + 1); return;
     case REDUCE: case NEWOBJ: {
-      int32_t args = pop();
-      int32_t callee = pop();
-      stack_.push_back(call({callee, args}));
+      int32_t parts[2];
+      parts[1] = pop();
+      parts[0] = pop();
+      stack_.push_back(call(Span{parts, 2}));
       return;
     }
     case BINPERSID: pop(); stack_.push_back(kScalar); return;
@@ -217,10 +253,10 @@ void Scan::step(uint8_t op) {
 
 void Scan::step_containers(uint8_t op) {
   switch (op) {
-    case EMPTY_LIST: case EMPTY_DICT: case EMPTY_SET: stack_.push_back(push_rec({1, 1, 0, false, 0, 0})); return;
+    case EMPTY_LIST: case EMPTY_DICT: case EMPTY_SET: stack_.push_back(push_rec(rec(1, 1, 0))); return;
     case APPEND: {
       int32_t item = pop();
-      add(top(), {item}, 0);
+      add(top(), Span{&item, 1}, 0);
       return;
     }
     case APPENDS: {
@@ -229,8 +265,10 @@ void Scan::step_containers(uint8_t op) {
       return;
     }
     case SETITEM: {
-      int32_t value = pop(), key = pop();
-      add(top(), {key, value}, recs_[key].cost);
+      int32_t kv[2];
+      kv[1] = pop();
+      kv[0] = pop();
+      add(top(), Span{kv, 2}, recs_[kv[0]].cost);
       return;
     }
     case SETITEMS: {
@@ -255,6 +293,8 @@ void Scan::step_containers(uint8_t op) {
       charge(costs(rs));
       int32_t r = container(rs);
       recs_[r].cost = 1 + int64_t(rs.size());
+      ++tuples_;  // the unpickler makes its members a native tuple first
+      tuple_items_ += rs.size();
       stack_.push_back(r);
       return;
     }
@@ -262,7 +302,7 @@ void Scan::step_containers(uint8_t op) {
       int32_t state = pop();
       int32_t inst = top();
       charge(reach(state));
-      add(inst, {state}, 0);
+      add(inst, Span{&state, 1}, 0);
       return;
     }
     default: throw Declined("opcode outside the native subset");
@@ -271,9 +311,9 @@ void Scan::step_containers(uint8_t op) {
 
 }  // namespace
 
-void scan_pickle(const uint8_t* data, size_t size) {
+ScanFacts scan_pickle(const uint8_t* data, size_t size) {
   if (size > (size_t(1) << 36)) throw Declined("pickle too large for the cost arithmetic");
-  Scan(data, size).run();
+  return Scan(data, size).run();
 }
 
 }  // namespace zerofast::load

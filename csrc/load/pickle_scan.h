@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace zerofast::load {
 
@@ -28,7 +29,18 @@ inline uint64_t little(const uint8_t* p, int width) {
   return v;
 }
 
+// What the bounds pass learned that lets the unpickler build less.
+struct ScanFacts {
+  // Per memo index the pickle ever puts, the slot the unpickler keeps its value in, or -1 where
+  // no GET ever reads that index: torch.save memoizes every object it writes (240k puts in a
+  // 20k-tensor model-states file) but reads back a few (19 there), and a value kept in the memo
+  // costs a slot and a reference until the end of the read.
+  std::vector<int32_t> memo_slot;
+  int32_t memo_slots = 0;
+  size_t tuples = 0, tuple_items = 0;  // what TUPLE* and FROZENSET make, to size the arenas once
+};
+
 // Throws Declined unless `data` is a pickle the native unpickler may build. Needs no Python.
-void scan_pickle(const uint8_t* data, size_t size);
+ScanFacts scan_pickle(const uint8_t* data, size_t size);
 
 }  // namespace zerofast::load

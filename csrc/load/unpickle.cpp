@@ -131,9 +131,14 @@ bool dunder(PyObject* key) {  // key.startswith("__") of an exact str
 
 class Reader {
  public:
-  Reader(const uint8_t* data, size_t n, at::Storage base, const Hooks& hooks)
+  Reader(const uint8_t* data, size_t n, at::Storage base, const Hooks& hooks, ScanFacts facts)
       : data_(data), n_(n), base_(std::move(base)), hooks_(hooks),
-        record_setstate_(own(PyObject_GetAttrString(hooks.record_type, "__setstate__"), "__setstate__")) {}
+        record_setstate_(own(PyObject_GetAttrString(hooks.record_type, "__setstate__"), "__setstate__")),
+        memo_slot_(std::move(facts.memo_slot)) {
+    memo_.resize(size_t(facts.memo_slots));
+    tuples_.reserve(facts.tuples);
+    tuple_items_.reserve(facts.tuple_items);
+  }
 
   py::object run() {
     for (;;) {
@@ -161,7 +166,12 @@ class Reader {
   at::Storage base_;
   const Hooks& hooks_;
   py::object record_setstate_;  // DeepSpeedRecord.__setstate__, the stand-ins' own
-  std::vector<Val> stack_, memo_;
+  std::vector<Val> stack_;
+  // The memo: only the values some GET reads, each in its slot (see ScanFacts::memo_slot).
+  // memo_len_ is the memo's length as CPython counts it, for MEMOIZE and the index checks.
+  std::vector<Val> memo_;
+  std::vector<int32_t> memo_slot_;
+  size_t memo_len_ = 0;
   std::vector<size_t> marks_;
   std::vector<Val> tuple_items_;  // every native tuple's items, one after another
   struct Tuple {
@@ -303,7 +313,7 @@ void Reader::step(uint8_t op) {
     case MARK: marks_.push_back(stack_.size()); return;
     case BINPUT: memo_put(little(take(1), 1)); return;
     case LONG_BINPUT: memo_put(little(take(4), 4)); return;
-    case MEMOIZE: memo_put(memo_.size()); return;
+    case MEMOIZE: memo_put(memo_len_); return;
     case BINGET: memo_get(little(take(1), 1)); return;
     case LONG_BINGET: memo_get(little(take(4), 4)); return;
     case EMPTY_TUPLE: stack_.push_back(py_val(PyTuple_New(0), "tuple")); return;
@@ -402,14 +412,17 @@ void Reader::push_sized(uint8_t op) {
 
 void Reader::memo_put(uint64_t index) {
   const Val& value = top();
-  if (index > memo_.size()) throw Declined("memo index runs ahead");
-  if (index == memo_.size()) memo_.push_back(value);
-  else memo_[index] = value;
+  if (index > memo_len_) throw Declined("memo index runs ahead");
+  if (index == memo_len_) ++memo_len_;
+  // The bounds pass walked these very opcodes, so it saw every index; only a GET's are kept.
+  if (index >= memo_slot_.size()) throw Declined("memo index the bounds pass did not see");
+  if (memo_slot_[index] >= 0) memo_[size_t(memo_slot_[index])] = value;
 }
 
 void Reader::memo_get(uint64_t index) {
-  if (index >= memo_.size()) throw Declined("memo value not found");
-  stack_.push_back(memo_[index]);
+  if (index >= memo_len_) throw Declined("memo value not found");
+  if (memo_slot_[index] < 0) throw Declined("memo GET the bounds pass did not see");
+  stack_.push_back(memo_[size_t(memo_slot_[index])]);
 }
 
 py::object Reader::line() {  // one text argument of GLOBAL, decoded as CPython does
@@ -707,11 +720,12 @@ py::tuple unpickle(const py::bytes& data, const at::Tensor& mapping, const py::t
   const auto* bytes = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(data.ptr()));
   size_t n = size_t(PyBytes_GET_SIZE(data.ptr()));
   try {
+    ScanFacts facts;
     {
       py::gil_scoped_release unlocked;  // the bounds pass touches no Python object
-      scan_pickle(bytes, n);
+      facts = scan_pickle(bytes, n);
     }
-    Reader reader(bytes, n, mapping.storage(), hooks);
+    Reader reader(bytes, n, mapping.storage(), hooks, std::move(facts));
     return py::make_tuple(true, reader.run());
   } catch (const Declined& e) {
     return py::make_tuple(false, std::string(e.what()));
