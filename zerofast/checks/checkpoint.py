@@ -21,7 +21,6 @@ import torch
 
 from .. import keys as K
 from ..errors import ZeroFastError
-from ..hf import trainer as hf
 from ..layouts import discover, load_checkpoint
 from ..load import LoadedCheckpoint
 from ..pipeline import Prepared
