@@ -62,15 +62,18 @@ class _Same:
 
     def __init__(self):
         self.pairs: dict[int, int] = {}  # both trees stay alive meanwhile, so ids stay theirs
+        self.back: dict[int, int] = {}  # the other way: sharing in either tree only is caught
         self.storages: dict[int, int] = {}
+        self.storages_back: dict[int, int] = {}
 
     def __call__(self, a, b, where: str = "root") -> None:
         assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
         if not isinstance(a, (int, float, str, bytes, bool, type(None), torch.dtype)):
-            if id(a) in self.pairs:
-                assert self.pairs[id(a)] == id(b), f"{where}: shared in one tree, not in the other"
+            seen = id(a) in self.pairs
+            assert self.pairs.setdefault(id(a), id(b)) == id(b), f"{where}: shared in the first tree, not the second"
+            assert self.back.setdefault(id(b), id(a)) == id(a), f"{where}: shared in the second tree, not the first"
+            if seen:
                 return
-            self.pairs[id(a)] = id(b)
         if isinstance(a, torch.Tensor):
             self.tensor(a, b, where)
         elif isinstance(a, dict):
@@ -101,8 +104,10 @@ class _Same:
         assert not a.requires_grad and not b.requires_grad, f"{where}: requires_grad"
         sa, sb = a.untyped_storage(), b.untyped_storage()
         assert sa.nbytes() == sb.nbytes(), f"{where}: storages of {sa.nbytes()} and {sb.nbytes()} bytes"
-        seen = self.storages.setdefault(sa.data_ptr(), sb.data_ptr())
-        assert seen == sb.data_ptr(), f"{where}: storage shared in one tree, not in the other"
+        assert self.storages.setdefault(sa.data_ptr(), sb.data_ptr()) == sb.data_ptr(), \
+            f"{where}: storage shared in the first tree, not the second"
+        assert self.storages_back.setdefault(sb.data_ptr(), sa.data_ptr()) == sa.data_ptr(), \
+            f"{where}: storage shared in the second tree, not the first"
         assert torch.equal(_bytes(a), _bytes(b)), f"{where}: values differ"
 
 

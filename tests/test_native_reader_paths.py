@@ -210,16 +210,26 @@ def _long_chain(puts: int) -> bytes:
 _MEMO_CASES = {
     # [1, 2, 2, <the list>]: index 1 overwritten before it is read
     "overwritten": b"\x80\x02]q\x00(K\x01q\x01K\x02q\x01h\x01h\x00e.",
-    # [7, 7, <the list>, 9]: MEMOIZE counts the values put by index too
+    # [7, 7, <the list>, 9, 9]: an explicit index where MEMOIZE's count has reached
     "memoize": b"\x80\x04]\x94(K\x07\x94h\x01h\x00K\tq\x02h\x02e.",
-    # put 0..2, read 2 only, then MEMOIZE lands at index 3
+    # put 0..2, read 2 only, then MEMOIZE counts the values put by index: it lands at 3
     "unread_then_memoize": b"\x80\x04(K\x01q\x00K\x02q\x01K\x03q\x02h\x02K\x04\x94h\x03l.",
+    # read, overwritten, read again
+    "read_overwritten_read": b"\x80\x02]q\x00(K\x01q\x01h\x01K\x02q\x01h\x01h\x00e.",
+    # a native tuple and an OrderedDict() not made yet, each taken again twice through the memo
+    "shared_tuple": b"\x80\x02]q\x00(K\x01K\x02\x86q\x01h\x01h\x01e.",
+    "shared_ordered_dict": b"\x80\x02]q\x00(ccollections\nOrderedDict\n)Rq\x01h\x01h\x01e.",
+    # values the memo alone keeps alive after POP, POP_MARK, and one put after DUP
+    "after_pop": b"\x80\x02]q\x00(]q\x010h\x01e.",
+    "after_pop_mark": b"\x80\x02]q\x00((]q\x01]q\x021h\x01h\x02e.",
+    "after_dup": b"\x80\x02]q\x00(]2q\x01h\x01e.",
     "past_255": _long_chain(300),
     "never_put": b"\x80\x02]q\x00h\x05a.",
     "put_ahead": b"\x80\x02]r\x00\x00\x00\x10.",
     "read_before_put": b"\x80\x02]h\x00q\x00a.",
 }
-_MEMO_ACCEPTED = {"overwritten", "memoize", "unread_then_memoize", "past_255"}
+_MEMO_ACCEPTED = {"overwritten", "memoize", "unread_then_memoize", "past_255", "read_overwritten_read", "shared_tuple",
+                  "shared_ordered_dict", "after_pop", "after_pop_mark", "after_dup"}
 
 
 def test_the_memo_keeps_what_is_read_back_and_refuses_what_the_reference_refuses(monkeypatch):
@@ -232,5 +242,10 @@ def test_the_memo_keeps_what_is_read_back_and_refuses_what_the_reference_refuses
         assert (reference[0] == "ok") == (label in _MEMO_ACCEPTED), f"{label}: {reference}"
         compare(path, monkeypatch, tally, index=index, label=label)
     assert tally.native == len(_MEMO_ACCEPTED), "the accepted cases should be read natively, not declined"
-    tree = reader.read_native(path, dataclasses.replace(base, pickle_bytes=_MEMO_CASES["overwritten"]), CORE)[1]
+    def native(label):
+        return reader.read_native(path, dataclasses.replace(base, pickle_bytes=_MEMO_CASES[label]), CORE)[1]
+
+    tree = native("overwritten")
     assert tree[:3] == [1, 2, 2] and tree[3] is tree
+    tree = native("shared_tuple")
+    assert tree == [(1, 2)] * 3 and tree[0] is tree[1] is tree[2]

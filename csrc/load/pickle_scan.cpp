@@ -4,6 +4,7 @@
 #include "pickle_scan.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -28,6 +29,8 @@ struct Rec {  // 32 bytes: a 20k-tensor pickle makes about 200k of them
   uint32_t items_len;
   bool tuple;         // tuples keep their items' records (a callee iterating them)
 };
+
+static_assert(sizeof(Rec) == 32, "Rec grew: the pass holds one per object");
 
 Rec rec(int32_t depth, int64_t cost, int64_t item_cost, bool tuple = false, uint32_t at = 0, uint32_t len = 0) {
   return Rec{cost, item_cost, depth, at, len, tuple};
@@ -79,8 +82,11 @@ class Scan {
   ScanFacts facts() const {
     ScanFacts f;
     f.memo_slot.resize(memo_.size(), -1);
-    for (size_t i = 0; i < memo_.size(); ++i)
-      if (fetched_[i]) f.memo_slot[i] = f.memo_slots++;
+    for (size_t i = 0; i < memo_.size(); ++i) {
+      if (!fetched_[i]) continue;
+      if (f.memo_slots == INT32_MAX) throw Declined("too many memo indices read");
+      f.memo_slot[i] = f.memo_slots++;
+    }
     f.tuples = tuples_;
     f.tuple_items = tuple_items_;
     return f;

@@ -410,13 +410,14 @@ void Reader::push_sized(uint8_t op) {
   }
 }
 
+// The bounds pass walked these very opcodes with the same rules, so it saw every index put:
+// memo_len_ <= memo_slot_.size() always, and a GET's index always has a slot.
 void Reader::memo_put(uint64_t index) {
   const Val& value = top();
   if (index > memo_len_) throw Declined("memo index runs ahead");
-  if (index == memo_len_) ++memo_len_;
-  // The bounds pass walked these very opcodes, so it saw every index; only a GET's are kept.
   if (index >= memo_slot_.size()) throw Declined("memo index the bounds pass did not see");
-  if (memo_slot_[index] >= 0) memo_[size_t(memo_slot_[index])] = value;
+  if (index == memo_len_) ++memo_len_;
+  if (memo_slot_[index] >= 0) memo_[size_t(memo_slot_[index])] = value;  // only what a GET reads
 }
 
 void Reader::memo_get(uint64_t index) {
