@@ -23,7 +23,6 @@ import math
 import os
 import pickletools
 import random
-import shutil
 from pathlib import Path
 
 import pytest
