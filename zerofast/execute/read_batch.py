@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..load.unpickle import file_identity, file_location
+from ..load.archive import file_identity
+from ..load.unpickle import file_location
 from ..plan.model import TensorPlan
 
 Location = tuple[int, tuple[int, int, int, int]]  # (byte offset in the file, file identity)

@@ -131,10 +131,16 @@ def index_archives(paths: Sequence[Path]) -> list[ArchiveIndex | None]:
     out: list[ArchiveIndex | None] = [None] * len(paths)
     for i, (ok, directory, data, whole, identity) in zip(wanted, found):
         st = stats[i]
-        if ok and identity == (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+        if ok and identity == file_identity(st):
             out[i] = ArchiveIndex(paths[i], st.st_size, directory.prefix, _NativeEntries(directory), data, directory,
                                   st, whole)
     return out
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What must not change between reading a file's directory (or mapping it) and reading it
+    again: (dev, inode, size, mtime in ns)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _stat_or_none(path: Path) -> os.stat_result | None:

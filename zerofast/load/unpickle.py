@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from .archive import ArchiveIndex, index_archive
+from .archive import ArchiveIndex, file_identity, index_archive
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError, mapping_limit_error, mapping_refused, short_repr
 from .pickle_bounds import BoundsExceeded, check_pickle
 from .stand_ins import STAND_INS, DeepSpeedRecord, Frozen
@@ -267,11 +267,6 @@ class _Storages:
 # file itself (csrc/cpu/read_cast.cpp) rather than through the mapping. Weak: this table never
 # keeps a mapping alive; the tensors cut out of it do.
 _MAPPINGS: dict[str, tuple[weakref.ref, tuple[int, int, int, int]]] = {}
-
-
-def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What must not change between mapping a file and reading it again by name."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _remember_mapping(path: Path, mapping: torch.UntypedStorage, st: os.stat_result | None = None) -> None:
