@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def eager_state_dict(plan: Plan, executor: Executor) -> "OrderedDict[str, torch.Tensor]":
     """Every tensor materialized into fresh memory, in the model's key order; ties share storage."""
     with collector_paused():
-        outs = executor.run_all(list(plan.tensors.values()))
+        outs = executor.run_plan(plan.tensors)
         if not plan.aliases and plan.order == tuple(plan.tensors):
             return OrderedDict(zip(plan.order, outs))
         made = dict(zip(plan.tensors, outs))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from .. import ops
 from ..devices import device_of
+from ..plan.columns import PlanTensors
 from ..plan.model import SegmentTable, TableSegments, TensorPlan
 
 if TYPE_CHECKING:
@@ -59,6 +60,13 @@ class Executor:
         if self.device.type == "cpu":
             return self.reader.read(tps)
         return self._read_to_device(tps)
+
+    def run_plan(self, tensors: Mapping[str, TensorPlan]) -> list[torch.Tensor]:
+        """Every tensor of a plan's ``tensors``, in its order, as :meth:`run_all` makes them; a
+        columnar plan's (:class:`~zerofast.plan.columns.PlanTensors`) are read off its columns."""
+        if type(tensors) is PlanTensors and self.reader is not None and self.device.type == "cpu":
+            return self.reader.read(tensors)
+        return self.run_all(list(tensors.values()))
 
     def _read_to_device(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
         # Read as stored (a plain copy), cast where the result lives: Tensor.to's cast, as on the CPU.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from itertools import chain, repeat
+from itertools import chain
 from operator import attrgetter
 from typing import Iterable, Iterator, Sequence
 
@@ -22,6 +22,7 @@ import torch
 from .. import ops
 from ..load.archive import file_identity
 from ..load.unpickle import file_location
+from ..plan.columns import PlanTensors, segment_rows
 from ..plan.model import TensorPlan
 
 Location = tuple[int, tuple[int, int, int, int]]  # (byte offset in the file, file identity)
@@ -41,14 +42,13 @@ class BatchReader:
         self.sources = list(sources)
         self.locations = locations
 
-    def read(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
-        """Each of ``tps`` in fresh memory, in its shape: one call per output dtype, which makes
-        the tensors too."""
+    def read(self, tps: Sequence[TensorPlan] | PlanTensors) -> list[torch.Tensor]:
+        """Each of ``tps`` (plans, or a columnar plan's tensors: all of them, in their order)
+        in fresh memory, in its shape: one call per output dtype, which makes the tensors too."""
+        groups = _column_groups(tps) if isinstance(tps, PlanTensors) else _plan_groups(tps)
         made: list[torch.Tensor | None] = [None] * len(tps)
-        groups = [(dtype, where, group, _rows(group)) for dtype, (where, group) in _by_dtype(tps).items()]
         with self.opened(_used(rows for *_, rows in groups)) as (fds, offsets):
-            for dtype, where, group, rows in groups:
-                shapes = [tp.shape for tp in group]
+            for dtype, where, shapes, rows in groups:
                 dims = list(chain.from_iterable(shapes))
                 outs = ops.read_cast_new(self.sources, fds, offsets, rows, dims, list(map(len, shapes)), dtype)
                 if len(where) == len(tps):
@@ -135,35 +135,38 @@ def _used(tables: Iterable[torch.Tensor]) -> set[int]:
     return set(chain.from_iterable(np.flatnonzero(np.bincount(t[:, 1].numpy())).tolist() for t in tables))
 
 
+_Group = tuple[torch.dtype, Sequence[int], Sequence[Sequence[int]], torch.Tensor]  # (dtype, where, shapes, rows)
+
+
+def _plan_groups(tps: Sequence[TensorPlan]) -> list[_Group]:
+    return [(dtype, where, [tp.shape for tp in group], _rows(group))
+            for dtype, (where, group) in _by_dtype(tps).items()]
+
+
+def _column_groups(cols: PlanTensors) -> list[_Group]:
+    """:func:`_plan_groups` of a columnar plan, read off its columns: no object per tensor."""
+    distinct = list(dict.fromkeys(cols.out))
+    if len(distinct) == 1:
+        everything = np.arange(len(cols), dtype=np.int64)
+        rows = _table(everything, cols.table.rows, np.diff(cols.table.starts))
+        return [(distinct[0], everything, cols.shapes, torch.from_numpy(rows))]
+    code = {d: k for k, d in enumerate(distinct)}
+    codes = np.fromiter(map(code.__getitem__, cols.out), dtype=np.int64, count=len(cols))
+    groups = []
+    for k, dtype in enumerate(distinct):
+        at = np.flatnonzero(codes == k)
+        rows, counts = cols.table.gather(at)
+        where = at.tolist()
+        groups.append((dtype, where, list(map(cols.shapes.__getitem__, where)),
+                       torch.from_numpy(_table(np.arange(len(at), dtype=np.int64), rows, counts))))
+    return groups
+
+
 def _rows(tps: Sequence[TensorPlan]) -> torch.Tensor:
     """The plan as the op's table: (output, source, source offset, output offset, length).
-    Built from flat columns, not a list per row: a batch can hold hundreds of thousands. The
-    segments that are views of a plan's :class:`SegmentTable` are taken from it a table at a
-    time, without a Python object per row; the op reads rows in any order."""
-    segments = [tp.segments for tp in tps]
-    tables = list(map(getattr, segments, repeat("table"), repeat(None)))
-    distinct = list(dict.fromkeys(tables))
-    if distinct == [None]:
-        return torch.from_numpy(_table(np.arange(len(segments), dtype=np.int64), *_tuple_rows(segments)))
-    code = {id(t): k for k, t in enumerate(distinct)}
-    codes = np.fromiter(map(code.__getitem__, map(id, tables)), dtype=np.int64, count=len(tables))
-    index = np.fromiter(map(getattr, segments, repeat("number"), repeat(-1)), dtype=np.int64, count=len(tables))
-    parts = []
-    for k, table in enumerate(distinct):
-        at = np.flatnonzero(codes == k) if len(distinct) > 1 else np.arange(len(tables), dtype=np.int64)
-        if table is None:
-            parts.append(_table(at, *_tuple_rows([segments[i] for i in at.tolist()])))
-        else:
-            rows, counts = table.gather(index[at])
-            parts.append(_table(at, rows, counts))
-    return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts))
-
-
-def _tuple_rows(segments: Sequence) -> tuple[np.ndarray, np.ndarray]:
-    counts = np.fromiter(map(len, segments), dtype=np.int64, count=len(segments))
-    rows = np.fromiter(chain.from_iterable(chain.from_iterable(segments)), dtype=np.int64,
-                       count=4 * int(counts.sum())).reshape(-1, 4)
-    return rows, counts
+    Built from flat columns, not a list per row: a batch can hold hundreds of thousands."""
+    rows, counts = segment_rows([tp.segments for tp in tps])
+    return torch.from_numpy(_table(np.arange(len(tps), dtype=np.int64), rows, counts))
 
 
 def _table(outputs: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:

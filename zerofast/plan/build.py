@@ -8,7 +8,7 @@ for every layout.
 """
 from __future__ import annotations
 
-from itertools import repeat
+from collections.abc import Mapping
 
 import torch
 
@@ -17,7 +17,8 @@ from ..dtypes import out_dtype_for
 from ..errors import InconsistentCheckpointError
 from ..load import LoadedCheckpoint
 from .builders.frozen import declared as frozen_entries
-from .model import BUFFER, FROZEN, TRAINABLE, Entry, Plan, SourceTable, TableSegments, TensorPlan, tensor_identity
+from .columns import Layers, plan_tensors
+from .model import BUFFER, FROZEN, TRAINABLE, Entry, Plan, SourceTable, tensor_identity
 
 
 def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
@@ -27,7 +28,7 @@ def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | 
 
 
 def plain_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None, exclude_frozen: bool,
-               trainable: dict[str, Entry]) -> Plan:
+               trainable: Mapping[str, Entry]) -> Plan:
     """The plan of a save whose module dict names every tensor (plain ZeRO 0-3 and its universal
     copy), given the layout's ``trainable`` entries: the rest of the module is classified here."""
     frozen = frozen_entries(ckpt, table)
@@ -36,10 +37,8 @@ def plain_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | 
         frozen[name] = _module_entry(ckpt, table, name)
     for name in buffers:
         buffers[name] = _module_entry(ckpt, table, name)
-    entries: dict[str, tuple[str, Entry]] = {}
-    for kind, named in ((TRAINABLE, trainable), (FROZEN, frozen), (BUFFER, buffers)):
-        entries.update(zip(named, zip(repeat(kind), named.values())))
-    return assemble(ckpt, entries, _order(kinds, entries, aliases, absent), aliases, dtype, exclude_frozen,
+    layers = Layers(((TRAINABLE, trainable), (FROZEN, frozen), (BUFFER, buffers)))
+    return assemble(ckpt, layers, _order(kinds, layers.names, aliases, absent), aliases, dtype, exclude_frozen,
                     frozen_excluded=frozen_excluded(ckpt) or bool(absent), absent_frozen=tuple(sorted(absent)))
 
 
@@ -54,27 +53,18 @@ def _order(kinds: dict, entries: dict, aliases: dict, absent: set) -> list[str]:
     return order + [n for n in entries if n in unlisted] if unlisted else order
 
 
-def assemble(ckpt: LoadedCheckpoint, entries: dict[str, tuple[str, Entry]], order: list[str],
-             aliases: dict[str, str], dtype: torch.dtype | None, exclude_frozen: bool, **flags) -> Plan:
-    """The plan of ``entries`` (name -> (kind, entry)) in ``order``, tied ``aliases`` kept as
-    names, the dtype policy applied; ``exclude_frozen`` drops the frozen ones (and their aliases)."""
+def assemble(ckpt: LoadedCheckpoint, layers: Layers, order: list[str], aliases: dict[str, str],
+             dtype: torch.dtype | None, exclude_frozen: bool, **flags) -> Plan:
+    """The plan of the tensors ``layers`` holds, in ``order``, tied ``aliases`` kept as names,
+    the dtype policy applied; ``exclude_frozen`` drops the frozen ones (and their aliases).
+    Every name of ``order`` is in ``layers`` or ``aliases``."""
     if exclude_frozen:
-        order = [n for n in order if entries.get(aliases.get(n, n), (None,))[0] != FROZEN]
+        order = [n for n in order if layers.kind(aliases.get(n, n)) != FROZEN]
     named = order if not aliases else [n for n in order if n not in aliases]
-    # Column by column: tens of thousands of tensors, no Python frame per tensor but the plan's.
-    kinds, placed = zip(*map(entries.__getitem__, named)) if named else ((), ())
-    shapes, stored, segments = zip(*placed) if named else ((), (), ())
-    out_dtypes = {s: out_dtype_for(s, dtype) for s in set(stored)}
-    if set(map(type, segments)) != {TableSegments}:
-        segments = map(_immutable, segments)
-    tensors = dict(zip(named, map(TensorPlan, named, shapes, kinds, stored, map(out_dtypes.__getitem__, stored),
-                                  segments)))
-    kept_aliases = {a: s for a, s in aliases.items() if a in order}
+    tensors = plan_tensors(named, layers, lambda stored: out_dtype_for(stored, dtype))
+    listed = set(order) if aliases else ()
+    kept_aliases = {a: s for a, s in aliases.items() if a in listed}
     return Plan(tensors, kept_aliases, tuple(order), ckpt.stage, ckpt.world_size, **flags)
-
-
-def _immutable(segments):
-    return segments if type(segments) is TableSegments else tuple(segments)
 
 
 def frozen_excluded(ckpt: LoadedCheckpoint) -> bool:

@@ -10,6 +10,7 @@ composition, the masters of a save without ZeRO) as the ``trainable`` entries.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 
@@ -18,6 +19,7 @@ from ..load import LoadedCheckpoint, PartitionedCheckpoint
 from ..load.checkpoint import narrow_group
 from .build import assemble
 from .builders import flat_entries
+from .columns import Layers
 from .model import BUFFER, FROZEN, TRAINABLE, Entry, FlatGroups, Plan, SourceTable
 
 
@@ -35,25 +37,22 @@ def partition_entries(ckpt: PartitionedCheckpoint, table: SourceTable, flats: Fl
 
 
 def partitioned_plan(ckpt: PartitionedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
-                     exclude_frozen: bool, trainable: dict[str, Entry]) -> Plan:
+                     exclude_frozen: bool, trainable: Mapping[str, Entry]) -> Plan:
     """The state dict's plan: ``trainable`` (the layout's masters) and every stored tensor."""
     if exclude_frozen and not ckpt.frozen_known:
         raise UnsupportedCheckpointError(
             "exclude_frozen: this checkpoint does not record which parameters are frozen (no optimizer names them)",
             ckpt.meta.path)
-    entries: dict[str, tuple[str, Entry]] = {}
+    frozen: dict[str, Entry] = {}
+    buffers: dict[str, Entry] = {}
     for name, s in ckpt.stored.items():
-        if name in ckpt.aliases:
-            continue
-        if name in trainable:
-            entries[name] = (TRAINABLE, trainable[name])
-        else:
-            entries[name] = (BUFFER if name in ckpt.buffers else FROZEN, table.whole(str(s.path), s.key, s.tensor))
-    entries.update((n, (TRAINABLE, e)) for n, e in trainable.items() if n not in entries)
+        if name not in ckpt.aliases and name not in trainable:
+            (buffers if name in ckpt.buffers else frozen)[name] = table.whole(str(s.path), s.key, s.tensor)
+    layers = Layers(((TRAINABLE, trainable), (FROZEN, frozen), (BUFFER, buffers)))
     for alias, source in ckpt.aliases.items():
-        if source not in entries:
+        if source not in layers.names:
             raise InconsistentCheckpointError(f"tied parameter {alias!r} points to unknown parameter {source!r}",
                                               ckpt.meta.path)
-    order = [n for n in ckpt.stored if n in entries or n in ckpt.aliases]
-    order += [n for n in entries if n not in ckpt.stored]
-    return assemble(ckpt, entries, order, ckpt.aliases, dtype, exclude_frozen)
+    order = [n for n in ckpt.stored if n in layers.names or n in ckpt.aliases]
+    order += [n for n in trainable if n not in ckpt.stored]
+    return assemble(ckpt, layers, order, ckpt.aliases, dtype, exclude_frozen)

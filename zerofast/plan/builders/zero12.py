@@ -6,28 +6,30 @@ Parameters follow each other in ``param_shapes`` order; after parameter i come
 from __future__ import annotations
 
 import math
-from itertools import repeat
+from collections.abc import Mapping
 
 import numpy as np
 
 from ...errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
+from ..columns import EntryTable
 from ..model import Entry, FlatGroups, SegmentTable, SourceTable, VirtualBuffer
 
 INT64_MAX = 2 ** 63 - 1
 
 
-def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGroups) -> dict[str, Entry]:
-    out: dict[str, Entry] = {}
+def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGroups) -> Mapping[str, Entry]:
+    parts: list[Mapping[str, Entry]] = []  # per group
     for g, group in enumerate(shapes):
-        parts = [groups[g][1] for groups in flats]
+        buf_parts = [groups[g][1] for groups in flats]
         buf = VirtualBuffer([table.add(str(o.path), groups[g][0], groups[g][1])
-                             for o, groups in zip(ckpt.optim_states, flats)], [p.numel() for p in parts])
+                             for o, groups in zip(ckpt.optim_states, flats)], [p.numel() for p in buf_parts])
         pads = _alignment_paddings(ckpt, g, len(group))
-        fast = _columns(group, pads, buf, parts[0].dtype)
+        fast = _columns(group, pads, buf, buf_parts[0].dtype)
         if fast is not None:
-            out.update(fast)
+            parts.append(fast)
             continue
+        out: dict[str, Entry] = {}
         offset = 0
         for i, (name, shape) in enumerate(group.items()):
             n = math.prod(shape)
@@ -35,8 +37,24 @@ def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGro
                 raise InconsistentCheckpointError(
                     f"'param_shapes' places {name!r} at elements [{offset}, {offset + n}) of group {g}, but the "
                     f"{ckpt.world_size} ranks' partitions hold only {buf.numel}", ckpt.optim_states[0].path)
-            out[name] = (shape, parts[0].dtype, buf.pieces(offset, n, 0))
+            out[name] = (shape, buf_parts[0].dtype, buf.pieces(offset, n, 0))
             offset += n + pads[i]
+        parts.append(out)
+    return _joined(parts)
+
+
+def _joined(parts: list[Mapping[str, Entry]]) -> Mapping[str, Entry]:
+    """The groups' entries as one mapping: one table where each group made one, else a dict in
+    group order (a later group's entry of a name replacing an earlier one's)."""
+    if len(parts) == 1:
+        return parts[0]
+    if parts and all(type(p) is EntryTable for p in parts):
+        joined = EntryTable.join(parts)
+        if joined is not None:
+            return joined
+    out: dict[str, Entry] = {}
+    for part in parts:
+        out.update(part.items())
     return out
 
 
@@ -52,7 +70,7 @@ def _alignment_paddings(ckpt: LoadedCheckpoint, group: int, count: int) -> list[
     return [int(p) for p in pads[group]]
 
 
-def _columns(group: dict, pads: list[int], buf: VirtualBuffer, dtype) -> dict[str, Entry] | None:
+def _columns(group: dict, pads: list[int], buf: VirtualBuffer, dtype) -> Mapping[str, Entry] | None:
     """The loop's entries for one group by array arithmetic (tens of thousands of parameters), or
     None where the loop would raise or the sums could leave int64. A parameter that crosses from
     one rank's partition into the next gets its segments from :meth:`VirtualBuffer.pieces`."""
@@ -70,4 +88,4 @@ def _columns(group: dict, pads: list[int], buf: VirtualBuffer, dtype) -> dict[st
     rows[:, 0, 0], rows[:, 0, 1], odd = buf.single_pieces(offsets, n)
     rows[:, 0, 3] = n
     cut = [buf.pieces(int(offsets[i]), sizes[i], 0) for i in np.flatnonzero(odd).tolist()]
-    return dict(zip(group, zip(group.values(), repeat(dtype), SegmentTable.regular(rows, odd, cut).views())))
+    return EntryTable.of(list(group), list(group.values()), dtype, SegmentTable.regular(rows, odd, cut))

@@ -9,19 +9,21 @@ the per-parameter loop (:func:`_loop`) remains for what that does not cover and 
 from __future__ import annotations
 
 import math
-from itertools import chain, repeat
+from collections.abc import Mapping
+from itertools import chain
 
 import numpy as np
 import torch
 
 from ...errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
+from ..columns import EntryTable
 from ..model import Entry, FlatGroups, SegmentTable, SourceTable, VirtualBuffer, ceil_div, rank_share
 
 INT64_MAX = 2 ** 63 - 1
 
 
-def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGroups) -> dict[str, Entry]:
+def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGroups) -> Mapping[str, Entry]:
     rank_bufs = [VirtualBuffer([table.add(str(o.path), where, t) for where, t in groups],
                                [t.numel() for _, t in groups])
                  for o, groups in zip(ckpt.optim_states, flats)]
@@ -51,7 +53,8 @@ def _loop(ckpt: LoadedCheckpoint, shapes, rank_bufs: list[VirtualBuffer], dtype:
     return out
 
 
-def _columns(names: list[str], dims: list, rank_bufs: list[VirtualBuffer], dtype: torch.dtype) -> dict[str, Entry] | None:
+def _columns(names: list[str], dims: list, rank_bufs: list[VirtualBuffer],
+             dtype: torch.dtype) -> Mapping[str, Entry] | None:
     """What :func:`_loop` returns, or None where it would raise or the sums could leave int64.
     A parameter whose slice on some rank crosses from one flat group into the next, or that a rank
     holds none of, gets its segments from :meth:`VirtualBuffer.pieces` as in the loop."""
@@ -75,4 +78,4 @@ def _columns(names: list[str], dims: list, rank_bufs: list[VirtualBuffer], dtype
     cut = [[p for r, buf in enumerate(rank_bufs)
             for p in buf.pieces(int(offsets[i]), rank_share(sizes[i], int(k[i]), r), r * int(k[i]))]
            for i in np.flatnonzero(odd).tolist()]
-    return dict(zip(names, zip(dims, repeat(dtype), SegmentTable.regular(rows, odd, cut).views())))
+    return EntryTable.of(names, dims, dtype, SegmentTable.regular(rows, odd, cut))

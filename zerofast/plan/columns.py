@@ -1,0 +1,225 @@
+"""Plans of tens of thousands of tensors, kept column by column.
+
+A ZeRO save of 20k small parameters used to cost a Python object per tensor at every step: an
+entry and a segment view from the builder, a :class:`~.model.TensorPlan` from the plan, and a
+trip through each again when the executor packed its table. Here the builders' output
+(:class:`EntryTable`) and the plan's tensors (:class:`PlanTensors`) are lists and one
+:class:`~.model.SegmentTable`; both are ordinary read-only mappings, whose values are made
+only when someone asks for them, and the batched reader takes the columns as they are.
+"""
+from __future__ import annotations
+
+from collections.abc import ItemsView, Mapping, ValuesView
+from itertools import chain, repeat
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .model import Entry, SegmentTable, TableSegments, TensorPlan
+
+
+class EntryTable(Mapping):
+    """A builder's entries (name -> :data:`~.model.Entry`) of one stored dtype whose segments
+    are the rows of one table, tensor ``i`` named ``names[i]``. Made with :meth:`of`, which
+    declines names that repeat (the dict a builder would make keeps the last of those)."""
+
+    __slots__ = ("names", "shapes", "dtype", "table", "index")
+
+    def __init__(self, names: list[str], shapes: list, dtype: torch.dtype, table: SegmentTable,
+                 index: dict[str, int]):
+        self.names = names
+        self.shapes = shapes
+        self.dtype = dtype
+        self.table = table
+        self.index = index  # name -> its number
+
+    @classmethod
+    def of(cls, names: list[str], shapes: list, dtype: torch.dtype,
+           table: SegmentTable) -> "EntryTable | dict[str, Entry]":
+        index = dict(zip(names, range(len(names))))
+        if len(index) == len(names):
+            return cls(names, shapes, dtype, table, index)
+        return dict(zip(names, zip(shapes, repeat(dtype), table.views())))
+
+    def __getitem__(self, name: str) -> Entry:
+        i = self.index[name]
+        return self.shapes[i], self.dtype, TableSegments(self.table, i)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.index
+
+    def keys(self):
+        return self.index.keys()  # a dict's view: set operations on it run in C
+
+    @staticmethod
+    def join(parts: Sequence["EntryTable"]) -> "EntryTable | None":
+        """Several tables as one (stages 1-2 build one per param group), or None where they
+        differ in dtype or share a name."""
+        if len({p.dtype for p in parts}) != 1:
+            return None
+        names = list(chain.from_iterable(p.names for p in parts))
+        index = dict(zip(names, range(len(names))))
+        if len(index) != len(names):
+            return None
+        rows = np.concatenate([p.table.rows for p in parts])
+        starts = np.zeros(len(names) + 1, dtype=np.int64)
+        np.cumsum(np.concatenate([np.diff(p.table.starts) for p in parts]), out=starts[1:])
+        shapes = list(chain.from_iterable(p.shapes for p in parts))
+        return EntryTable(names, shapes, parts[0].dtype, SegmentTable(rows, starts), index)
+
+
+class PlanTensors(Mapping):
+    """A plan's tensors (name -> :class:`~.model.TensorPlan`), column by column: tensor ``i``
+    is ``names[i]`` with rows ``i`` of ``table``. A TensorPlan is made each time one is looked
+    up; tensors whose segments were given as tuples (``loose``: number -> tuple) get those back."""
+
+    __slots__ = ("names", "shapes", "kinds", "stored", "out", "table", "loose", "index")
+
+    def __init__(self, names: list[str], shapes: list, kinds: list[str], stored: list[torch.dtype],
+                 out: list[torch.dtype], table: SegmentTable, loose: dict[int, tuple]):
+        self.names, self.shapes, self.kinds, self.stored, self.out = names, shapes, kinds, stored, out
+        self.table = table
+        self.loose = loose
+        self.index = dict(zip(names, range(len(names))))
+
+    def plan_of(self, i: int) -> TensorPlan:
+        segments = self.loose.get(i)
+        return TensorPlan(self.names[i], self.shapes[i], self.kinds[i], self.stored[i], self.out[i],
+                          TableSegments(self.table, i) if segments is None else segments)
+
+    def __getitem__(self, name: str) -> TensorPlan:
+        return self.plan_of(self.index[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.index
+
+    def keys(self):
+        return self.index.keys()
+
+    def values(self) -> "_Values":
+        return _Values(self)
+
+    def items(self) -> "_Items":
+        return _Items(self)
+
+
+class _Values(ValuesView):
+    def __iter__(self) -> Iterator[TensorPlan]:
+        return map(self._mapping.plan_of, range(len(self._mapping)))
+
+
+class _Items(ItemsView):
+    def __iter__(self):
+        return zip(self._mapping.names, map(self._mapping.plan_of, range(len(self._mapping))))
+
+
+class Layers:
+    """Entries by kind: name -> (kind, :data:`~.model.Entry`) over ``(kind, entries)`` pairs,
+    where two name one tensor the later winning, as ``dict.update`` in turn would have it.
+    ``names``: every name once, in the order that dict would have."""
+
+    def __init__(self, layers: Sequence[tuple[str, Mapping[str, Entry]]]):
+        self.layers = [(kind, entries) for kind, entries in layers if len(entries)]
+        self.names = dict.fromkeys(chain.from_iterable(entries.keys() for _, entries in self.layers))
+
+    def kind(self, name: str) -> str | None:
+        for kind, entries in reversed(self.layers):
+            if name in entries:
+                return kind
+        return None
+
+
+def plan_tensors(named: list[str], layers: Layers, out_dtype) -> PlanTensors:
+    """The columns of ``named`` (every one in ``layers``), their output dtypes ``out_dtype(stored)``.
+
+    Column by column per layer: a layer's positions in ``named`` at once, an
+    :class:`EntryTable`'s rows gathered from its table, never an entry made of it."""
+    n = len(named)
+    if len(layers.layers) == 1:
+        winner = np.zeros(n, dtype=np.int64)
+    else:
+        which: dict[str, int] = {}
+        for k, (_, entries) in enumerate(layers.layers):
+            which.update(zip(entries.keys(), repeat(k)))
+        winner = np.fromiter(map(which.__getitem__, named), dtype=np.int64, count=n)
+    shapes, kinds, stored = (np.empty(n, dtype=object) for _ in range(3))
+    loose: dict[int, tuple] = {}
+    parts = []
+    for k, (kind, entries) in enumerate(layers.layers):
+        at = np.flatnonzero(winner == k)
+        if not len(at):
+            continue
+        names = list(map(named.__getitem__, at.tolist()))
+        kinds[at] = kind
+        if type(entries) is EntryTable:
+            numbers = np.fromiter(map(entries.index.__getitem__, names), dtype=np.int64, count=len(at))
+            shapes[at] = np.fromiter(map(entries.shapes.__getitem__, numbers.tolist()), dtype=object, count=len(at))
+            stored[at] = entries.dtype
+            parts.append((at, *entries.table.gather(numbers)))
+            continue
+        shape, dtypes, segments = zip(*map(entries.__getitem__, names))
+        shapes[at] = np.fromiter(shape, dtype=object, count=len(at))
+        stored[at] = np.fromiter(dtypes, dtype=object, count=len(at))
+        loose.update((i, tuple(s)) for i, s in zip(at.tolist(), segments) if type(s) is not TableSegments)
+        parts.append((at, *segment_rows(segments)))
+    stored_dtypes = stored.tolist()
+    outs = {s: out_dtype(s) for s in set(stored_dtypes)}
+    return PlanTensors(list(named), shapes.tolist(), kinds.tolist(), stored_dtypes,
+                       list(map(outs.__getitem__, stored_dtypes)), scattered(n, parts), loose)
+
+
+def segment_rows(segments: Sequence[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of each of ``segments`` (tuples, or :class:`~.model.TableSegments` of any
+    tables) in that order, and how many each has: a table at a time, no object per row."""
+    tables = list(map(getattr, segments, repeat("table"), repeat(None)))
+    distinct = list(dict.fromkeys(map(id, tables)))
+    if len(distinct) == 1 and tables and tables[0] is not None:
+        numbers = np.fromiter(map(getattr, segments, repeat("number")), dtype=np.int64, count=len(segments))
+        return tables[0].gather(numbers)
+    code = {t: k for k, t in enumerate(distinct)}
+    codes = np.fromiter(map(code.__getitem__, map(id, tables)), dtype=np.int64, count=len(tables))
+    parts = []
+    for k in range(len(distinct)):
+        at = np.flatnonzero(codes == k)
+        picked = list(map(segments.__getitem__, at.tolist()))
+        table = tables[int(at[0])]
+        if table is None:
+            counts = np.fromiter(map(len, picked), dtype=np.int64, count=len(picked))
+            rows = np.fromiter(chain.from_iterable(chain.from_iterable(picked)), dtype=np.int64,
+                               count=4 * int(counts.sum())).reshape(-1, 4)
+        else:
+            rows, counts = table.gather(np.fromiter(map(getattr, picked, repeat("number")), dtype=np.int64,
+                                                    count=len(picked)))
+        parts.append((at, rows, counts))
+    table = scattered(len(segments), parts)
+    return table.rows, np.diff(table.starts)
+
+
+def scattered(n: int, parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> SegmentTable:
+    """One table of ``n`` tensors from ``(positions, rows, counts)`` parts: the tensors at
+    ``positions`` have ``counts`` rows each, ``rows`` end to end in that order."""
+    counts = np.zeros(n, dtype=np.int64)
+    for at, _, c in parts:
+        counts[at] = c
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    if len(parts) == 1 and len(parts[0][0]) == n and bool((np.diff(parts[0][0]) > 0).all()):
+        return SegmentTable(parts[0][1].reshape(-1, 4), starts)  # one part, already in order
+    rows = np.empty((int(starts[-1]), 4), dtype=np.int64)
+    for at, r, c in parts:
+        first = np.cumsum(c) - c
+        rows[np.repeat(starts[at] - first, c) + np.arange(len(r), dtype=np.int64)] = r
+    return SegmentTable(rows, starts)
