@@ -55,7 +55,7 @@ def test_each_entry_point_trims_once_before_making_outputs(entry, monkeypatch):
     target = module_like(zerofast.reconstruct(root)) if entry == "load_into" else None
     events: list = []
     monkeypatch.setattr(importlib.import_module(where), "release_freed_heap", lambda n: events.append(n))
-    for method in ("run_all", "run_into", "run", "view"):
+    for method in ("run_all", "run_plan", "run_into", "run", "view"):
         monkeypatch.setattr(Executor, method, _noting(getattr(Executor, method), events))
     if entry == "reconstruct":
         assert zerofast.reconstruct(root)

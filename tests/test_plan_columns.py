@@ -1,0 +1,186 @@
+"""Columnar plans (zerofast.plan.columns) against the per-entry code they stand in for.
+
+- ``plan_tensors`` over layers of tables and dicts must give, tensor by tensor, the TensorPlan
+  the per-entry assembly gives: the later layer winning a name, segments equal row for row,
+  and tuples given back where the entry had tuples, table views where it had views.
+- ``segment_rows`` of mixed tuples and views of several tables equals their rows in order.
+- ``EntryTable`` is the dict a builder made before: same items, same order, a repeated name
+  keeping the last entry as a dict does; ``join`` refuses what one dict would not keep apart.
+- The batched reader gives the same tensors, bit for bit, from the columns as from a list of
+  TensorPlans, on real saves whose outputs mix dtypes.
+"""
+from __future__ import annotations
+
+from itertools import repeat
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import needs_deepspeed
+from tests.dsgen.catalog import ensure_checkpoint
+from zerofast.plan.columns import EntryTable, Layers, PlanTensors, plan_tensors, segment_rows
+from zerofast.plan.model import SegmentTable, TableSegments, TensorPlan
+from zerofast.pipeline import prepare
+
+DTYPES = (torch.float32, torch.bfloat16, torch.int64)
+NAMES = [f"p{i}" for i in range(12)]
+
+
+def _out(stored: torch.dtype) -> torch.dtype:
+    return torch.float32 if stored.is_floating_point else stored
+
+
+segment = st.tuples(st.integers(0, 3), st.integers(0, 50), st.integers(0, 50), st.integers(0, 9))
+segments = st.lists(segment, max_size=3)
+shape = st.lists(st.integers(0, 4), max_size=3).map(tuple)
+
+
+@st.composite
+def table_layer(draw) -> EntryTable:
+    names = draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=8))
+    segs = [draw(segments) for _ in names]
+    return EntryTable.of(names, [draw(shape) for _ in names], draw(st.sampled_from(DTYPES)), SegmentTable.of(segs))
+
+
+@st.composite
+def dict_layer(draw, tables: list[EntryTable]) -> dict:
+    out = {}
+    for name in draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=8)):
+        if tables and draw(st.booleans()):  # a view of some table's rows, as partition_entries passes on
+            table = draw(st.sampled_from(tables))
+            if len(table):
+                out[name] = (draw(shape), table.dtype, TableSegments(table.table, draw(st.integers(0, len(table) - 1))))
+                continue
+        out[name] = (draw(shape), draw(st.sampled_from(DTYPES)), draw(segments))
+    return out
+
+
+@st.composite
+def layers(draw) -> list:
+    tables = [draw(table_layer()) for _ in range(draw(st.integers(0, 2)))]
+    picked = [*tables, *(draw(dict_layer(tables)) for _ in range(draw(st.integers(0, 3))))]
+    order = draw(st.permutations(range(len(picked))))
+    return [(draw(st.sampled_from(("trainable", "frozen", "buffer"))), picked[i]) for i in order]
+
+
+def _per_entry(named: list[str], pairs: list) -> dict[str, TensorPlan]:
+    """What assemble built before the columns: one dict updated layer by layer, a TensorPlan each."""
+    entries = {}
+    for kind, named_entries in pairs:
+        entries.update((n, (kind, e)) for n, e in named_entries.items())
+    out = {}
+    for name in named:
+        kind, (shp, stored, segs) = entries[name]
+        out[name] = TensorPlan(name, shp, kind, stored, _out(stored),
+                               segs if type(segs) is TableSegments else tuple(segs))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(layers(), st.randoms(use_true_random=False))
+def test_plan_tensors_equal_the_per_entry_plans(pairs, rnd):
+    known = list(Layers(pairs).names)
+    named = rnd.sample(known, rnd.randint(0, len(known)))
+    cols = plan_tensors(named, Layers(pairs), _out)
+    want = _per_entry(named, pairs)
+    assert list(cols) == named and len(cols) == len(named)
+    for name, tp in want.items():
+        got = cols[name]
+        assert (got.name, got.shape, got.kind, got.stored_dtype, got.out_dtype) == \
+               (tp.name, tp.shape, tp.kind, tp.stored_dtype, tp.out_dtype)
+        assert tuple(map(tuple, got.segments)) == tuple(map(tuple, tp.segments)), name
+        assert type(got.segments) is type(tp.segments)
+    assert dict(cols.items()) == want and list(cols.values()) == list(want.values())
+
+
+def test_layers_let_the_later_win_and_keep_the_first_place():
+    first = EntryTable.of(["a", "b"], [(1,), (2,)], torch.float32, SegmentTable.of([[(0, 0, 0, 1)], [(0, 1, 0, 2)]]))
+    later = {"c": ((1,), torch.int64, [(1, 0, 0, 1)]), "a": ((1,), torch.bfloat16, [(2, 0, 0, 1)])}
+    both = Layers([("trainable", first), ("empty", {}), ("buffer", later)])
+    assert list(both.names) == ["a", "b", "c"]
+    assert [k for k, _ in both.layers] == ["trainable", "buffer"]
+    assert (both.kind("a"), both.kind("b"), both.kind("zz")) == ("buffer", "trainable", None)
+    tps = plan_tensors(["b", "a"], both, _out)
+    assert tps["a"].segments == ((2, 0, 0, 1),) and tps["a"].stored_dtype == torch.bfloat16
+    assert type(tps["b"].segments) is TableSegments and tps["b"].segments == [(0, 1, 0, 2)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(segments, max_size=5), min_size=1, max_size=3), st.data())
+def test_segment_rows_are_each_tensors_rows_in_order(tables, data):
+    made = [SegmentTable.of(t) for t in tables]
+    picks = data.draw(st.lists(st.one_of(
+        segments.map(lambda s: ("tuple", s)),
+        st.tuples(st.integers(0, len(made) - 1), st.integers(0, 4)).map(lambda p: ("view", p))), max_size=10))
+    given_, want = [], []
+    for kind, what in picks:
+        if kind == "tuple":
+            given_.append(what)
+            want.append(list(what))
+        elif len(tables[what[0]]) > what[1]:
+            given_.append(TableSegments(made[what[0]], what[1]))
+            want.append(list(tables[what[0]][what[1]]))
+    rows, counts = segment_rows(given_)
+    assert counts.tolist() == [len(w) for w in want]
+    assert rows.reshape(-1, 4).tolist() == [list(r) for w in want for r in w]
+
+
+def test_entry_table_is_the_dict_it_replaces():
+    segs = [[(0, 0, 0, 2)], [], [(1, 4, 0, 1), (0, 9, 1, 1)]]
+    table = EntryTable.of(["x", "y", "z"], [(2,), (0,), (2,)], torch.float32, SegmentTable.of(segs))
+    plain = dict(zip(["x", "y", "z"], zip([(2,), (0,), (2,)], repeat(torch.float32), SegmentTable.of(segs).views())))
+    assert type(table) is EntryTable
+    assert table == plain and list(table.items()) == list(plain.items()) and list(table) == list(plain)
+    assert "y" in table and "w" not in table and table.keys() - {"x"} == {"y", "z"}
+    with pytest.raises(KeyError):
+        table["w"]
+    # a repeated name: the builder's dict kept the last entry, in the first one's place
+    twice = EntryTable.of(["x", "y", "x"], [(2,), (0,), (2,)], torch.float32, SegmentTable.of(segs))
+    assert type(twice) is dict and list(twice) == ["x", "y"] and twice["x"][2] == [(1, 4, 0, 1), (0, 9, 1, 1)]
+
+
+def test_joined_tables_are_one_table_or_none():
+    a = EntryTable.of(["x", "y"], [(1,), (2,)], torch.float32, SegmentTable.of([[(0, 0, 0, 1)], [(0, 1, 0, 2)]]))
+    b = EntryTable.of(["z"], [(3,)], torch.float32, SegmentTable.of([[(1, 0, 0, 3)]]))
+    joined = EntryTable.join([a, b])
+    assert dict(joined.items()) == {**dict(a.items()), **dict(b.items())}
+    assert EntryTable.join([a, a]) is None  # a name in both: a dict would keep one entry
+    other = EntryTable.of(["z"], [(3,)], torch.bfloat16, SegmentTable.of([[(1, 0, 0, 3)]]))
+    assert EntryTable.join([a, other]) is None
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("layout", ["s2_bf16_w2_frozen_tied", "s3_bf16_w2_frozen_tied", "s1_fp32_w3"])
+def test_reading_the_columns_equals_reading_the_plans(layout):
+    prepared = prepare(ensure_checkpoint(layout))
+    tensors = prepared.plan.tensors
+    assert type(tensors) is PlanTensors
+    if len(set(tensors.out)) < 2:
+        pytest.skip(f"{layout}: every output has one dtype (the mixed case is the point here)")
+    from_columns = prepared.streaming_executor().run_plan(tensors)
+    from_plans = prepared.streaming_executor().run_all(list(tensors.values()))
+    assert len(from_columns) == len(from_plans) == len(tensors)
+    for name, a, b in zip(tensors, from_columns, from_plans):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b), name
+
+
+def test_reading_the_columns_splits_by_output_dtype(tmp_path):
+    """Without DeepSpeed: a synthesized save whose buffer is int64 beside float outputs."""
+    from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
+
+    spec = LayoutSpec(stage=2, world_size=2, model_dtype=torch.bfloat16,
+                      groups=[[ParamSpec("w", (3, 5)), ParamSpec("v", (7,))]],
+                      buffers=[BufferSpec("steps", (4,), torch.int64)])
+    truth = synthesize(tmp_path, spec)
+    prepared = prepare(tmp_path)
+    tensors = prepared.plan.tensors
+    made = prepared.streaming_executor().run_plan(tensors)
+    assert {t.dtype for t in made} == {torch.float32, torch.int64}
+    for tp, t in zip(tensors.values(), made):
+        alone = prepared.streaming_executor().run(tp)
+        assert t.dtype == tp.out_dtype and tuple(t.shape) == tuple(tp.shape)
+        assert torch.equal(t, alone)
+    assert torch.equal(made[list(tensors).index("steps")], truth.buffers["steps"])
