@@ -51,10 +51,12 @@ def zf_prepare(ckpt, out):
     planned = []
 
     def first_read(self, tps):
-        planned.append((time.perf_counter(), sum(tp.nbytes for tp in tps)))
+        at = time.perf_counter()
+        planned.append((at, sum(tp.nbytes for tp in (tps.values() if hasattr(tps, "values") else tps))))
         raise _FirstByte
 
     Executor.run_all = first_read
+    Executor.run_plan = first_read  # a plan's whole tensors mapping (absent from checkouts before it)
     zerofast.reconstruct  # noqa: B018 -- a lazy import; seconds are counted after imports
     t0 = time.perf_counter()
     try:

@@ -69,6 +69,8 @@ struct Item {
   int64_t seg;
   int64_t skip;  // elements into the segment
   int64_t n;
+  int64_t at;    // where it reads: a byte offset in its file, or its address in memory
+  int fd;        // its source's file, -1 for memory
 };
 
 // Source elements per item: 1 MiB of fp32. Below ATen's grain size (32768) per cast call, a
@@ -135,14 +137,15 @@ class Batch {
       const int64_t* r = row(i);
       const int64_t width = std::max(sources_[r[1]].itemsize, dests_[r[0]].itemsize);
       const int64_t step = std::max<int64_t>(1, kItemBytes / width);
-      for (int64_t skip = 0; skip < r[4]; skip += step) items_.push_back({i, skip, std::min(step, r[4] - skip)});
+      const Source& s = sources_[r[1]];
+      const int64_t base = s.fd >= 0 ? s.file_off : reinterpret_cast<int64_t>(s.mem);
+      for (int64_t skip = 0; skip < r[4]; skip += step)
+        items_.push_back({i, skip, std::min(step, r[4] - skip), base + (r[2] + skip) * s.itemsize, s.fd});
     }
-    std::sort(items_.begin(), items_.end(), [this](const Item& a, const Item& b) {
-      const Source& sa = sources_[row(a.seg)[1]];
-      const Source& sb = sources_[row(b.seg)[1]];
-      if (sa.fd != sb.fd) return sa.fd < sb.fd;
-      return read_offset(a) < read_offset(b);
-    });
+    // The keys sit in the items, not behind two lookups per comparison: a batch of 20k small
+    // tensors spent a tenth of its native time sorting. Plans in file order need no sort at all.
+    const auto before = [](const Item& a, const Item& b) { return a.fd != b.fd ? a.fd < b.fd : a.at < b.at; };
+    if (!std::is_sorted(items_.begin(), items_.end(), before)) std::sort(items_.begin(), items_.end(), before);
     group();
   }
 
@@ -162,8 +165,8 @@ class Batch {
     int fd = -1;
     for (size_t i = 0; i < items_.size(); ++i) {
       const int64_t n = run_bytes(items_[i]);
-      const int64_t at = read_offset(items_[i]);
-      const int this_fd = sources_[row(items_[i].seg)[1]].fd;
+      const int64_t at = items_[i].at;
+      const int this_fd = items_[i].fd;
       const bool joins = n >= 0 && n <= kRunItemBytes && this_fd == fd && at == end && size + n <= kItemBytes;
       if (!joins) {
         runs_.push_back(i);
@@ -177,23 +180,17 @@ class Batch {
   }
 
   void move_run(size_t first, size_t last, std::vector<char>& in) {
-    const int64_t start = read_offset(items_[first]);
-    const int64_t total = read_offset(items_[last - 1]) + run_bytes(items_[last - 1]) - start;
+    const int64_t start = items_[first].at;
+    const int64_t total = items_[last - 1].at + run_bytes(items_[last - 1]) - start;
     in.resize(static_cast<size_t>(std::max<int64_t>(total, kItemBytes)));
     const Source& s = sources_[row(items_[first].seg)[1]];
     pread_all(s.fd, in.data(), total, start);
     for (size_t i = first; i < last; ++i) {
       const int64_t* r = row(items_[i].seg);
       const Dest& d = dests_[r[0]];
-      std::memcpy(d.mem + (r[3] + items_[i].skip) * d.itemsize, in.data() + (read_offset(items_[i]) - start),
+      std::memcpy(d.mem + (r[3] + items_[i].skip) * d.itemsize, in.data() + (items_[i].at - start),
                   static_cast<size_t>(run_bytes(items_[i])));
     }
-  }
-
-  int64_t read_offset(const Item& it) const {
-    const int64_t* r = row(it.seg);
-    const Source& s = sources_[r[1]];
-    return (s.fd >= 0 ? s.file_off : reinterpret_cast<int64_t>(s.mem)) + (r[2] + it.skip) * s.itemsize;
   }
 
   void worker() {

@@ -80,14 +80,21 @@ class PlanTensors(Mapping):
     is ``names[i]`` with rows ``i`` of ``table``. A TensorPlan is made each time one is looked
     up; tensors whose segments were given as tuples (``loose``: number -> tuple) get those back."""
 
-    __slots__ = ("names", "shapes", "kinds", "stored", "out", "table", "loose", "index")
+    __slots__ = ("names", "shapes", "kinds", "stored", "out", "table", "loose", "_index")
 
     def __init__(self, names: list[str], shapes: list, kinds: list[str], stored: list[torch.dtype],
                  out: list[torch.dtype], table: SegmentTable, loose: dict[int, tuple]):
         self.names, self.shapes, self.kinds, self.stored, self.out = names, shapes, kinds, stored, out
         self.table = table
         self.loose = loose
-        self.index = dict(zip(names, range(len(names))))
+        self._index: dict[str, int] | None = None
+
+    @property
+    def index(self) -> dict[str, int]:
+        """name -> number, made on the first lookup by name (the eager dict never makes one)."""
+        if self._index is None:
+            self._index = dict(zip(self.names, range(len(self.names))))
+        return self._index
 
     def plan_of(self, i: int) -> TensorPlan:
         segments = self.loose.get(i)
