@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "load/shapes.h"
 #include "load/twin.h"
 #include "load/unpickle.h"
 #include "load/zip_directory.h"
@@ -92,4 +93,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   zerofast::load::register_zip_directory(m);
   zerofast::load::register_unpickle(m);
   zerofast::load::register_twin(m);
+  zerofast::load::register_shapes(m);
 }

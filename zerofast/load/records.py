@@ -9,6 +9,7 @@ type-checked here, with the file in hand.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from ..discover import CheckpointFiles, optim_file_name, zero3_model_file_name
 from .. import keys as K
+from .. import ops
 from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -130,6 +132,10 @@ def _shape(path: Path, name: str, value: Any) -> tuple[int, ...]:
 
 def _shapes(path: Path, mapping: Any, what: str) -> dict[str, tuple[int, ...]]:
     mapping = expect_mapping(path, mapping, what, object, "shapes")
+    if type(mapping) in (dict, collections.OrderedDict) and (core := ops.native_module()) is not None:
+        checked = core.plain_shapes(mapping)  # the same dict in one native pass, or None: decided below
+        if checked is not None:
+            return checked
     if all_shapes(mapping.values()):
         return dict(zip(mapping, map(tuple, mapping.values())))
     return {name: _shape(path, name, s) for name, s in mapping.items()}
