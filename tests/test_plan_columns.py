@@ -57,12 +57,22 @@ def dict_layer(draw, tables: list[EntryTable]) -> dict:
     return out
 
 
+kind = st.sampled_from(("trainable", "frozen", "buffer"))
+
+
 @st.composite
 def layers(draw) -> list:
     tables = [draw(table_layer()) for _ in range(draw(st.integers(0, 2)))]
     picked = [*tables, *(draw(dict_layer(tables)) for _ in range(draw(st.integers(0, 3))))]
     order = draw(st.permutations(range(len(picked))))
-    return [(draw(st.sampled_from(("trainable", "frozen", "buffer"))), picked[i]) for i in order]
+    return [(draw(kind), picked[i]) for i in order]
+
+
+@st.composite
+def table_first(draw) -> list:
+    """What plain_plan passes: the builder's table, then dicts (frozen weights, buffers)."""
+    table = draw(table_layer())
+    return [(draw(kind), table), *((draw(kind), draw(dict_layer([table]))) for _ in range(draw(st.integers(0, 3))))]
 
 
 def _per_entry(named: list[str], pairs: list) -> dict[str, TensorPlan]:
@@ -79,7 +89,7 @@ def _per_entry(named: list[str], pairs: list) -> dict[str, TensorPlan]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(layers(), st.randoms(use_true_random=False))
+@given(layers() | table_first(), st.randoms(use_true_random=False))
 def test_plan_tensors_equal_the_per_entry_plans(pairs, rnd):
     known = list(Layers(pairs).names)
     named = rnd.sample(known, rnd.randint(0, len(known)))

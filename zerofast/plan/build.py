@@ -42,15 +42,21 @@ def plain_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | 
                     frozen_excluded=frozen_excluded(ckpt) or bool(absent), absent_frozen=tuple(sorted(absent)))
 
 
-def _order(kinds: dict, entries: dict, aliases: dict, absent: set) -> list[str]:
+def _order(kinds: Mapping, entries: Mapping, aliases: dict, absent: set) -> list[str]:
     """The module dict's order (less what has no data), then parameters the module did not list.
-    Set differences first: with tens of thousands of names, usually neither filter drops any."""
-    if absent or kinds.keys() - entries.keys() - aliases.keys():
+    Subset tests first, which make no set: with tens of thousands of names, usually neither
+    filter drops any."""
+    listed = entries.keys() <= kinds.keys()
+    overlap = sum(a in entries for a in aliases)
+    if absent or not listed or not aliases.keys() <= kinds.keys() or \
+            len(entries) + len(aliases) - overlap != len(kinds):
         order = [n for n in kinds if (n in entries or n in aliases) and n not in absent]
     else:
-        order = list(kinds)
+        order = list(kinds)  # every module key has data or is a tie
+    if listed:
+        return order
     unlisted = entries.keys() - kinds.keys()
-    return order + [n for n in entries if n in unlisted] if unlisted else order
+    return order + [n for n in entries if n in unlisted]
 
 
 def assemble(ckpt: LoadedCheckpoint, layers: Layers, order: list[str], aliases: dict[str, str],
@@ -105,7 +111,7 @@ def _classify_module(ckpt: LoadedCheckpoint, trainable: dict, frozen: dict):
 def _classify_named(meta, unplaced: set[str]):
     """The module's keys when each is named by some list: only those the builders did not place
     (ties and buffers, a few) are looked at one by one."""
-    kinds = dict.fromkeys(meta.module)
+    kinds = meta.module  # only its keys are read: the output order
     aliases: dict[str, str] = {}
     buffers: dict[str, None] = {}
     for name in (unplaced and [n for n in kinds if n in unplaced]):

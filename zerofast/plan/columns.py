@@ -155,13 +155,7 @@ def plan_tensors(named: list[str], layers: Layers, out_dtype) -> PlanTensors:
     Column by column per layer: a layer's positions in ``named`` at once, an
     :class:`EntryTable`'s rows gathered from its table, never an entry made of it."""
     n = len(named)
-    if len(layers.layers) == 1:
-        winner = np.zeros(n, dtype=np.int64)
-    else:
-        which: dict[str, int] = {}
-        for k, (_, entries) in enumerate(layers.layers):
-            which.update(zip(entries.keys(), repeat(k)))
-        winner = np.fromiter(map(which.__getitem__, named), dtype=np.int64, count=n)
+    winner, numbers = _winners(named, layers.layers)
     shapes, kinds, stored = (np.empty(n, dtype=object) for _ in range(3))
     loose: dict[int, tuple] = {}
     parts = []
@@ -169,14 +163,15 @@ def plan_tensors(named: list[str], layers: Layers, out_dtype) -> PlanTensors:
         at = np.flatnonzero(winner == k)
         if not len(at):
             continue
-        names = list(map(named.__getitem__, at.tolist()))
         kinds[at] = kind
         if type(entries) is EntryTable:
-            numbers = np.fromiter(map(entries.index.__getitem__, names), dtype=np.int64, count=len(at))
-            shapes[at] = np.fromiter(map(entries.shapes.__getitem__, numbers.tolist()), dtype=object, count=len(at))
+            which = numbers[at] if k == 0 and numbers is not None else np.fromiter(
+                map(entries.index.__getitem__, map(named.__getitem__, at.tolist())), dtype=np.int64, count=len(at))
+            shapes[at] = np.fromiter(map(entries.shapes.__getitem__, which.tolist()), dtype=object, count=len(at))
             stored[at] = entries.dtype
-            parts.append((at, *entries.table.gather(numbers)))
+            parts.append((at, *entries.table.gather(which)))
             continue
+        names = list(map(named.__getitem__, at.tolist()))
         shape, dtypes, segments = zip(*map(entries.__getitem__, names))
         shapes[at] = np.fromiter(shape, dtype=object, count=len(at))
         stored[at] = np.fromiter(dtypes, dtype=object, count=len(at))
@@ -186,6 +181,39 @@ def plan_tensors(named: list[str], layers: Layers, out_dtype) -> PlanTensors:
     outs = {s: out_dtype(s) for s in set(stored_dtypes)}
     return PlanTensors(list(named), shapes.tolist(), kinds.tolist(), stored_dtypes,
                        list(map(outs.__getitem__, stored_dtypes)), scattered(n, parts), loose)
+
+
+def _winners(named: list[str], layers: list) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per name of ``named``, the layer whose entry it takes (the last that holds it), and where
+    the first layer is the one :class:`EntryTable`, each name's number there (-1: not in it).
+
+    That case (a builder's table, then the few frozen weights and buffers of the module) is
+    looked up once per name, in the table alone; the later layers' names are placed by their
+    numbers there, or among the few names the table lacks."""
+    n = len(named)
+    first = layers[0][1] if layers else None
+    if type(first) is not EntryTable or any(type(e) is EntryTable for _, e in layers[1:]):
+        which: dict[str, int] = {}
+        for k, (_, entries) in enumerate(layers):
+            which.update(zip(entries.keys(), repeat(k)))
+        return np.fromiter(map(which.__getitem__, named), dtype=np.int64, count=n), None
+    numbers = np.fromiter(map(first.index.get, named, repeat(-1)), dtype=np.int64, count=n)
+    winner = np.where(numbers >= 0, 0, -1)
+    if len(layers) > 1:
+        inside = np.flatnonzero(numbers >= 0)
+        place = np.full(len(first) + 1, -1, dtype=np.int64)  # table number -> position; [-1]: none
+        place[numbers[inside]] = inside
+        missing = np.flatnonzero(numbers < 0).tolist()
+        outside = dict(zip(map(named.__getitem__, missing), missing))  # the few names the table lacks
+        for k, (_, entries) in enumerate(layers[1:], 1):
+            names = list(entries.keys())
+            there = place[np.fromiter(map(first.index.get, names, repeat(-1)), dtype=np.int64, count=len(names))]
+            elsewhere = np.fromiter(map(outside.get, names, repeat(-1)), dtype=np.int64, count=len(names))
+            at = np.where(there >= 0, there, elsewhere)
+            winner[at[at >= 0]] = k
+    if bool((winner < 0).any()):
+        raise KeyError(named[int(np.flatnonzero(winner < 0)[0])])
+    return winner, numbers
 
 
 def segment_rows(segments: Sequence[Sequence]) -> tuple[np.ndarray, np.ndarray]:
