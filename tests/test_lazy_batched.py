@@ -192,6 +192,7 @@ def test_view_ranges_say_what_may_view_says_and_views_are_the_slices(root_name, 
         assert any(r is not None for r in ranges) and not all(r is not None for r in ranges)
     as_tuples = [dataclasses.replace(tp, segments=tuple(map(tuple, tp.segments))) for tp in tps]
     assert executor_module.view_ranges(as_tuples) == ranges
+    assert executor_module.view_ranges(prepared.plan.tensors) == ranges  # off the columns, no TensorPlan made
     lazy = zerofast.reconstruct(real_root(root_name), dtype=dtype, lazy=True)
     executor = prepared.lazy_executor()
     for tp, where in zip(tps, ranges):

@@ -23,6 +23,7 @@ from .pipeline import prepare
 from .load.reader import collector_paused, release_freed_heap
 from .dtypes import out_dtype_for
 from .plan import Plan, TensorPlan
+from .plan.columns import as_dict
 
 
 class IncompatibleKeys(NamedTuple):
@@ -63,7 +64,8 @@ def load_into(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, strict: bo
     if strict and (result.missing_keys or result.unexpected_keys):
         raise LoadIntoError(_describe(result), prepared.checkpoint.files.tag_dir)
     missing = set(result.missing_keys)
-    pairs = [(name, _plan_of(plan, name)) for name in targets if name not in missing]
+    tensors = as_dict(plan.tensors)
+    pairs = [(name, tensors[plan.aliases.get(name, name)]) for name in targets if name not in missing]
     _check_shapes(pairs, targets, prepared.checkpoint.files.tag_dir)
     executor = prepared.streaming_executor()
     del prepared  # the records are not needed to move the bytes (see results.state_dict_of)
@@ -91,10 +93,6 @@ def _split(pairs, targets: dict, dtype: torch.dtype | None):
         planned = _planned(tp, target, dtype)
         (in_place if _writable_in_place(target, planned.out_dtype) else staged).append((planned, target))
     return in_place, staged
-
-
-def _plan_of(plan: Plan, name: str) -> TensorPlan:
-    return plan.tensors[plan.aliases.get(name, name)]
 
 
 def _compare_names(plan: Plan, targets: dict) -> IncompatibleKeys:

@@ -20,6 +20,7 @@ from .layouts import discover, load_checkpoint
 from .load import LoadedCheckpoint
 from .load.reader import collector_paused
 from .plan import Plan, SourceTable, build_optimizer_plan, build_plan
+from .plan.columns import PlanTensors
 from .settings import read_once
 
 
@@ -38,9 +39,12 @@ class Prepared:
         whole in the requested dtype), so it never drops their pages; everything else is read
         from the files in batches, as the eager dict is, so reading every tensor once keeps no
         more than what is read at once resident."""
-        with collector_paused():  # tens of thousands of small objects made, none of them garbage
-            views = {name: where for name, where in zip(self.plan.tensors, view_ranges(list(self.plan.tensors.values())))
-                     if where is not None and self._inside(where)} if torch.device(device).type == "cpu" else {}
+        views = {}
+        if torch.device(device).type == "cpu":
+            with collector_paused():  # tens of thousands of small objects made, none of them garbage
+                tensors = self.plan.tensors
+                ranges = view_ranges(tensors if type(tensors) is PlanTensors else list(tensors.values()))
+                views = {name: where for name, where in zip(tensors, ranges) if where is not None and self._inside(where)}
         viewed = {where[0] for where in views.values()}
         streamable = [m and i not in viewed for i, m in enumerate(self.mapped)]
         return Executor(self.sources, device, streamable=streamable, batch=self._batch_reader(), views=views)

@@ -11,6 +11,7 @@ import torch
 
 from .execute import Executor
 from .load.reader import collector_paused, release_freed_heap
+from .plan.columns import as_dict
 from .plan.model import Plan, TensorPlan
 
 if TYPE_CHECKING:
@@ -65,10 +66,11 @@ class LazyStateDict(Mapping):
         self._at: int | None = None  # where the latest loop over the mapping is
         self.read_ahead_bytes = READ_AHEAD_BYTES
         self._views = executor.views or {}  # plan name -> where it is viewed from
+        self._tensors = as_dict(plan.tensors)  # a pass looks each name up twice
 
     def __getitem__(self, name: str) -> torch.Tensor:
         key = self._plan.aliases.get(name, name)
-        tp = self._plan.tensors[key]
+        tp = self._tensors[key]
         at = self._at
         if at is not None and at >= self._window_end and self._plan.order[at] == name:
             self._window_end = self._read_ahead(at)
@@ -94,7 +96,7 @@ class LazyStateDict(Mapping):
         order, budget = self._plan.order, self.read_ahead_bytes
         picked: dict[str, TensorPlan] = {}
         size, end = 0, start
-        viewed, aliases, tensors, count = self._views, self._plan.aliases, self._plan.tensors, len(order)
+        viewed, aliases, tensors, count = self._views, self._plan.aliases, self._tensors, len(order)
         while end < count and len(picked) < READ_AHEAD_TENSORS:  # once per tensor: no call it can spare
             key = aliases.get(order[end], order[end])
             tp = tensors[key]
@@ -117,20 +119,20 @@ class LazyStateDict(Mapping):
         names = list(names)
         keys = [self._plan.aliases.get(n, n) for n in names]
         for name, key in zip(names, keys):
-            if key not in self._plan.tensors:
+            if key not in self._tensors:
                 raise KeyError(name)
         unique = list(dict.fromkeys(keys))
-        made = dict(zip(unique, self._executor.run_all([self._plan.tensors[k] for k in unique])))
+        made = dict(zip(unique, self._executor.run_all([self._tensors[k] for k in unique])))
         return OrderedDict((name, made[key]) for name, key in zip(names, keys))
 
     def __len__(self) -> int:
         return len(self._plan.order)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._plan.tensors or name in self._plan.aliases
+        return name in self._tensors or name in self._plan.aliases
 
     def meta(self, name: str) -> TensorMeta:
-        tp = self._plan.tensors[self._plan.aliases.get(name, name)]
+        tp = self._tensors[self._plan.aliases.get(name, name)]
         return TensorMeta(torch.Size(tp.shape), tp.out_dtype, tp.kind, tp.nbytes)
 
     @property

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import operator
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -167,11 +169,14 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def view_ranges(tps: Sequence[TensorPlan]) -> list[tuple[int, int, int] | None]:
+def view_ranges(tps: Sequence[TensorPlan] | PlanTensors) -> list[tuple[int, int, int] | None]:
     """Per tensor, the ``(source, offset, length)`` it may be viewed from, where
     :meth:`Executor.may_view`, else None. Each columnar plan's segment table is read whole,
     without a trip through :class:`~zerofast.plan.model.TableSegments` per tensor (a lazy
-    mapping of tens of thousands of tensors asks this of all of them)."""
+    mapping of tens of thousands of tensors asks this of all of them); a plan's whole
+    :class:`~zerofast.plan.columns.PlanTensors` is read off its columns, no TensorPlan made."""
+    if isinstance(tps, PlanTensors):
+        return _column_view_ranges(tps)
     out: list[tuple[int, int, int] | None] = [None] * len(tps)
     tables: dict[int, tuple[SegmentTable, list[int], list[int], list[int]]] = {}
     for i, tp in enumerate(tps):
@@ -198,6 +203,22 @@ def view_ranges(tps: Sequence[TensorPlan]) -> list[tuple[int, int, int] | None]:
         for i, yes, (src, offset, _, length) in zip(at, ok.tolist(), rows.tolist()):
             if yes:
                 out[i] = (src, offset, length)
+    return out
+
+
+def _column_view_ranges(cols: PlanTensors) -> list[tuple[int, int, int] | None]:
+    n = len(cols)
+    out: list[tuple[int, int, int] | None] = [None] * n
+    rows, starts = cols.table.rows, cols.table.starts
+    if not n or not len(rows):
+        return out
+    same = np.fromiter(map(operator.eq, cols.stored, cols.out), dtype=bool, count=n)
+    numels = np.fromiter(map(math.prod, cols.shapes), dtype=np.int64, count=n)
+    first = rows[np.minimum(starts[:-1], len(rows) - 1)]  # (a tensor without segments: some row, unused)
+    ok = same & (np.diff(starts) == 1) & (first[:, 2] == 0) & (first[:, 3] == numels)
+    at = np.flatnonzero(ok)
+    for i, (src, offset, _, length) in zip(at.tolist(), first[at].tolist()):
+        out[i] = (src, offset, length)
     return out
 
 

@@ -77,10 +77,11 @@ class EntryTable(Mapping):
 
 class PlanTensors(Mapping):
     """A plan's tensors (name -> :class:`~.model.TensorPlan`), column by column: tensor ``i``
-    is ``names[i]`` with rows ``i`` of ``table``. A TensorPlan is made each time one is looked
-    up; tensors whose segments were given as tuples (``loose``: number -> tuple) get those back."""
+    is ``names[i]`` with rows ``i`` of ``table``. A TensorPlan is made the first time one is
+    looked up, and kept (the lazy mapping looks each up more than once); tensors whose segments
+    were given as tuples (``loose``: number -> tuple) get those back."""
 
-    __slots__ = ("names", "shapes", "kinds", "stored", "out", "table", "loose", "_index")
+    __slots__ = ("names", "shapes", "kinds", "stored", "out", "table", "loose", "_index", "_made")
 
     def __init__(self, names: list[str], shapes: list, kinds: list[str], stored: list[torch.dtype],
                  out: list[torch.dtype], table: SegmentTable, loose: dict[int, tuple]):
@@ -88,6 +89,7 @@ class PlanTensors(Mapping):
         self.table = table
         self.loose = loose
         self._index: dict[str, int] | None = None
+        self._made: list[TensorPlan | None] | None = None
 
     @property
     def index(self) -> dict[str, int]:
@@ -97,9 +99,15 @@ class PlanTensors(Mapping):
         return self._index
 
     def plan_of(self, i: int) -> TensorPlan:
-        segments = self.loose.get(i)
-        return TensorPlan(self.names[i], self.shapes[i], self.kinds[i], self.stored[i], self.out[i],
-                          TableSegments(self.table, i) if segments is None else segments)
+        made = self._made
+        if made is None:
+            made = self._made = [None] * len(self.names)
+        tp = made[i]
+        if tp is None:
+            segments = self.loose.get(i)
+            tp = made[i] = TensorPlan(self.names[i], self.shapes[i], self.kinds[i], self.stored[i], self.out[i],
+                                      TableSegments(self.table, i) if segments is None else segments)
+        return tp
 
     def __getitem__(self, name: str) -> TensorPlan:
         return self.plan_of(self.index[name])
@@ -121,6 +129,12 @@ class PlanTensors(Mapping):
 
     def items(self) -> "_Items":
         return _Items(self)
+
+
+def as_dict(tensors: Mapping[str, TensorPlan]) -> dict[str, TensorPlan]:
+    """A plan's tensors as a plain dict, for a caller that looks up every name (a
+    :class:`PlanTensors` answers each lookup in Python; a dict, in C)."""
+    return tensors if type(tensors) is dict else dict(tensors.items())
 
 
 class _Values(ValuesView):
