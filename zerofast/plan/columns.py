@@ -127,6 +127,10 @@ class PlanTensors(Mapping):
     def values(self) -> "_Values":
         return _Values(self)
 
+    def __repr__(self) -> str:
+        shown = ", ".join(map(repr, self.names[:3]))
+        return f"PlanTensors({len(self)} tensors: {shown}{', ...' if len(self) > 3 else ''})"
+
     def items(self) -> "_Items":
         return _Items(self)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 
@@ -155,7 +155,9 @@ class TensorPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    tensors: dict[str, TensorPlan]  # output name -> plan; aliases are not repeated here
+    # output name -> plan; aliases are not repeated here. A read-only mapping: a dict, or for
+    # plans of many tensors a plan.columns.PlanTensors (the same plans, kept column by column)
+    tensors: Mapping[str, TensorPlan]
     aliases: dict[str, str]  # tied name -> name in ``tensors``
     order: tuple[str, ...]  # every output key, the model's own state_dict() order
     stage: int
