@@ -19,7 +19,25 @@ import torch
 from .model import Entry, SegmentTable, TableSegments, TensorPlan
 
 
-class EntryTable(Mapping):
+class _Named(Mapping):
+    """A mapping over ``names`` (a list) and ``index`` (name -> number in it)."""
+
+    __slots__ = ()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.index
+
+    def keys(self):
+        return self.index.keys()  # a dict's view: set operations on it run in C
+
+
+class EntryTable(_Named):
     """A builder's entries (name -> :data:`~.model.Entry`) of one stored dtype whose segments
     are the rows of one table, tensor ``i`` named ``names[i]``. Made with :meth:`of`, which
     declines names that repeat (the dict a builder would make keeps the last of those)."""
@@ -46,18 +64,6 @@ class EntryTable(Mapping):
         i = self.index[name]
         return self.shapes[i], self.dtype, TableSegments(self.table, i)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.index
-
-    def keys(self):
-        return self.index.keys()  # a dict's view: set operations on it run in C
-
     @staticmethod
     def join(parts: Sequence["EntryTable"]) -> "EntryTable | None":
         """Several tables as one (stages 1-2 build one per param group), or None where they
@@ -75,7 +81,7 @@ class EntryTable(Mapping):
         return EntryTable(names, shapes, parts[0].dtype, SegmentTable(rows, starts), index)
 
 
-class PlanTensors(Mapping):
+class PlanTensors(_Named):
     """A plan's tensors (name -> :class:`~.model.TensorPlan`), column by column: tensor ``i``
     is ``names[i]`` with rows ``i`` of ``table``. A TensorPlan is made the first time one is
     looked up, and kept (the lazy mapping looks each up more than once); tensors whose segments
@@ -111,18 +117,6 @@ class PlanTensors(Mapping):
 
     def __getitem__(self, name: str) -> TensorPlan:
         return self.plan_of(self.index[name])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.index
-
-    def keys(self):
-        return self.index.keys()
 
     def values(self) -> "_Values":
         return _Values(self)
