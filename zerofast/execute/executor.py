@@ -193,13 +193,7 @@ def view_ranges(tps: Sequence[TensorPlan] | PlanTensors) -> list[tuple[int, int,
         numbers.append(segments.number)
         numels.append(tp.numel)
     for table, at, numbers, numels in tables.values():
-        if not len(table.rows):
-            continue  # no tensor of this table has a segment
-        which = np.array(numbers, dtype=np.int64)
-        first = table.starts[which]
-        one = table.starts[which + 1] - first == 1
-        rows = table.rows[np.minimum(first, len(table.rows) - 1)]  # (a tensor without segments: some row, unused)
-        ok = one & (rows[:, 2] == 0) & (rows[:, 3] == np.array(numels, dtype=np.int64))
+        ok, rows = _whole_rows(table, np.array(numbers, dtype=np.int64), np.array(numels, dtype=np.int64))
         for i, yes, (src, offset, _, length) in zip(at, ok.tolist(), rows.tolist()):
             if yes:
                 out[i] = (src, offset, length)
@@ -209,17 +203,24 @@ def view_ranges(tps: Sequence[TensorPlan] | PlanTensors) -> list[tuple[int, int,
 def _column_view_ranges(cols: PlanTensors) -> list[tuple[int, int, int] | None]:
     n = len(cols)
     out: list[tuple[int, int, int] | None] = [None] * n
-    rows, starts = cols.table.rows, cols.table.starts
-    if not n or not len(rows):
-        return out
     same = np.fromiter(map(operator.eq, cols.stored, cols.out), dtype=bool, count=n)
     numels = np.fromiter(map(math.prod, cols.shapes), dtype=np.int64, count=n)
-    first = rows[np.minimum(starts[:-1], len(rows) - 1)]  # (a tensor without segments: some row, unused)
-    ok = same & (np.diff(starts) == 1) & (first[:, 2] == 0) & (first[:, 3] == numels)
-    at = np.flatnonzero(ok)
-    for i, (src, offset, _, length) in zip(at.tolist(), first[at].tolist()):
+    ok, rows = _whole_rows(cols.table, np.arange(n, dtype=np.int64), numels)
+    at = np.flatnonzero(ok & same)
+    for i, (src, offset, _, length) in zip(at.tolist(), rows[at].tolist()):
         out[i] = (src, offset, length)
     return out
+
+
+def _whole_rows(table: SegmentTable, which: np.ndarray, numels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For tensors ``which`` of ``table`` (of ``numels`` elements): whether each is one row that
+    fills it from its start, and each one's first row (some row, unused, where it has none)."""
+    if not len(table.rows):
+        return np.zeros(len(which), dtype=bool), np.zeros((len(which), 4), dtype=np.int64)
+    first = table.starts[which]
+    one = table.starts[which + 1] - first == 1
+    rows = table.rows[np.minimum(first, len(table.rows) - 1)]
+    return one & (rows[:, 2] == 0) & (rows[:, 3] == numels), rows
 
 
 # Host memory a batch read for a GPU (or staged for a model that is not written in place) holds at once.

@@ -116,17 +116,20 @@ def _open_same(path: str, identity: tuple[int, int, int, int]) -> int:
 
 def _by_dtype(tps: Sequence[TensorPlan]) -> dict[torch.dtype, tuple[list[int], list[TensorPlan]]]:
     """``tps`` grouped by output dtype: (their positions in ``tps``, the plans)."""
-    dtypes = list(map(attrgetter("out_dtype"), tps))
-    distinct = list(dict.fromkeys(dtypes))
-    if len(distinct) == 1:  # the usual batch: one call, no regrouping
-        return {distinct[0]: (list(range(len(tps))), list(tps))}
+    groups = _positions(list(map(attrgetter("out_dtype"), tps)))
+    if len(groups) == 1:  # the usual batch: one call, no regrouping
+        return {dtype: (where, list(tps)) for dtype, where in groups.items()}
+    return {dtype: (where, list(map(tps.__getitem__, where))) for dtype, where in groups.items()}
+
+
+def _positions(values: list) -> dict:
+    """Each distinct value, in first-seen order, with the positions that hold it."""
+    distinct = list(dict.fromkeys(values))
+    if len(distinct) == 1:
+        return {distinct[0]: list(range(len(values)))}
     code = {d: k for k, d in enumerate(distinct)}
-    codes = np.fromiter(map(code.__getitem__, dtypes), dtype=np.int64, count=len(dtypes))
-    groups = {}
-    for k, dtype in enumerate(distinct):
-        where = np.flatnonzero(codes == k).tolist()
-        groups[dtype] = (where, list(map(tps.__getitem__, where)))
-    return groups
+    codes = np.fromiter(map(code.__getitem__, values), dtype=np.int64, count=len(values))
+    return {d: np.flatnonzero(codes == k).tolist() for k, d in enumerate(distinct)}
 
 
 def _used(tables: Iterable[torch.Tensor]) -> set[int]:
@@ -145,20 +148,13 @@ def _plan_groups(tps: Sequence[TensorPlan]) -> list[_Group]:
 
 def _column_groups(cols: PlanTensors) -> list[_Group]:
     """:func:`_plan_groups` of a columnar plan, read off its columns: no object per tensor."""
-    distinct = list(dict.fromkeys(cols.out))
-    if len(distinct) == 1:
-        everything = np.arange(len(cols), dtype=np.int64)
-        rows = _table(everything, cols.table.rows, np.diff(cols.table.starts))
-        return [(distinct[0], everything, cols.shapes, torch.from_numpy(rows))]
-    code = {d: k for k, d in enumerate(distinct)}
-    codes = np.fromiter(map(code.__getitem__, cols.out), dtype=np.int64, count=len(cols))
     groups = []
-    for k, dtype in enumerate(distinct):
-        at = np.flatnonzero(codes == k)
-        rows, counts = cols.table.gather(at)
-        where = at.tolist()
-        groups.append((dtype, where, list(map(cols.shapes.__getitem__, where)),
-                       torch.from_numpy(_table(np.arange(len(at), dtype=np.int64), rows, counts))))
+    for dtype, where in _positions(cols.out).items():
+        whole = len(where) == len(cols)  # one output dtype: the table and the shapes as they are
+        rows, counts = (cols.table.rows, np.diff(cols.table.starts)) if whole else \
+            cols.table.gather(np.array(where, dtype=np.int64))
+        shapes = cols.shapes if whole else list(map(cols.shapes.__getitem__, where))
+        groups.append((dtype, where, shapes, torch.from_numpy(_table(np.arange(len(where), dtype=np.int64), rows, counts))))
     return groups
 
 

@@ -244,9 +244,8 @@ def segment_rows(segments: Sequence[Sequence]) -> tuple[np.ndarray, np.ndarray]:
         picked = list(map(segments.__getitem__, at.tolist()))
         table = tables[int(at[0])]
         if table is None:
-            counts = np.fromiter(map(len, picked), dtype=np.int64, count=len(picked))
-            rows = np.fromiter(chain.from_iterable(chain.from_iterable(picked)), dtype=np.int64,
-                               count=4 * int(counts.sum())).reshape(-1, 4)
+            tuples = SegmentTable.of(picked)
+            rows, counts = tuples.rows, np.diff(tuples.starts)
         else:
             rows, counts = table.gather(np.fromiter(map(getattr, picked, repeat("number")), dtype=np.int64,
                                                     count=len(picked)))
