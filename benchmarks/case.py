@@ -16,6 +16,7 @@ import resource
 import shutil
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 
@@ -179,6 +180,46 @@ def floor(ckpt, out):
     return time.perf_counter() - t0, _nbytes(copies)
 
 
+def dict_floor(ckpt, out):
+    """The memory floor of any eager dict of this save: a fresh process that imports zerofast,
+    loads its native core and makes the same fp32 outputs (names, shapes) as separate filled
+    tensors in a dict, and no more. Its peak RSS is the interpreter, torch and the dict alone;
+    the names and shapes come from a file this process writes, so no plan is ever in the child."""
+    import subprocess
+
+    from zerofast.pipeline import prepare
+
+    tensors = prepare(ckpt).plan.tensors
+    spec = {"names": list(tensors), "shapes": [list(tp.shape) for tp in tensors.values()],
+            "dtypes": [str(tp.out_dtype).removeprefix("torch.") for tp in tensors.values()]}
+    del tensors
+    (out / "spec.json").write_text(json.dumps(spec))
+    del spec
+    proc = subprocess.run([sys.executable, __file__, "_dict_floor_child", str(ckpt), str(out)],
+                          capture_output=True, text=True, check=True)
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    return got["seconds"], got["bytes"], got["peak_rss"]
+
+
+def _dict_floor_child(ckpt, out):
+    import torch
+
+    from zerofast import ops
+
+    ops.load_native()  # as zf_eager has it: the core's code and libraries are part of the floor
+    spec = json.loads((out / "spec.json").read_text())
+    names, shapes, dtypes = spec["names"], spec["shapes"], [getattr(torch, d) for d in spec["dtypes"]]
+    del spec
+    with open("/proc/self/clear_refs", "w") as f:  # the peak restarts here: the file's text is gone
+        f.write("5")
+    t0 = time.perf_counter()
+    sd = OrderedDict()  # as reconstruct returns
+    for i, name in enumerate(names):
+        sd[name] = torch.ones(shapes[i], dtype=dtypes[i])  # ones: every page touched
+        shapes[i] = None  # the shapes are not part of the dict
+    return time.perf_counter() - t0, _nbytes(sd.values())
+
+
 def cat_files(ckpt, out):
     """The floor of a save of thousands of files: ``cat`` of every file the layout reads > /dev/null."""
     import subprocess
@@ -293,7 +334,8 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-CASES = {f.__name__: f for f in (zf_eager, zf_prepare, zf_lazy, zf_load_into, cat_files, ds_eager, zf_export, zf_export_bf16,
+CASES = {f.__name__: f for f in (zf_eager, zf_prepare, zf_lazy, zf_load_into, cat_files, ds_eager, dict_floor,
+                                  _dict_floor_child, zf_export, zf_export_bf16,
                                   zf_export_2workers, ds_export, floor, disk_write, zf_reshard, copy_files,
                                   zf_to_universal, ds_to_universal, zf_to_dcp, zf_export_dcp, torch_dcp_to_torch_save)}
 
@@ -309,11 +351,12 @@ def _peak_rss(workers: bool) -> int:
 
 def main() -> None:
     case, ckpt, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    if case != "_dict_floor_child":  # the child reads its parent's folder
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
     try:
-        seconds, nbytes = CASES[case](ckpt, out)
-        rss = _peak_rss(workers=case == "zf_export_2workers")
+        seconds, nbytes, *measured = CASES[case](ckpt, out)  # a case that measures elsewhere gives its RSS
+        rss = measured[0] if measured else _peak_rss(workers=case == "zf_export_2workers")
         print(json.dumps({"case": case, "seconds": seconds, "bytes": nbytes, "peak_rss": rss}), flush=True)
     finally:
         shutil.rmtree(out, ignore_errors=True)

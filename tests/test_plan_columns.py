@@ -7,7 +7,9 @@
 - ``EntryTable`` is the dict a builder made before: same items, same order, a repeated name
   keeping the last entry as a dict does; ``join`` refuses what one dict would not keep apart.
 - The batched reader gives the same tensors, bit for bit, from the columns as from a list of
-  TensorPlans, on real saves whose outputs mix dtypes.
+  TensorPlans, on real saves whose outputs mix dtypes; and the same read cut into many native
+  calls (``read_batch.CALL_ROWS``) as in one, the calls' tables being the one table's, cut
+  between tensors.
 """
 from __future__ import annotations
 
@@ -194,3 +196,49 @@ def test_reading_the_columns_splits_by_output_dtype(tmp_path):
         assert t.dtype == tp.out_dtype and tuple(t.shape) == tuple(tp.shape)
         assert torch.equal(t, alone)
     assert torch.equal(made[list(tensors).index("steps")], truth.buffers["steps"])
+
+
+@given(counts=st.lists(st.integers(0, 9), min_size=1, max_size=40), limit=st.integers(1, 12))
+@settings(max_examples=200, deadline=None)
+def test_calls_cut_a_group_into_whole_tensors_of_about_call_rows(counts, limit):
+    import numpy as np
+
+    from zerofast.execute import read_batch
+
+    counts = np.array(counts, dtype=np.int64)
+    rows = np.arange(int(counts.sum()) * 4, dtype=np.int64).reshape(-1, 4)
+    whole = read_batch._table(np.arange(len(counts), dtype=np.int64), rows, counts)
+    saved, read_batch.CALL_ROWS = read_batch.CALL_ROWS, limit
+    try:
+        calls = list(read_batch._calls(rows, counts))
+    finally:
+        read_batch.CALL_ROWS = saved
+    assert [lo for lo, _, _ in calls] == [0] + [hi for _, hi, _ in calls[:-1]] and calls[-1][1] == len(counts)
+    for lo, hi, table in calls:
+        assert hi > lo
+        assert len(table) <= limit or hi == lo + 1  # over the limit only where one tensor is
+        # Each call's table is the one-call table's rows of its tensors, numbered from 0.
+        expect = whole[(whole[:, 0] >= lo) & (whole[:, 0] < hi)].copy()
+        expect[:, 0] -= lo
+        assert np.array_equal(table.numpy(), expect)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("layout", ["s3_bf16_w2_frozen_tied", "s1_fp32_w3"])
+def test_reading_in_many_calls_equals_reading_in_one(layout, monkeypatch):
+    from zerofast import ops
+    from zerofast.execute import read_batch
+
+    prepared = prepare(ensure_checkpoint(layout))
+    tensors = prepared.plan.tensors
+    monkeypatch.setattr(read_batch, "CALL_ROWS", 1 << 62)
+    one = prepared.streaming_executor().run_plan(tensors)
+    calls = []
+    real = ops.read_cast_new
+    monkeypatch.setattr(read_batch, "CALL_ROWS", 3)
+    monkeypatch.setattr(ops, "read_cast_new", lambda *a: calls.append(len(a[5])) or real(*a))
+    many = prepared.streaming_executor().run_plan(tensors)
+    assert len(calls) > len(set(tensors.out)) and sum(calls) == len(tensors)
+    for name, a, b in zip(tensors, many, one):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b), name

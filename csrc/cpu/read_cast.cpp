@@ -65,13 +65,15 @@ struct Dest {
 
 // A piece of one segment small enough for one bounce buffer. Items are sorted by where they
 // read, so each file is read front to back whichever thread takes the next item.
+// 32 bytes: a ZeRO-3 batch of 200k small tensors over 4 ranks has 800k of them at once.
 struct Item {
   int64_t seg;
   int64_t skip;  // elements into the segment
-  int64_t n;
   int64_t at;    // where it reads: a byte offset in its file, or its address in memory
+  int32_t n;     // elements, at most kItemBytes (one byte each, at the least)
   int fd;        // its source's file, -1 for memory
 };
+static_assert(sizeof(Item) == 32, "Item is packed to 32 bytes");
 
 // Source elements per item: 1 MiB of fp32. Below ATen's grain size (32768) per cast call, a
 // copy_ never starts its own threads inside a reader thread.
@@ -133,6 +135,9 @@ class Batch {
   const int64_t* row(int64_t seg) const { return seg_ + kRow * seg; }
 
   void split(int64_t nseg) {
+    // At least one item per non-empty segment: reserving that many up front spares the vector's
+    // doubling, which held the old and the new copy at once (the op's peak memory at 200k tensors).
+    items_.reserve(static_cast<size_t>(nseg));
     for (int64_t i = 0; i < nseg; ++i) {
       const int64_t* r = row(i);
       const int64_t width = std::max(sources_[r[1]].itemsize, dests_[r[0]].itemsize);
@@ -140,7 +145,8 @@ class Batch {
       const Source& s = sources_[r[1]];
       const int64_t base = s.fd >= 0 ? s.file_off : reinterpret_cast<int64_t>(s.mem);
       for (int64_t skip = 0; skip < r[4]; skip += step)
-        items_.push_back({i, skip, std::min(step, r[4] - skip), base + (r[2] + skip) * s.itemsize, s.fd});
+        items_.push_back({i, skip, base + (r[2] + skip) * s.itemsize, static_cast<int32_t>(std::min(step, r[4] - skip)),
+                          s.fd});
     }
     // The keys sit in the items, not behind two lookups per comparison: a batch of 20k small
     // tensors spent a tenth of its native time sorting. Plans in file order need no sort at all.

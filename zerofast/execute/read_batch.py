@@ -44,13 +44,17 @@ class BatchReader:
 
     def read(self, tps: Sequence[TensorPlan] | PlanTensors) -> list[torch.Tensor]:
         """Each of ``tps`` (plans, or a columnar plan's tensors: all of them, in their order)
-        in fresh memory, in its shape: one call per output dtype, which makes the tensors too."""
+        in fresh memory, in its shape: a call per output dtype and :data:`CALL_ROWS` segment
+        rows, which makes the tensors too."""
         groups = _column_groups(tps) if isinstance(tps, PlanTensors) else _plan_groups(tps)
         made: list[torch.Tensor | None] = [None] * len(tps)
-        with self.opened(_used(rows for *_, rows in groups)) as (fds, offsets):
-            for dtype, where, shapes, rows in groups:
-                dims = list(chain.from_iterable(shapes))
-                outs = ops.read_cast_new(self.sources, fds, offsets, rows, dims, list(map(len, shapes)), dtype)
+        with self.opened(_used(rows[:, 0] for *_, rows, _ in groups)) as (fds, offsets):
+            for dtype, where, shapes, rows, counts in groups:
+                outs = []
+                for lo, hi, table in _calls(rows, counts):
+                    part = shapes[lo:hi]
+                    outs += ops.read_cast_new(self.sources, fds, offsets, table, list(chain.from_iterable(part)),
+                                              list(map(len, part)), dtype)
                 if len(where) == len(tps):
                     return outs
                 for i, out in zip(where, outs):
@@ -62,13 +66,13 @@ class BatchReader:
         its ``out_dtype``), in one call; elements no segment writes keep what they held."""
         if tps:
             rows = _rows(tps)
-            with self.opened(_used([rows])) as (fds, offsets):
+            with self.opened(_used([rows[:, 1].numpy()])) as (fds, offsets):
                 ops.read_cast(self.sources, fds, offsets, rows, outs)  # contiguous: written by element index
 
     def write(self, fd: int, placed: Sequence[tuple[TensorPlan, int]]) -> None:
         """Each ``(tp, byte offset)`` into file ``fd``, one call per output dtype."""
         groups = [(where, group, _rows(group)) for where, group in _by_dtype([tp for tp, _ in placed]).values()]
-        with self.opened(_used(rows for *_, rows in groups)) as (fds, offsets):
+        with self.opened(_used(rows[:, 1].numpy() for *_, rows in groups)) as (fds, offsets):
             for where, group, rows in groups:
                 dtype = group[0].out_dtype
                 ops.read_cast_to_file(self.sources, fds, offsets, rows, fd,
@@ -132,17 +136,24 @@ def _positions(values: list) -> dict:
     return {d: np.flatnonzero(codes == k).tolist() for k, d in enumerate(distinct)}
 
 
-def _used(tables: Iterable[torch.Tensor]) -> set[int]:
-    """The sources the op's tables read (a count per source: np.unique would import numpy.ma,
-    14 ms, on the first lookup)."""
-    return set(chain.from_iterable(np.flatnonzero(np.bincount(t[:, 1].numpy())).tolist() for t in tables))
+def _used(columns: Iterable[np.ndarray]) -> set[int]:
+    """The sources that columns of source indices name (a count per source: np.unique would
+    import numpy.ma, 14 ms, on the first lookup)."""
+    return set(chain.from_iterable(np.flatnonzero(np.bincount(c)).tolist() for c in columns))
 
 
-_Group = tuple[torch.dtype, Sequence[int], Sequence[Sequence[int]], torch.Tensor]  # (dtype, where, shapes, rows)
+# Segment rows per native call of a whole-plan read. One call for a batch of 200k ZeRO-3 tensors
+# over 4 ranks held its 800k-row table, the op's work list and its copy while growing, all at
+# the peak (about 100 MiB, README: limits); a call per 64k rows keeps a few MiB, for a few
+# calls' overhead (tens of microseconds each).
+CALL_ROWS = 1 << 16
+
+# (dtype, positions in the batch, shapes, their segment rows in order, rows per tensor)
+_Group = tuple[torch.dtype, Sequence[int], Sequence[Sequence[int]], np.ndarray, np.ndarray]
 
 
 def _plan_groups(tps: Sequence[TensorPlan]) -> list[_Group]:
-    return [(dtype, where, [tp.shape for tp in group], _rows(group))
+    return [(dtype, where, [tp.shape for tp in group], *segment_rows([tp.segments for tp in group]))
             for dtype, (where, group) in _by_dtype(tps).items()]
 
 
@@ -154,8 +165,21 @@ def _column_groups(cols: PlanTensors) -> list[_Group]:
         rows, counts = (cols.table.rows, np.diff(cols.table.starts)) if whole else \
             cols.table.gather(np.array(where, dtype=np.int64))
         shapes = cols.shapes if whole else list(map(cols.shapes.__getitem__, where))
-        groups.append((dtype, where, shapes, torch.from_numpy(_table(np.arange(len(where), dtype=np.int64), rows, counts))))
+        groups.append((dtype, where, shapes, rows, counts))
     return groups
+
+
+def _calls(rows: np.ndarray, counts: np.ndarray) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """The op's tables for a group (one tensor at least), a call's worth at a time: (first
+    tensor, past the last, the table), of about :data:`CALL_ROWS` rows, never splitting a tensor."""
+    ends = np.cumsum(counts)
+    lo = 0
+    while lo < len(counts):
+        first = int(ends[lo - 1]) if lo else 0
+        hi = min(len(counts), max(lo + 1, int(np.searchsorted(ends, first + CALL_ROWS, side="right"))))
+        table = _table(np.arange(hi - lo, dtype=np.int64), rows[first:int(ends[hi - 1])], counts[lo:hi])
+        yield lo, hi, torch.from_numpy(table)
+        lo = hi
 
 
 def _rows(tps: Sequence[TensorPlan]) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -76,13 +77,28 @@ def cxx_flags(torch_version: str) -> list[str]:
 def core_tag(src: Path, identity: dict) -> str:
     """The folder name for cores of this torch, Python and these sources (every device set)."""
     digest = hashlib.sha256()
-    inputs = {"torch": identity, "python": [sys.implementation.cache_tag, sysconfig.get_config_var("SOABI")],
+    # The extension suffix carries the ABI tag (".cpython-311-x86_64-linux-gnu.so") without the
+    # millisecond sysconfig takes to build its table: this runs in every process that loads a core.
+    inputs = {"torch": identity, "python": [sys.implementation.cache_tag, importlib.machinery.EXTENSION_SUFFIXES[0]],
               "machine": platform.machine(), "cxx": cxx_flags(identity["__version__"]), "ld": LDFLAGS,
               "nvcc": NVCC_FLAGS}
     digest.update(json.dumps(inputs, sort_keys=True).encode())
-    for path in sorted(p for p in src.rglob("*") if p.is_file() and p.suffix in (".cpp", ".cu", ".h")):
-        digest.update(path.relative_to(src).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for relative, path in _sources_under(src):
+        with open(path, "rb") as f:
+            digest.update(relative.encode() + b"\0" + f.read() + b"\0")
     return f"torch-{identity['__version__']}-{sys.implementation.cache_tag}-{digest.hexdigest()[:12]}"
+
+
+def _sources_under(src: Path) -> list[tuple[str, str]]:
+    """(posix path relative to ``src``, path) of every C++/CUDA source and header below ``src``,
+    sorted; ``os.walk`` rather than ``Path.rglob``, a third of its cost."""
+    found = []
+    for folder, dirs, files in os.walk(src):
+        dirs.sort()
+        rel = os.path.relpath(folder, src).replace(os.sep, "/")
+        found += [((name if rel == "." else f"{rel}/{name}"), os.path.join(folder, name))
+                  for name in files if name.endswith((".cpp", ".cu", ".h"))]
+    return sorted(found)
 
 
 def device_tag(devices: tuple[str, ...], arch_list: str | None) -> str:
