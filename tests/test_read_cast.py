@@ -60,7 +60,7 @@ def _source_file(tmp_path, sources, gaps, in_file):
     return fd, fds, torch.tensor(offsets, dtype=torch.int64)
 
 
-@pytest.fixture(params=[1, 3], ids=["1 reader", "3 readers"])
+@pytest.fixture(params=[1, 3, 16], ids=["1 reader", "3 readers", "16 readers (the default floor)"])
 def readers(request):
     return request.param  # the ops' `readers` argument
 

@@ -42,3 +42,23 @@ def test_an_error_inside_the_call_lets_the_reading_go(monkeypatch):
         pass
     monkeypatch.setenv(FOLLOW_SYMLINKS_ENV, "0")
     assert settings().follow_symlinks is False
+
+
+def test_reader_threads_default_to_the_intra_op_count_but_at_least_the_minimum(monkeypatch):
+    import torch
+
+    from zerofast.settings import DEFAULT_MIN_READERS, READERS_ENV, reader_count
+
+    monkeypatch.delenv(READERS_ENV, raising=False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert reader_count(settings()) == DEFAULT_MIN_READERS  # cold reads wait in pread: more in flight
+        torch.set_num_threads(DEFAULT_MIN_READERS + 4)
+        assert reader_count(settings()) == DEFAULT_MIN_READERS + 4
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv(READERS_ENV, "3")
+    assert reader_count(settings()) == 3
+    monkeypatch.setenv(READERS_ENV, "not a number")  # not understood: the default
+    assert reader_count(settings()) == max(DEFAULT_MIN_READERS, threads)

@@ -23,7 +23,7 @@ from . import reference
 from .devices import device_of
 from .errors import DeviceError, NativeExtensionError
 from .native import loader
-from .settings import settings
+from .settings import reader_count, settings
 
 _loaded = False
 _FAKES_LOCK = threading.Lock()  # files are read on a pool's threads; fakes are registered once
@@ -125,7 +125,7 @@ def read_cast(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source
     knobs = settings()
     with _os_errors():
         torch.ops.zerofast.read_cast(list(sources), list(source_fds), source_offsets, segments, list(outs),
-                                     knobs.readers, knobs.hugepages)
+                                     reader_count(knobs), knobs.hugepages)
 
 
 @_fake("read_cast")
@@ -143,7 +143,7 @@ def read_cast_new(sources: Sequence[torch.Tensor], source_fds: Sequence[int], so
     knobs = settings()
     with _os_errors():
         return torch.ops.zerofast.read_cast_new(list(sources), list(source_fds), source_offsets, segments,
-                                                list(dims), list(ranks), dtype, knobs.readers, knobs.hugepages)
+                                                list(dims), list(ranks), dtype, reader_count(knobs), knobs.hugepages)
 
 
 @_fake("read_cast_new")
@@ -168,7 +168,8 @@ def read_cast_to_file(sources: Sequence[torch.Tensor], source_fds: Sequence[int]
     knobs = settings()
     with _os_errors():
         torch.ops.zerofast.read_cast_to_file(list(sources), list(source_fds), source_offsets, segments, out_fd,
-                                             out_offsets, out_numels, out_dtype, knobs.readers, knobs.copy_file_range)
+                                             out_offsets, out_numels, out_dtype, reader_count(knobs),
+                                             knobs.copy_file_range)
 
 
 @_fake("read_cast_to_file")
@@ -186,7 +187,7 @@ def check_ranges(sources: Sequence[torch.Tensor], source_fds: Sequence[int], sou
     load_native()
     with _os_errors():
         return torch.ops.zerofast.check_ranges(list(sources), list(source_fds), source_offsets, segments, numels,
-                                               dtype, compare, chunk, settings().readers)
+                                               dtype, compare, chunk, reader_count(settings()))
 
 
 @_fake("check_ranges")
