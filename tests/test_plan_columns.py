@@ -217,6 +217,7 @@ def test_calls_cut_a_group_into_whole_tensors_of_about_call_rows(counts, limit):
     for lo, hi, table in calls:
         assert hi > lo
         assert len(table) <= limit or hi == lo + 1  # over the limit only where one tensor is
+        assert hi == len(counts) or len(table) + counts[hi] > limit  # as many as fit: the next does not
         # Each call's table is the one-call table's rows of its tensors, numbered from 0.
         expect = whole[(whole[:, 0] >= lo) & (whole[:, 0] < hi)].copy()
         expect[:, 0] -= lo
@@ -239,6 +240,10 @@ def test_reading_in_many_calls_equals_reading_in_one(layout, monkeypatch):
     monkeypatch.setattr(ops, "read_cast_new", lambda *a: calls.append(len(a[5])) or real(*a))
     many = prepared.streaming_executor().run_plan(tensors)
     assert len(calls) > len(set(tensors.out)) and sum(calls) == len(tensors)
-    for name, a, b in zip(tensors, many, one):
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b), name
+    calls.clear()
+    from_plans = prepared.streaming_executor().run_all(list(tensors.values()))  # the TensorPlan groups
+    assert len(calls) > len(set(tensors.out)) and sum(calls) == len(tensors)
+    for name, a, b, c in zip(tensors, many, one, from_plans):
+        assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape, name
+        bits = [t.view(torch.uint8) if t.numel() else t for t in (a, b, c)]
+        assert torch.equal(bits[0], bits[1]) and torch.equal(bits[2], bits[1]), name

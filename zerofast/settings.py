@@ -38,8 +38,8 @@ DIST_TIMEOUT_ENV = "ZEROFAST_DIST_TIMEOUT"
 # cover the imbalance between ranks (at most one file), not a whole export.
 DEFAULT_DIST_TIMEOUT_S = 1800
 # A reader thread spends a cold read blocked in pread, so a small machine gains from more reads in
-# flight than it has cores: cold eager ZeRO-3 (503M, 2 cores, virtio disk) took 2.69 s with 2
-# readers and 1.77 s with 16; warm, the count made no difference (README, Performance).
+# flight than it has cores: cold eager ZeRO-3 (503M, 2 cores, virtio disk) took 2.73 s with 2
+# readers and 1.50 s with 16; warm, the count made no difference (README, Performance).
 DEFAULT_MIN_READERS = 16
 
 
@@ -64,7 +64,7 @@ class Settings:
     # refused, see zerofast.discover.check_inside). The public follow_symlinks= keyword wins.
     follow_symlinks: bool = False
     # ZEROFAST_READERS: reader threads of the batched pread reader; 0 (default) is torch's
-    # intra-op thread count, but at least DEFAULT_MIN_READERS (see reader_count).
+    # intra-op thread count, but at least DEFAULT_MIN_READERS for copies (see reader_count).
     readers: int = 0
     # ZEROFAST_HUGEPAGES=1: ask for transparent huge pages on the eager dict's outputs (default
     # off: with defrag=madvise a huge-page fault may compact memory synchronously, which cost

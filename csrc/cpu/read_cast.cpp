@@ -78,6 +78,7 @@ static_assert(sizeof(Item) == 32, "Item is packed to 32 bytes");
 // Source elements per item: 1 MiB of fp32. Below ATen's grain size (32768) per cast call, a
 // copy_ never starts its own threads inside a reader thread.
 constexpr int64_t kItemBytes = 1 << 20;
+static_assert(kItemBytes <= INT32_MAX, "an item's element count must fit Item::n");
 constexpr int64_t kCastElems = 32768;
 // An item joins a run of reads only when it is this small: larger ones are read straight into
 // their output, which saves the copy out of the bounce buffer.

@@ -34,7 +34,8 @@ class Executor:
 
     ``batch`` (a :class:`~zerofast.execute.read_batch.BatchReader`) makes every read run through
     native calls that ``pread`` the checkpoint files instead of touching their mappings: a whole
-    pass (:meth:`run_all`) is one call per output dtype, one tensor (:meth:`run`) one call. On a
+    pass (:meth:`run_all`) is a call per output dtype and ``read_batch.CALL_ROWS`` segment rows,
+    one tensor (:meth:`run`) one call. On a
     GPU (``device`` and ``compute`` both one) the batch is read into host memory in its stored
     dtype, :data:`STAGING_BYTES` at a time, then copied over and cast there. ``self.batch``
     is set only where results are built in host memory (file writers use it to go straight from

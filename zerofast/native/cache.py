@@ -97,7 +97,8 @@ def _sources_under(src: Path) -> list[tuple[str, str]]:
         dirs.sort()
         rel = os.path.relpath(folder, src).replace(os.sep, "/")
         found += [((name if rel == "." else f"{rel}/{name}"), os.path.join(folder, name))
-                  for name in files if name.endswith((".cpp", ".cu", ".h"))]
+                  for name in files if name.endswith((".cpp", ".cu", ".h"))
+                  and os.path.isfile(os.path.join(folder, name))]
     return sorted(found)
 
 
