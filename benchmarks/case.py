@@ -351,7 +351,8 @@ def _peak_rss(workers: bool) -> int:
 
 def main() -> None:
     case, ckpt, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    if case != "_dict_floor_child":  # the child reads its parent's folder
+    owns_out = case != "_dict_floor_child"  # the child reads its parent's folder
+    if owns_out:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
     try:
@@ -359,7 +360,7 @@ def main() -> None:
         rss = measured[0] if measured else _peak_rss(workers=case == "zf_export_2workers")
         print(json.dumps({"case": case, "seconds": seconds, "bytes": nbytes, "peak_rss": rss}), flush=True)
     finally:
-        if case != "_dict_floor_child":
+        if owns_out:
             shutil.rmtree(out, ignore_errors=True)
 
 

@@ -247,3 +247,39 @@ def test_reading_in_many_calls_equals_reading_in_one(layout, monkeypatch):
         assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape, name
         bits = [t.view(torch.uint8) if t.numel() else t for t in (a, b, c)]
         assert torch.equal(bits[0], bits[1]) and torch.equal(bits[2], bits[1]), name
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("layout", ["s3_bf16_w2_frozen_tied", "s1_fp32_w3"])
+def test_reading_into_and_writing_in_many_calls_equal_one(layout, monkeypatch, tmp_path):
+    """load_into's read_into and the export's write, cut into 3-row calls, against one call."""
+    from zerofast import ops
+    from zerofast.execute import read_batch
+
+    prepared = prepare(ensure_checkpoint(layout))
+    tps = list(prepared.plan.tensors.values())
+
+    def both(rows: int):
+        monkeypatch.setattr(read_batch, "CALL_ROWS", rows)
+        executor = prepared.streaming_executor()
+        outs = [torch.full((tp.numel,), 7, dtype=tp.out_dtype) for tp in tps]
+        executor.run_into(tps, outs)
+        placed, at = [], 0
+        for tp in tps:
+            placed.append((tp, at))
+            at += tp.nbytes
+        path = tmp_path / f"out-{rows}.bin"
+        with open(path, "wb") as f:
+            executor.batch.write(f.fileno(), placed)
+        return outs, path.read_bytes()
+
+    one_outs, one_file = both(1 << 62)
+    calls = []
+    for name in ("read_cast", "read_cast_to_file"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, real=real: calls.append(a[3].shape[0]) or real(*a))
+    many_outs, many_file = both(3)
+    assert len(calls) > 2 and sum(calls) == 2 * sum(len(tp.segments) for tp in tps)
+    assert many_file == one_file and len(one_file) == sum(tp.nbytes for tp in tps)
+    for tp, a, b in zip(tps, many_outs, one_outs):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), tp.name

@@ -2,7 +2,7 @@
 
 The eager dict and the export move every tensor once, so they hand the native op
 (``torch.ops.zerofast.read_cast``, csrc/cpu/read_cast.cpp) the whole batch with its plan packed
-into one int64 table. The op reads each source with ``pread`` from the file it was mapped from,
+into int64 tables of about :data:`CALL_ROWS` rows each. The op reads each source with ``pread`` from the file it was mapped from,
 on a pool of reader threads, straight into the output when no cast is needed; the export writes
 with ``pwrite`` or ``copy_file_range``. Neither touches the source mappings, so there are no page
 faults on the input and no pages to drop afterwards. A source that is not a live view of its file
@@ -63,21 +63,25 @@ class BatchReader:
 
     def read_into(self, tps: Sequence[TensorPlan], outs: Sequence[torch.Tensor]) -> None:
         """Each of ``tps`` into the contiguous CPU tensor of ``outs`` beside it (of its size, in
-        its ``out_dtype``), in one call; elements no segment writes keep what they held."""
+        its ``out_dtype``), a call per :data:`CALL_ROWS` segment rows; elements no segment
+        writes keep what they held."""
         if tps:
-            rows = _rows(tps)
-            with self.opened(_used([rows[:, 1].numpy()])) as (fds, offsets):
-                ops.read_cast(self.sources, fds, offsets, rows, outs)  # contiguous: written by element index
+            rows, counts = segment_rows([tp.segments for tp in tps])
+            with self.opened(_used([rows[:, 0]])) as (fds, offsets):
+                for lo, hi, table in _calls(rows, counts):
+                    # contiguous: written by element index
+                    ops.read_cast(self.sources, fds, offsets, table, outs[lo:hi])
 
     def write(self, fd: int, placed: Sequence[tuple[TensorPlan, int]]) -> None:
-        """Each ``(tp, byte offset)`` into file ``fd``, one call per output dtype."""
-        groups = [(where, group, _rows(group)) for where, group in _by_dtype([tp for tp, _ in placed]).values()]
-        with self.opened(_used(rows[:, 1].numpy() for *_, rows in groups)) as (fds, offsets):
-            for where, group, rows in groups:
-                dtype = group[0].out_dtype
-                ops.read_cast_to_file(self.sources, fds, offsets, rows, fd,
-                                      torch.tensor([placed[i][1] for i in where], dtype=torch.int64),
-                                      torch.tensor([tp.numel for tp in group], dtype=torch.int64), dtype)
+        """Each ``(tp, byte offset)`` into file ``fd``, a call per output dtype and
+        :data:`CALL_ROWS` segment rows."""
+        groups = _plan_groups([tp for tp, _ in placed])
+        with self.opened(_used(rows[:, 0] for *_, rows, _ in groups)) as (fds, offsets):
+            for dtype, where, _, rows, counts in groups:
+                at = torch.tensor([placed[i][1] for i in where], dtype=torch.int64)
+                numels = torch.tensor([placed[i][0].numel for i in where], dtype=torch.int64)
+                for lo, hi, table in _calls(rows, counts):
+                    ops.read_cast_to_file(self.sources, fds, offsets, table, fd, at[lo:hi], numels[lo:hi], dtype)
 
     @contextmanager
     def opened(self, used: Iterable[int] | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
@@ -182,14 +186,10 @@ def _calls(rows: np.ndarray, counts: np.ndarray) -> Iterator[tuple[int, int, tor
         lo = hi
 
 
-def _rows(tps: Sequence[TensorPlan]) -> torch.Tensor:
-    """The plan as the op's table: (output, source, source offset, output offset, length).
-    Built from flat columns, not a list per row: a batch can hold hundreds of thousands."""
-    rows, counts = segment_rows([tp.segments for tp in tps])
-    return torch.from_numpy(_table(np.arange(len(tps), dtype=np.int64), rows, counts))
-
-
 def _table(outputs: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The op's table: (output, source, source offset, output offset, length), each of
+    ``outputs`` on its ``counts`` rows. Built from flat columns, not a list per row: a batch
+    can hold hundreds of thousands."""
     table = np.empty((len(rows), 5), dtype=np.int64)
     table[:, 0] = np.repeat(outputs, counts)
     table[:, 1:] = rows
