@@ -22,7 +22,7 @@ import torch
 from .. import ops
 from ..load.archive import file_identity
 from ..load.unpickle import file_location
-from ..plan.columns import PlanTensors, segment_rows
+from ..plan.columns import Placed, PlanTensors, segment_rows
 from ..plan.model import TensorPlan
 
 Location = tuple[int, tuple[int, int, int, int]]  # (byte offset in the file, file identity)
@@ -57,7 +57,7 @@ class BatchReader:
                                               list(map(len, part)), dtype)
                 if len(where) == len(tps):
                     return outs
-                for i, out in zip(where, outs):
+                for i, out in zip(where.tolist(), outs):
                     made[i] = out
         return made
 
@@ -72,14 +72,21 @@ class BatchReader:
                     # contiguous: written by element index
                     ops.read_cast(self.sources, fds, offsets, table, outs[lo:hi])
 
-    def write(self, fd: int, placed: Sequence[tuple[TensorPlan, int]]) -> None:
-        """Each ``(tp, byte offset)`` into file ``fd``, a call per output dtype and
-        :data:`CALL_ROWS` segment rows."""
-        groups = _plan_groups([tp for tp, _ in placed])
+    def write(self, fd: int, placed: Sequence[tuple[TensorPlan, int]] | Placed) -> None:
+        """Each ``(tp, byte offset)`` (a list, or a :class:`~zerofast.plan.columns.Placed`
+        read off its columns) into file ``fd``, a call per output dtype and :data:`CALL_ROWS`
+        segment rows."""
+        if isinstance(placed, Placed):
+            groups, where_at, counts_of = _column_groups(placed.tensors), placed.offsets, placed.tensors.numels()
+        else:
+            groups = _plan_groups([tp for tp, _ in placed])
+            where_at = np.array([off for _, off in placed], dtype=np.int64)
+            counts_of = np.array([tp.numel for tp, _ in placed], dtype=np.int64)
         with self.opened(_used(rows[:, 0] for *_, rows, _ in groups)) as (fds, offsets):
             for dtype, where, _, rows, counts in groups:
-                at = torch.tensor([placed[i][1] for i in where], dtype=torch.int64)
-                numels = torch.tensor([placed[i][0].numel for i in where], dtype=torch.int64)
+                whole = len(where) == len(counts_of)
+                at, numels = (torch.from_numpy(np.ascontiguousarray(c if whole else c[where]))
+                              for c in (where_at, counts_of))
                 for lo, hi, table in _calls(rows, counts):
                     ops.read_cast_to_file(self.sources, fds, offsets, table, fd, at[lo:hi], numels[lo:hi], dtype)
 
@@ -127,17 +134,17 @@ def _by_dtype(tps: Sequence[TensorPlan]) -> dict[torch.dtype, tuple[list[int], l
     groups = _positions(list(map(attrgetter("out_dtype"), tps)))
     if len(groups) == 1:  # the usual batch: one call, no regrouping
         return {dtype: (where, list(tps)) for dtype, where in groups.items()}
-    return {dtype: (where, list(map(tps.__getitem__, where))) for dtype, where in groups.items()}
+    return {dtype: (where, list(map(tps.__getitem__, where.tolist()))) for dtype, where in groups.items()}
 
 
-def _positions(values: list) -> dict:
-    """Each distinct value, in first-seen order, with the positions that hold it."""
+def _positions(values: list) -> dict[object, np.ndarray]:
+    """Each distinct value, in first-seen order, with the positions that hold it (int64)."""
     distinct = list(dict.fromkeys(values))
     if len(distinct) == 1:
-        return {distinct[0]: list(range(len(values)))}
+        return {distinct[0]: np.arange(len(values), dtype=np.int64)}
     code = {d: k for k, d in enumerate(distinct)}
     codes = np.fromiter(map(code.__getitem__, values), dtype=np.int64, count=len(values))
-    return {d: np.flatnonzero(codes == k).tolist() for k, d in enumerate(distinct)}
+    return {d: np.flatnonzero(codes == k) for k, d in enumerate(distinct)}
 
 
 def _used(columns: Iterable[np.ndarray]) -> set[int]:
@@ -166,9 +173,8 @@ def _column_groups(cols: PlanTensors) -> list[_Group]:
     groups = []
     for dtype, where in _positions(cols.out).items():
         whole = len(where) == len(cols)  # one output dtype: the table and the shapes as they are
-        rows, counts = (cols.table.rows, np.diff(cols.table.starts)) if whole else \
-            cols.table.gather(np.array(where, dtype=np.int64))
-        shapes = cols.shapes if whole else list(map(cols.shapes.__getitem__, where))
+        rows, counts = (cols.table.rows, np.diff(cols.table.starts)) if whole else cols.table.gather(where)
+        shapes = cols.shapes if whole else list(map(cols.shapes.__getitem__, where.tolist()))
         groups.append((dtype, where, shapes, rows, counts))
     return groups
 

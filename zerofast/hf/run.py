@@ -158,7 +158,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
                 folder.commit([f.name for f in files] + extra + list(extras) + ([index] if index else []),
                               pointer=lambda n: n.endswith(".index.json"))
     return ExportResult(out, fmt.name, dtype, tuple(f.name for f in files), index, sum(f.nbytes for f in files),
-                        sum(len(f.items) for f in files), tied, time.monotonic() - started, tuple(extra),
+                        sum(len(f.tensors) for f in files), tied, time.monotonic() - started, tuple(extra),
                         tuple(extras), sum(f.nbytes for f in optim.files) if optim else 0, tuple(folder.replaced))
 
 

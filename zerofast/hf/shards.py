@@ -5,13 +5,15 @@ writer of the chosen format (:mod:`.formats`).
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable
 
-from ..plan.model import Plan, TensorPlan
+import numpy as np
+
+from ..plan.columns import PlanTensors, columns_of
+from ..plan.model import Plan
 
 # huggingface_hub's and transformers' units: decimal KB/MB/GB/TB (also written K/M/G/T), binary KiB...
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -65,13 +67,15 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[list[s
 @dataclass(frozen=True)
 class ShardFile:
     name: str
-    items: tuple[TensorPlan, ...]  # stored with their own data; ``tp.name`` is the name in the file
+    # stored with their own data, in the model's order, as columns (a file of a 200k-tensor
+    # save makes no object per tensor); their names are those in the file
+    tensors: PlanTensors
     aliases: tuple[tuple[str, str], ...]  # (alias, source) the file holds sharing the source's storage
     keys: tuple[str, ...]  # every key of the file, in the model's order
 
     @cached_property  # asked by the writer, the progress bar, the index and the result
     def nbytes(self) -> int:
-        return sum(tp.nbytes for tp in self.items)
+        return int(self.tensors.nbytes().sum())
 
 
 def shard_names(single: str, pattern: str, count: int) -> list[str]:
@@ -79,16 +83,17 @@ def shard_names(single: str, pattern: str, count: int) -> list[str]:
     return [single] if count == 1 else [pattern.format(i + 1, count) for i in range(count)]
 
 
-def _stored_entries(plan: Plan, duplicate_tied: bool) -> list[TensorPlan]:
-    """Every tensor that gets its own data, in model order: tied aliases too when duplicated."""
-    out = []
-    for name in plan.order:
-        source = plan.aliases.get(name)
-        if source is None:
-            out.append(plan.tensors[name])
-        elif duplicate_tied:
-            out.append(dataclasses.replace(plan.tensors[source], name=name))
-    return out
+def _stored_entries(plan: Plan, cols: PlanTensors, duplicate_tied: bool) -> tuple[np.ndarray, list[str]]:
+    """Every tensor that gets its own data, in model order (tied aliases too when duplicated):
+    its number in ``cols`` and its name."""
+    if plan.aliases:
+        aliases = plan.aliases
+        names = [n for n in plan.order if duplicate_tied or n not in aliases]
+        sources = [aliases.get(n, n) for n in names]
+    else:
+        names = sources = list(plan.order)
+    numbers = np.fromiter(map(cols.index.__getitem__, sources), dtype=np.int64, count=len(sources))
+    return numbers, names
 
 
 def layout(plan: Plan, names: tuple[str, str], max_bytes: int, *, aliases_in_files: bool,
@@ -99,16 +104,20 @@ def layout(plan: Plan, names: tuple[str, str], max_bytes: int, *, aliases_in_fil
     An alias costs no bytes: with ``aliases_in_files`` (torch) a file holds it next to its source
     so that the two keep sharing storage; otherwise (safetensors) only the metadata lists it.
     """
-    entries = {tp.name: tp for tp in _stored_entries(plan, duplicate_tied)}
-    groups = plan_shards(((n, tp.nbytes) for n, tp in entries.items()), max_bytes)
+    cols = columns_of(plan.tensors)
+    numbers, stored = _stored_entries(plan, cols, duplicate_tied)
+    groups = plan_shards(zip(range(len(stored)), cols.nbytes()[numbers].tolist()), max_bytes)
     tied = {} if duplicate_tied else {a: plan.aliases[a] for a in plan.order if a in plan.aliases}
     files = []
     for name, group in zip(shard_names(*names, len(groups)), groups):
-        members = set(group)
+        at = np.array(group, dtype=np.int64)
+        renamed = stored if len(group) == len(stored) else [stored[i] for i in group]
+        tensors = cols.select(numbers[at], None if renamed == cols.names else renamed)
+        members = set(tensors.names)
         aliases = tuple((a, s) for a, s in tied.items() if s in members) if aliases_in_files else ()
         members.update(a for a, _ in aliases)
         keys = tuple(k for k in plan.order if k in members)
-        files.append(ShardFile(name, tuple(entries[n] for n in group), aliases, keys))
+        files.append(ShardFile(name, tensors, aliases, keys))
     return files, tied
 
 

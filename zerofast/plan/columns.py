@@ -9,6 +9,7 @@ only when someone asks for them, and the batched reader takes the columns as the
 """
 from __future__ import annotations
 
+import math
 from collections.abc import ItemsView, Mapping, ValuesView
 from itertools import chain, repeat
 from typing import Iterator, Sequence
@@ -87,7 +88,7 @@ class PlanTensors(_Named):
     looked up, and kept (the lazy mapping looks each up more than once); tensors whose segments
     were given as tuples (``loose``: number -> tuple) get those back."""
 
-    __slots__ = ("names", "shapes", "kinds", "stored", "out", "table", "loose", "_index", "_made")
+    __slots__ = ("names", "shapes", "kinds", "stored", "out", "table", "loose", "_index", "_made", "_numels")
 
     def __init__(self, names: list[str], shapes: list, kinds: list[str], stored: list[torch.dtype],
                  out: list[torch.dtype], table: SegmentTable, loose: dict[int, tuple]):
@@ -96,6 +97,7 @@ class PlanTensors(_Named):
         self.loose = loose
         self._index: dict[str, int] | None = None
         self._made: list[TensorPlan | None] | None = None
+        self._numels: np.ndarray | None = None
 
     @property
     def index(self) -> dict[str, int]:
@@ -118,6 +120,59 @@ class PlanTensors(_Named):
     def __getitem__(self, name: str) -> TensorPlan:
         return self.plan_of(self.index[name])
 
+    @classmethod
+    def of(cls, tps: Sequence[TensorPlan]) -> "PlanTensors":
+        """The columns of plans made one by one (a small plan's dict, an adapter's), which its
+        lookups return as they are."""
+        rows, counts = segment_rows([tp.segments for tp in tps])
+        cols = cls([tp.name for tp in tps], [tp.shape for tp in tps], [tp.kind for tp in tps],
+                   [tp.stored_dtype for tp in tps], [tp.out_dtype for tp in tps], _table(rows, counts), {})
+        cols._made = list(tps)
+        return cols
+
+    def select(self, numbers: np.ndarray, names: list[str] | None = None) -> "PlanTensors":
+        """Tensors ``numbers`` (an int64 array; a number may repeat) in that order, named
+        ``names`` where given (a tied weight written twice): an export's file, in its order."""
+        n = len(self.names)
+        if names is None and len(numbers) == n and bool((numbers == np.arange(n)).all()):
+            return self
+        at = numbers.tolist()
+        pick = [list(map(column.__getitem__, at)) for column in (self.names, self.shapes, self.kinds, self.stored,
+                                                               self.out)]
+        loose = {new: self.loose[old] for new, old in enumerate(at) if old in self.loose} if self.loose else {}
+        part = PlanTensors(pick[0] if names is None else names, *pick[1:], _table(*self.table.gather(numbers)), loose)
+        part._numels = None if self._numels is None else self._numels[numbers]
+        return part
+
+    def span(self, lo: int, hi: int) -> "PlanTensors":
+        """Tensors ``[lo, hi)``: :meth:`select` of a range, cut from the columns as slices."""
+        if lo == 0 and hi == len(self.names):
+            return self
+        starts = self.table.starts
+        table = SegmentTable(self.table.rows[int(starts[lo]):int(starts[hi])], starts[lo:hi + 1] - starts[lo])
+        loose = {i - lo: t for i, t in self.loose.items() if lo <= i < hi} if self.loose else {}
+        part = PlanTensors(self.names[lo:hi], self.shapes[lo:hi], self.kinds[lo:hi], self.stored[lo:hi],
+                           self.out[lo:hi], table, loose)
+        part._numels = None if self._numels is None else self._numels[lo:hi]
+        return part
+
+    def numels(self) -> np.ndarray:
+        """Each tensor's element count, as an int64 array (made once: a file's batches ask it)."""
+        if self._numels is None:
+            self._numels = np.fromiter(map(math.prod, self.shapes), dtype=np.int64, count=len(self.shapes))
+        return self._numels
+
+    def itemsizes(self) -> np.ndarray:
+        """Each tensor's output itemsize, as an int64 array."""
+        size = {d: d.itemsize for d in dict.fromkeys(self.out)}
+        if len(size) == 1:
+            return np.full(len(self.out), next(iter(size.values())), dtype=np.int64)
+        return np.fromiter(map(size.__getitem__, self.out), dtype=np.int64, count=len(self.out))
+
+    def nbytes(self) -> np.ndarray:
+        """Each tensor's output bytes, as an int64 array."""
+        return self.numels() * self.itemsizes()
+
     def values(self) -> "_Values":
         return _Values(self)
 
@@ -127,6 +182,34 @@ class PlanTensors(_Named):
 
     def items(self) -> "_Items":
         return _Items(self)
+
+
+def columns_of(tensors: Mapping[str, TensorPlan]) -> PlanTensors:
+    """A plan's tensors as columns: a :class:`PlanTensors` as it is, a dict's plans gathered."""
+    return tensors if isinstance(tensors, PlanTensors) else PlanTensors.of(list(tensors.values()))
+
+
+class Placed(Sequence):
+    """``(plan, byte offset)`` of each tensor of ``tensors``, kept as columns: the tensors of
+    an export's file (or a batch of them) where they go in it."""
+
+    __slots__ = ("tensors", "offsets")
+
+    def __init__(self, tensors: PlanTensors, offsets: np.ndarray):
+        self.tensors = tensors
+        self.offsets = offsets  # int64, one per tensor
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i):
+        if not isinstance(i, int):
+            raise TypeError("Placed takes one index; part() takes a range")
+        return self.tensors.plan_of(range(len(self))[i]), int(self.offsets[i])
+
+    def part(self, lo: int, hi: int, base: int = 0) -> "Placed":
+        """Tensors ``[lo, hi)``, their offsets moved by ``base``."""
+        return Placed(self.tensors.span(lo, hi), self.offsets[lo:hi] + base)
 
 
 def as_dict(tensors: Mapping[str, TensorPlan]) -> dict[str, TensorPlan]:
@@ -252,6 +335,12 @@ def segment_rows(segments: Sequence[Sequence]) -> tuple[np.ndarray, np.ndarray]:
         parts.append((at, rows, counts))
     table = scattered(len(segments), parts)
     return table.rows, np.diff(table.starts)
+
+
+def _table(rows: np.ndarray, counts: np.ndarray) -> SegmentTable:
+    starts = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    return SegmentTable(rows.reshape(-1, 4), starts)
 
 
 def scattered(n: int, parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> SegmentTable:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import chain
+from json.encoder import encode_basestring_ascii
 import mmap
 import os
 import struct
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ...dtypes import SAFETENSORS_CODES
@@ -28,6 +31,7 @@ from ...errors import ExportError
 from ...execute import Executor
 from ...output.transaction import writing
 from ...output.windows import reserve, write_windows
+from ...plan.columns import Placed, PlanTensors
 from ...plan.model import TensorPlan
 from ..shards import ShardFile
 from .base import TIED_KEY, Advance, WeightFormat
@@ -38,41 +42,51 @@ _CALL_SECONDS = 0.1  # a signal waits at most about this long for the native cal
 _DTYPES = {code: dtype for dtype, code in SAFETENSORS_CODES.items()}
 
 
-def _code(tp: TensorPlan) -> str:
-    try:
-        return SAFETENSORS_CODES[tp.out_dtype]
-    except KeyError:
-        raise ExportError(f"{tp.name!r} has dtype {tp.out_dtype}, which safetensors cannot store; "
-                          "use --format torch") from None
+def _codes(tensors: PlanTensors) -> dict[torch.dtype, str]:
+    codes = {}
+    n = len(tensors.out)
+    first = dict(zip(reversed(tensors.out), range(n - 1, -1, -1)))  # each dtype's first tensor
+    for dtype, i in first.items():
+        if dtype not in SAFETENSORS_CODES:
+            raise ExportError(f"{tensors.names[i]!r} has dtype {dtype}, which safetensors cannot store; "
+                              "use --format torch")
+        codes[dtype] = SAFETENSORS_CODES[dtype]
+    return codes
 
 
-def header(items: Sequence[TensorPlan], metadata: dict[str, str]) -> tuple[bytes, list[tuple[TensorPlan, int]]]:
+def header(tensors: PlanTensors, metadata: dict[str, str]) -> tuple[bytes, Placed]:
     """The file's first bytes (length prefix and JSON header) and each tensor's data offset.
 
     safetensors wants the data packed without gaps, so tensors go in by falling itemsize: every
     offset is then a multiple of its tensor's itemsize, and the typed views of the mapping are
-    aligned (the header is padded so the data region starts at a multiple of 8).
+    aligned (the header is padded so the data region starts at a multiple of 8). The JSON is
+    ``json.dumps`` of the header dict (compact), written entry by entry from the columns.
     """
-    head: dict = {"__metadata__": metadata}
-    placed = []
-    pos = 0
-    for tp in sorted(items, key=lambda t: -t.out_dtype.itemsize):
-        if tp.name == "__metadata__":
-            # The name of the header's metadata entry: the file would lose one or the other.
-            raise ExportError("a tensor named '__metadata__' cannot be stored in safetensors, whose header uses that "
-                              "name for its metadata; use --format torch")
-        end = pos + tp.nbytes  # a product over the shape: once per tensor of a thousand-file save's 4k
-        head[tp.name] = {"dtype": _code(tp), "shape": list(tp.shape), "data_offsets": [pos, end]}
-        placed.append((tp, pos))
-        pos = end
-    raw = json.dumps(head, separators=(",", ":")).encode()
+    if "__metadata__" in tensors.names:
+        # The name of the header's metadata entry: the file would lose one or the other.
+        raise ExportError("a tensor named '__metadata__' cannot be stored in safetensors, whose header uses that "
+                          "name for its metadata; use --format torch")
+    codes = _codes(tensors)
+    sizes = tensors.itemsizes()
+    if len(sizes) and bool((np.diff(sizes) > 0).any()):
+        tensors = tensors.select(np.argsort(-sizes, kind="stable"))
+    nbytes = tensors.nbytes()
+    ends = np.cumsum(nbytes)
+    starts = ends - nbytes
+    shapes = {s: ",".join(map(str, map(int, s))) for s in set(map(tuple, tensors.shapes))}  # a few distinct
+    entries = [_ENTRY % e for e in zip(map(encode_basestring_ascii, tensors.names), map(codes.__getitem__, tensors.out),
+                                       map(shapes.__getitem__, map(tuple, tensors.shapes)), starts.tolist(), ends.tolist())]
+    raw = "".join(chain(('{"__metadata__":', json.dumps(metadata, separators=(",", ":"))), entries, "}")).encode()
     raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw, placed
+    return struct.pack("<Q", len(raw)) + raw, Placed(tensors, starts)
+
+
+_ENTRY = ',%s:{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}'
 
 
 def write(path: Path, file: ShardFile, metadata: dict[str, str] | None, executor: Executor,
           advance: Advance) -> None:
-    head, placed = header(file.items, metadata or {})
+    head, placed = header(file.tensors, metadata or {})
     with writing(path), open(path, "w+b") as f:
         f.write(head)
         f.flush()
@@ -101,35 +115,36 @@ class _Pace:
         self.limit = int(min(_BATCH_BYTES, max(floor, rate * _CALL_SECONDS)))
 
 
-def _batches(placed: Sequence[tuple[TensorPlan, int]], base: int,
-             pace: _Pace) -> Iterator[tuple[list[tuple[TensorPlan, int]], int]]:
+def _batches(placed: Placed, base: int, pace: _Pace) -> Iterator[tuple[Sequence[tuple[TensorPlan, int]], int]]:
     """(tensor, file offset) in groups of about ``pace.limit`` bytes, each with its bytes: one
-    native call each, and a progress report in between. A tensor larger than the limit is cut
-    into slices."""
-    batch: list[tuple[TensorPlan, int]] = []
-    size = 0
-    for tp, off, nbytes in _sliced(placed, pace):
-        batch.append((tp, base + off))
-        size += nbytes
-        if size >= pace.limit:
-            yield batch, size
-            batch, size = [], 0
-    if batch:
-        yield batch, size
-
-
-def _sliced(placed: Sequence[tuple[TensorPlan, int]], pace: _Pace) -> Iterator[tuple[TensorPlan, int, int]]:
-    """(tensor or slice, offset, its bytes)."""
-    for tp, off in placed:
-        nbytes = tp.nbytes
-        if nbytes <= pace.limit or tp.numel < 2:
-            yield tp, off, nbytes
+    native call each, and a progress report in between. Whole tensors go as a :class:`Placed`
+    part of ``placed``; a tensor larger than the limit is cut into slices, a group each."""
+    numels = placed.tensors.numels()
+    sizes = numels * placed.tensors.itemsizes()
+    ends = np.cumsum(sizes)
+    lo = 0
+    while lo < len(sizes):
+        if sizes[lo] > pace.limit and numels[lo] > 1:
+            yield from _slices(placed[lo], base, pace)
+            lo += 1
             continue
-        lo, itemsize = 0, tp.out_dtype.itemsize
-        while lo < tp.numel:
-            hi = min(tp.numel, lo + max(1, pace.limit // itemsize))
-            yield tp.slice(lo, hi), off + lo * itemsize, (hi - lo) * itemsize
-            lo = hi
+        done = int(ends[lo - 1]) if lo else 0
+        # whole tensors up to the first that fills the limit, none larger than it
+        hi = min(int(np.searchsorted(ends, done + pace.limit, side="left")) + 1, len(sizes))
+        big = np.flatnonzero((sizes[lo:hi] > pace.limit) & (numels[lo:hi] > 1))
+        hi = lo + int(big[0]) if len(big) and big[0] > 0 else hi
+        yield placed.part(lo, hi, base), int(ends[hi - 1]) - done
+        lo = hi
+
+
+def _slices(placed: tuple[TensorPlan, int], base: int, pace: _Pace) -> Iterator[tuple[list, int]]:
+    """One tensor larger than the limit, a slice of about ``pace.limit`` bytes a call."""
+    tp, off = placed
+    lo, itemsize = 0, tp.out_dtype.itemsize
+    while lo < tp.numel:
+        hi = min(tp.numel, lo + max(1, pace.limit // itemsize))
+        yield [(tp.slice(lo, hi), base + off + lo * itemsize)], (hi - lo) * itemsize
+        lo = hi
 
 
 def read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:

@@ -19,7 +19,7 @@ from .base import Advance, WeightFormat
 def write(path: Path, file: ShardFile, metadata: dict[str, str] | None, executor: Executor,
           advance: Advance) -> None:
     made = {}
-    for tp in file.items:
+    for tp in file.tensors.values():
         made[tp.name] = executor.run(tp)
         advance(tp.nbytes)
     for alias, source in file.aliases:
