@@ -50,10 +50,14 @@ def _hooks(index: ArchiveIndex) -> tuple:
     # The order csrc/load/unpickle.cpp's Hooks expects. A native zip directory is looked up in
     # C++, without a Python call per storage.
     storages = index.storage_offset if index.directory is None else index.directory
-    return (resolve_global, storages, REBUILD_TENSOR, REBUILD_PARAMETER,
-            ALLOWED["torch._tensor._rebuild_from_type_v2"], ALLOWED["torch.Tensor"],
-            type(ALLOWED["torch.FloatStorage"]), DeepSpeedRecord, ALLOWED["collections.OrderedDict"],
-            tensor_byte_limit(index))
+    return (resolve_global, storages, *_fixed_hooks(), tensor_byte_limit(index))
+
+
+@functools.cache
+def _fixed_hooks() -> tuple:
+    """The hooks that are the same for every file (looked up once, not per file of thousands)."""
+    return (REBUILD_TENSOR, REBUILD_PARAMETER, ALLOWED["torch._tensor._rebuild_from_type_v2"], ALLOWED["torch.Tensor"],
+            type(ALLOWED["torch.FloatStorage"]), DeepSpeedRecord, ALLOWED["collections.OrderedDict"])
 
 
 def read_native(path: Path, index: ArchiveIndex, core: Callable) -> tuple[bool, Any]:
@@ -123,27 +127,35 @@ def read_errors(path: Path) -> Iterator[None]:
     """What reading ``path`` raises, as zerofast's errors naming the file."""
     try:
         yield
-    except Refused as e:
-        raise UnsafeCheckpointError(
-            f"refused pickle global {e.global_name!r}: DeepSpeed checkpoints do not need it; nothing was executed",
-            path) from None
-    except RefusedState as e:
-        raise UnsafeCheckpointError(
-            f"refused pickle global {e.global_name!r}: {e.reason}; nothing was executed", path) from None
-    except BoundsExceeded as e:
-        raise UnsafeCheckpointError(f"refused data.pkl: {e}; nothing was executed", path) from None
-    except RecursionError:
-        raise UnsafeCheckpointError("refused data.pkl: its objects nest too deeply; nothing was executed",
-                                    path) from None
-    except ZeroFastError:
-        raise
-    # A malformed pickle fails inside the unpickler or a rebuild function with any of these (bad
-    # opcodes, bad arguments, a storage too small for its tensor, ...).
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, TypeError, IndexError, KeyError,
-            AttributeError, AssertionError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
-        if mapping_refused(e):
-            raise mapping_limit_error(path) from None
-        raise CorruptCheckpointError(f"expected a valid pickle in data.pkl, got: {first_line(e)}", path) from None
+    except _READ_FAILURES as e:
+        raise read_error(path, e) from None
+
+
+# A malformed pickle fails inside the unpickler or a rebuild function with any of the builtin
+# ones (bad opcodes, bad arguments, a storage too small for its tensor, ...).
+_READ_FAILURES = (Refused, RefusedState, BoundsExceeded, RecursionError, pickle.UnpicklingError, RuntimeError,
+                  EOFError, ValueError, OSError, TypeError, IndexError, KeyError, AttributeError, AssertionError,
+                  struct.error, UnicodeDecodeError, OverflowError, MemoryError)
+
+
+def read_error(path: Path, e: BaseException) -> BaseException:
+    """The error to raise, naming ``path``, for ``e`` raised while reading it (one of
+    ``_READ_FAILURES``; zerofast's own errors pass as they are)."""
+    if isinstance(e, ZeroFastError):
+        return e
+    if isinstance(e, Refused):
+        return UnsafeCheckpointError(f"refused pickle global {e.global_name!r}: DeepSpeed checkpoints do not need "
+                                     "it; nothing was executed", path)
+    if isinstance(e, RefusedState):
+        return UnsafeCheckpointError(f"refused pickle global {e.global_name!r}: {e.reason}; nothing was executed",
+                                     path)
+    if isinstance(e, BoundsExceeded):
+        return UnsafeCheckpointError(f"refused data.pkl: {e}; nothing was executed", path)
+    if isinstance(e, RecursionError):
+        return UnsafeCheckpointError("refused data.pkl: its objects nest too deeply; nothing was executed", path)
+    if mapping_refused(e):
+        return mapping_limit_error(path)
+    return CorruptCheckpointError(f"expected a valid pickle in data.pkl, got: {first_line(e)}", path)
 
 
 def load_archive(path: Path) -> Any:
@@ -159,23 +171,29 @@ def load_files(paths: Sequence[Path], then: Callable[[Path, Any], T] | None = No
     raises its own error, as the plain loop would."""
     out = []
     indexes = index_archives(paths)
+    core = native_core()
     with collector_paused():
         for i, path in enumerate(paths):
             index, indexes[i] = indexes[i], None  # each file's pickle and bytes held only meanwhile
-            with read_errors(path):
-                tree = _read(path, index_archive(path) if index is None else index)
+            try:  # as read_errors, without a context manager per file of thousands
+                tree = _read_with(core, path, index_archive(path) if index is None else index)
+            except _READ_FAILURES as e:
+                raise read_error(path, e) from None
             out.append(tree if then is None else then(path, tree))
     return out
 
 
 def _read(path: Path, index: ArchiveIndex) -> Any:
-    core = native_core()
     with collector_paused():
-        if core is not None:
-            ok, result = read_native(path, index, core)
-            if ok:
-                return result
-        return load_indexed(path, index)
+        return _read_with(native_core(), path, index)
+
+
+def _read_with(core: Callable | None, path: Path, index: ArchiveIndex) -> Any:
+    if core is not None:
+        ok, result = read_native(path, index, core)
+        if ok:
+            return result
+    return load_indexed(path, index)
 
 
 @dataclass(frozen=True)
