@@ -257,14 +257,17 @@ def _partitions(ckpt: PartitionedCheckpoint, layers) -> list[Partition]:
         if g not in experts:
             out.append(Partition(tuple(range(W)), g, dict(group)))
             continue
+        local = _local_experts(ckpt, group, layers, ep)
         for e in range(ep):
-            out.append(Partition(tuple(range(e, W, ep)), g, _globalized(ckpt, group, layers, e, ep)))
+            out.append(Partition(tuple(range(e, W, ep)), g,
+                                 {f"{prefix}{e * n + expert}{rest}": shape for prefix, expert, rest, n, shape in local}))
     return out
 
 
-def _globalized(ckpt, group: dict, layers, ep_rank: int, ep: int) -> dict:
-    """Rename expert-parallel rank 0's local expert ids to ep rank ``ep_rank``'s global ids."""
-    out = {}
+def _local_experts(ckpt, group: dict, layers, ep: int) -> list[tuple[str, int, str, int, Any]]:
+    """Each entry of expert-parallel rank 0's expert group as (prefix, local expert id, rest,
+    experts per rank, shape): renamed to ep rank ``e``'s global ids as ``prefix{e * n + id}rest``."""
+    out = []
     for name, shape in group.items():
         parts = split_expert(name)
         if parts is None or parts[0] not in layers:
@@ -275,7 +278,7 @@ def _globalized(ckpt, group: dict, layers, ep_rank: int, ep: int) -> dict:
         if expert >= local:
             raise InconsistentCheckpointError(
                 f"expert group entry {name!r}: local expert id beyond the {local} experts per rank", ckpt.meta.path)
-        out[f"{prefix}{ep_rank * local + expert}{rest}"] = shape
+        out.append((prefix, expert, rest, local, shape))
     return out
 
 

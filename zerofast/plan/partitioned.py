@@ -19,20 +19,29 @@ from ..load import LoadedCheckpoint, PartitionedCheckpoint
 from ..load.checkpoint import narrow_group
 from .build import assemble
 from .builders import flat_entries
-from .columns import Layers
+from .columns import EntryTable, Layers
 from .model import BUFFER, FROZEN, TRAINABLE, Entry, FlatGroups, Plan, SourceTable
 
 
-def partition_entries(ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> dict[str, Entry]:
+def partition_entries(ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
+                      what: str) -> Mapping[str, Entry]:
     """Every trainable parameter of ``ckpt.partitions``, read from ``flats`` (the masters or one
-    optimizer state, one entry per optimizer file)."""
-    out: dict[str, Entry] = {}
+    optimizer state, one entry per optimizer file): the partitions' tables joined into one where
+    they can be (one dtype, no name twice; the plan then reads its columns), else the dict that
+    updating one with each in turn makes."""
+    parts = []
     for p in ckpt.partitions:
         optims = [narrow_group(ckpt.optim_states[r], p.group) for r in p.ranks]
         meta = dataclasses.replace(ckpt.meta, param_shapes=[p.shapes])
         view = LoadedCheckpoint(ckpt.files, ckpt.stage, len(p.ranks), [meta], optims)
         entries = flat_entries(view, table, [[flats[r][p.group]] for r in p.ranks], what)
-        out.update((n, e) for n, e in entries.items() if n not in p.skip)
+        parts.append(entries if not p.skip else {n: e for n, e in entries.items() if n not in p.skip})
+    joined = EntryTable.join(parts) if parts and all(type(e) is EntryTable for e in parts) else None
+    if joined is not None:
+        return joined
+    out: dict[str, Entry] = {}
+    for entries in parts:
+        out.update(entries.items())
     return out
 
 
@@ -45,8 +54,9 @@ def partitioned_plan(ckpt: PartitionedCheckpoint, table: SourceTable, dtype: tor
             ckpt.meta.path)
     frozen: dict[str, Entry] = {}
     buffers: dict[str, Entry] = {}
+    placed = trainable.keys()  # a dict's view: its lookups run in C
     for name, s in ckpt.stored.items():
-        if name not in ckpt.aliases and name not in trainable:
+        if name not in ckpt.aliases and name not in placed:
             (buffers if name in ckpt.buffers else frozen)[name] = table.whole(str(s.path), s.key, s.tensor)
     layers = Layers(((TRAINABLE, trainable), (FROZEN, frozen), (BUFFER, buffers)))
     for alias, source in ckpt.aliases.items():
@@ -54,5 +64,5 @@ def partitioned_plan(ckpt: PartitionedCheckpoint, table: SourceTable, dtype: tor
             raise InconsistentCheckpointError(f"tied parameter {alias!r} points to unknown parameter {source!r}",
                                               ckpt.meta.path)
     order = [n for n in ckpt.stored if n in layers.names or n in ckpt.aliases]
-    order += [n for n in trainable if n not in ckpt.stored]
+    order += [n for n in placed if n not in ckpt.stored]
     return assemble(ckpt, layers, order, ckpt.aliases, dtype, exclude_frozen)
