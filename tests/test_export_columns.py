@@ -66,6 +66,25 @@ def test_header_is_json_dumps_of_the_header_dict(tps, metadata):
     assert json.loads(head[8:])["__metadata__"] == metadata
 
 
+BAD = (torch.complex64, torch.complex128)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "__metadata__", "c"]), st.sampled_from(DTYPES + BAD)),
+                min_size=1, max_size=6, unique_by=lambda e: e[0]))
+def test_header_refuses_the_first_tensor_in_file_order_it_cannot_hold(entries):
+    """As the dict's definition does: by falling itemsize, the first whose name or dtype fails."""
+    tps = _plans([(n, (2,), d) for n, d in entries])
+    first = next((tp for tp in sorted(tps, key=lambda t: -t.out_dtype.itemsize)
+                  if tp.name == "__metadata__" or tp.out_dtype in BAD), None)
+    if first is None:
+        sf.header(PlanTensors.of(tps), {})
+        return
+    want = "'__metadata__' cannot be stored" if first.name == "__metadata__" else f"{first.name!r} has dtype"
+    with pytest.raises(ExportError, match=want):
+        sf.header(PlanTensors.of(tps), {})
+
+
 def test_header_refuses_what_safetensors_cannot_hold():
     with pytest.raises(ExportError, match="'__metadata__' cannot be stored"):
         sf.header(PlanTensors.of(_plans([("__metadata__", (1,), torch.float32)])), {})
@@ -92,22 +111,25 @@ def test_select_and_columns_match_the_plans(tps, data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 40), max_size=30), st.sampled_from([1, 2, 4]), st.integers(8, 64))
-def test_batches_cover_every_byte_once(numels, itemsize, limit):
-    dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[itemsize]
-    tps = _plans([(f"t{i}", (n,), dtype) for i, n in enumerate(numels)])
-    sizes = [n * itemsize for n in numels]
+@given(st.lists(st.tuples(st.integers(0, 40), st.sampled_from([torch.uint8, torch.bfloat16, torch.float32])),
+                max_size=30), st.lists(st.integers(8, 64), min_size=1, max_size=5))
+def test_batches_cover_every_byte_once(tensors, limits):
+    """Whatever the order of dtypes, and the limit changing between calls as the pace does."""
+    tps = _plans([(f"t{i}", (n,), d) for i, (n, d) in enumerate(tensors)])
+    sizes = [tp.nbytes for tp in tps]
     placed = Placed(PlanTensors.of(tps), np.cumsum([0] + sizes[:-1]).astype(np.int64))
     pace = sf._Pace()
-    pace.limit = limit
+    pace.limit = limits[0]
     written = []  # (file offset, bytes) of every piece in call order
-    for batch, nbytes in sf._batches(placed, 100, pace):
+    for k, (batch, nbytes) in enumerate(sf._batches(placed, 100, pace)):
+        limit = pace.limit
         pieces = [(off, tp.nbytes) for tp, off in batch]
         assert nbytes == sum(b for _, b in pieces)
         # a call passes the limit only by the tensor that reaches it, or holds one tensor
         assert len(pieces) == 1 or sum(b for _, b in pieces[:-1]) < limit
-        assert isinstance(batch, Placed) or (len(pieces) == 1 and pieces[0][1] <= max(limit, itemsize))
+        assert isinstance(batch, Placed) or (len(pieces) == 1 and pieces[0][1] <= max(limit, 4))
         written += pieces
+        pace.limit = limits[(k + 1) % len(limits)]
     at = 100
     for off, nbytes in written:
         assert off == at
@@ -128,3 +150,25 @@ def test_batched_write_of_placed_equals_pairs(tmp_path, layout):
             prepared.streaming_executor().batch.write(f.fileno(), placed)
         out[how] = path.read_bytes()
     assert out["pairs"] == out["placed"] and len(out["placed"]) == int(cols.nbytes().sum())
+
+
+def test_a_zerofast_error_keeps_its_cause_through_the_many_file_reader(tmp_path, monkeypatch):
+    """load_files passes zerofast's own errors on as they are, those that are builtin errors too."""
+    from zerofast.errors import MappingLimitError
+    from zerofast.load import reader
+
+    files = [tmp_path / f"f{i}.pt" for i in range(3)]
+    for i, f in enumerate(files):
+        torch.save({"t": torch.zeros(i + 1)}, f)
+    cause = OSError(12, "Cannot allocate memory")
+
+    def read_with(core, path, index):
+        try:
+            raise cause
+        except OSError as e:
+            raise MappingLimitError("simulated", path) from e
+
+    monkeypatch.setattr(reader, "_read_with", read_with)
+    with pytest.raises(MappingLimitError) as e:
+        reader.load_files(files)
+    assert e.value.__cause__ is cause

@@ -282,3 +282,33 @@ def test_runs_of_adjacent_pieces_match_reference(tmp_path_factory, readers, prob
     assert len(native) == len(ref) == len(shapes)
     for a, b in zip(native, ref):
         assert_bitwise_equal(a, b)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(end_to_end_problems(), st.data())
+def test_runs_written_end_to_end_match_reference(tmp_path_factory, readers, copy_mode, problem, data):
+    """The same pieces written to a file, each output after the one before it (or after a gap):
+    where consecutive pieces of a source land end to end, the op writes them as one run (one
+    copy_file_range, or one pwrite from memory), and the file must equal the reference's."""
+    sources, gaps, in_file, segments, shapes, out_dtype = problem
+    tmp = tmp_path_factory.mktemp("runs_to_file")
+    fd, fds, offsets = _source_file(tmp, sources, gaps, in_file)
+    out_offsets, pos = [], 0
+    for (n,) in shapes:
+        out_offsets.append(pos)
+        pos += n * out_dtype.itemsize + data.draw(st.sampled_from([0, 0, 0, 4]))
+    paths = [tmp / "native.bin", tmp / "reference.bin"]
+    junk = os.urandom(pos)
+    for p in paths:
+        p.write_bytes(junk)
+    out_fds = [os.open(p, os.O_RDWR) for p in paths]
+    try:
+        args = (torch.tensor(out_offsets, dtype=torch.int64), torch.tensor([n for (n,) in shapes], dtype=torch.int64),
+                out_dtype)
+        ops.load_native()
+        torch.ops.zerofast.read_cast_to_file(sources, fds, offsets, segments, out_fds[0], *args, readers, copy_mode)
+        reference.read_cast_to_file(sources, fds, offsets, segments, out_fds[1], *args)
+    finally:
+        for f in (fd, *out_fds):
+            os.close(f)
+    assert paths[0].read_bytes() == paths[1].read_bytes()

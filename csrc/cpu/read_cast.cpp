@@ -156,37 +156,60 @@ class Batch {
     group();
   }
 
-  // Bytes an item reads when it can join a run: a plain copy from a file into memory.
+  // Bytes an item moves when it can join a run, else -1: a plain copy (no cast) from a file into
+  // memory, or from a file or memory into the output file.
   int64_t run_bytes(const Item& it) const {
     const int64_t* r = row(it.seg);
     const Source& s = sources_[r[1]];
     const Dest& d = dests_[r[0]];
-    return s.fd >= 0 && d.mem != nullptr && s.dtype == d.dtype ? it.n * s.itemsize : -1;
+    if (s.dtype != d.dtype) return -1;
+    return d.mem == nullptr || s.fd >= 0 ? it.n * s.itemsize : -1;
+  }
+
+  // Where an item lands in the output file.
+  int64_t file_at(const Item& it) const {
+    const int64_t* r = row(it.seg);
+    const Dest& d = dests_[r[0]];
+    return d.file_off + (r[3] + it.skip) * d.itemsize;
   }
 
   // Runs of items that read one stretch of one file end to end (a ZeRO-3 rank's share of many
   // small parameters lies that way) are read with one pread into the bounce buffer and copied
-  // out from there: 200k tiny preads cost more than the bytes they move.
+  // out from there: 200k tiny preads cost more than the bytes they move. Written to a file, a run
+  // must also land end to end (consecutive parameters of a ZeRO 1-2 partition in an export, in
+  // model order): it is then one copy_file_range, not one per tensor.
   void group() {
-    int64_t end = -1, size = 0;
+    const bool to_file = out_fd_ >= 0;
+    int64_t end = -1, file_end = -1, size = 0;
     int fd = -1;
+    bool open = false;  // the last item can be joined
     for (size_t i = 0; i < items_.size(); ++i) {
-      const int64_t n = run_bytes(items_[i]);
-      const int64_t at = items_[i].at;
-      const int this_fd = items_[i].fd;
-      const bool joins = n >= 0 && n <= kRunItemBytes && this_fd == fd && at == end && size + n <= kItemBytes;
+      const Item& it = items_[i];
+      const int64_t n = run_bytes(it);
+      const int64_t at_file = to_file ? file_at(it) : 0;
+      const bool can = n >= 0 && (to_file || n <= kRunItemBytes);
+      const bool joins = open && can && it.fd == fd && it.at == end && (!to_file || at_file == file_end) &&
+                         size + n <= kItemBytes;
       if (!joins) {
         runs_.push_back(i);
         size = 0;
       }
-      fd = n >= 0 && n <= kRunItemBytes ? this_fd : -1;
-      end = at + std::max<int64_t>(n, 0);
+      open = can;
+      fd = it.fd;
+      end = it.at + std::max<int64_t>(n, 0);
+      file_end = at_file + std::max<int64_t>(n, 0);
       size += std::max<int64_t>(n, 0);
     }
     runs_.push_back(items_.size());
   }
 
   void move_run(size_t first, size_t last, std::vector<char>& in) {
+    if (out_fd_ >= 0) {  // one stretch of the source onto one stretch of the file
+      const Item& a = items_[first];
+      const Item& z = items_[last - 1];
+      copy_to_file(a.fd, a.at, file_at(a), z.at + run_bytes(z) - a.at, in);
+      return;
+    }
     const int64_t start = items_[first].at;
     const int64_t total = items_[last - 1].at + run_bytes(items_[last - 1]) - start;
     in.resize(static_cast<size_t>(std::max<int64_t>(total, kItemBytes)));
@@ -255,16 +278,22 @@ class Batch {
       }
       return;
     }
-    const int64_t out_off = d.file_off + dst_byte;
-    if (s.fd < 0) {
-      pwrite_all(out_fd_, s.mem + src_byte, nbytes, out_off);
+    const int64_t at = s.fd >= 0 ? s.file_off + src_byte : reinterpret_cast<int64_t>(s.mem + src_byte);
+    copy_to_file(s.fd, at, d.file_off + dst_byte, nbytes, in);
+  }
+
+  // `nbytes` from `at` (a byte offset in file `fd`, or an address where `fd` is -1) to `out_off`
+  // of the output file.
+  void copy_to_file(int fd, int64_t at, int64_t out_off, int64_t nbytes, std::vector<char>& in) {
+    if (fd < 0) {
+      pwrite_all(out_fd_, reinterpret_cast<const char*>(at), nbytes, out_off);
       return;
     }
-    if (copy_file_range_ && copy_range(s.fd, s.file_off + src_byte, out_fd_, out_off, nbytes)) return;
+    if (copy_file_range_ && copy_range(fd, at, out_fd_, out_off, nbytes)) return;
     in.resize(static_cast<size_t>(kItemBytes));
     for (int64_t done = 0; done < nbytes; done += kItemBytes) {
       const int64_t n = std::min(kItemBytes, nbytes - done);
-      pread_all(s.fd, in.data(), n, s.file_off + src_byte + done);
+      pread_all(fd, in.data(), n, at + done);
       pwrite_all(out_fd_, in.data(), n, out_off + done);
     }
   }

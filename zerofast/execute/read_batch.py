@@ -84,9 +84,8 @@ class BatchReader:
             counts_of = np.array([tp.numel for tp, _ in placed], dtype=np.int64)
         with self.opened(_used(rows[:, 0] for *_, rows, _ in groups)) as (fds, offsets):
             for dtype, where, _, rows, counts in groups:
-                whole = len(where) == len(counts_of)
-                at, numels = (torch.from_numpy(np.ascontiguousarray(c if whole else c[where]))
-                              for c in (where_at, counts_of))
+                # copies: counts_of may be the plan's cached column, which the op must not share
+                at, numels = torch.from_numpy(where_at[where]), torch.from_numpy(counts_of[where])
                 for lo, hi, table in _calls(rows, counts):
                     ops.read_cast_to_file(self.sources, fds, offsets, table, fd, at[lo:hi], numels[lo:hi], dtype)
 
@@ -129,7 +128,7 @@ def _open_same(path: str, identity: tuple[int, int, int, int]) -> int:
     return fd
 
 
-def _by_dtype(tps: Sequence[TensorPlan]) -> dict[torch.dtype, tuple[list[int], list[TensorPlan]]]:
+def _by_dtype(tps: Sequence[TensorPlan]) -> dict[torch.dtype, tuple[np.ndarray, list[TensorPlan]]]:
     """``tps`` grouped by output dtype: (their positions in ``tps``, the plans)."""
     groups = _positions(list(map(attrgetter("out_dtype"), tps)))
     if len(groups) == 1:  # the usual batch: one call, no regrouping

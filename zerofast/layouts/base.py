@@ -32,7 +32,7 @@ size; their writers refuse the layouts that cannot.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -114,5 +114,5 @@ class PartitionedLayout(Layout):
         return partitioned_plan(ckpt, table, dtype, exclude_frozen, trainable)
 
     def trainable_from(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
-                       what: str) -> dict[str, Entry]:
+                       what: str) -> Mapping[str, Entry]:
         return partition_entries(ckpt, table, flats, what)

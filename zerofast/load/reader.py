@@ -127,6 +127,8 @@ def read_errors(path: Path) -> Iterator[None]:
     """What reading ``path`` raises, as zerofast's errors naming the file."""
     try:
         yield
+    except ZeroFastError:
+        raise  # already names its file; some are builtin errors too (OSError, KeyError, ...)
     except _READ_FAILURES as e:
         raise read_error(path, e) from None
 
@@ -139,10 +141,8 @@ _READ_FAILURES = (Refused, RefusedState, BoundsExceeded, RecursionError, pickle.
 
 
 def read_error(path: Path, e: BaseException) -> BaseException:
-    """The error to raise, naming ``path``, for ``e`` raised while reading it (one of
-    ``_READ_FAILURES``; zerofast's own errors pass as they are)."""
-    if isinstance(e, ZeroFastError):
-        return e
+    """The error to raise, naming ``path``, for ``e`` (one of ``_READ_FAILURES``, not a
+    zerofast error) raised while reading it."""
     if isinstance(e, Refused):
         return UnsafeCheckpointError(f"refused pickle global {e.global_name!r}: DeepSpeed checkpoints do not need "
                                      "it; nothing was executed", path)
@@ -177,6 +177,8 @@ def load_files(paths: Sequence[Path], then: Callable[[Path, Any], T] | None = No
             index, indexes[i] = indexes[i], None  # each file's pickle and bytes held only meanwhile
             try:  # as read_errors, without a context manager per file of thousands
                 tree = _read_with(core, path, index_archive(path) if index is None else index)
+            except ZeroFastError:
+                raise
             except _READ_FAILURES as e:
                 raise read_error(path, e) from None
             out.append(tree if then is None else then(path, tree))

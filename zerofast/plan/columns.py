@@ -10,6 +10,7 @@ only when someone asks for them, and the batched reader takes the columns as the
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import ItemsView, Mapping, ValuesView
 from itertools import chain, repeat
 from typing import Iterator, Sequence
@@ -122,8 +123,8 @@ class PlanTensors(_Named):
 
     @classmethod
     def of(cls, tps: Sequence[TensorPlan]) -> "PlanTensors":
-        """The columns of plans made one by one (a small plan's dict, an adapter's), which its
-        lookups return as they are."""
+        """The columns of plans made one by one (a small plan's dict, an adapter's). Its own
+        lookups return those plans; :meth:`select` and :meth:`span` make theirs from the table."""
         rows, counts = segment_rows([tp.segments for tp in tps])
         cols = cls([tp.name for tp in tps], [tp.shape for tp in tps], [tp.kind for tp in tps],
                    [tp.stored_dtype for tp in tps], [tp.out_dtype for tp in tps], _table(rows, counts), {})
@@ -203,9 +204,8 @@ class Placed(Sequence):
         return len(self.offsets)
 
     def __getitem__(self, i):
-        if not isinstance(i, int):
-            raise TypeError("Placed takes one index; part() takes a range")
-        return self.tensors.plan_of(range(len(self))[i]), int(self.offsets[i])
+        i = range(len(self))[operator.index(i)]  # one index (a slice is part()'s), negative from the end
+        return self.tensors.plan_of(i), int(self.offsets[i])
 
     def part(self, lo: int, hi: int, base: int = 0) -> "Placed":
         """Tensors ``[lo, hi)``, their offsets moved by ``base``."""

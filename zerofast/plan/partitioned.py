@@ -36,6 +36,8 @@ def partition_entries(ckpt: PartitionedCheckpoint, table: SourceTable, flats: Fl
         view = LoadedCheckpoint(ckpt.files, ckpt.stage, len(p.ranks), [meta], optims)
         entries = flat_entries(view, table, [[flats[r][p.group]] for r in p.ranks], what)
         parts.append(entries if not p.skip else {n: e for n, e in entries.items() if n not in p.skip})
+    if len(parts) == 1:
+        return parts[0]
     joined = EntryTable.join(parts) if parts and all(type(e) is EntryTable for e in parts) else None
     if joined is not None:
         return joined
@@ -54,9 +56,9 @@ def partitioned_plan(ckpt: PartitionedCheckpoint, table: SourceTable, dtype: tor
             ckpt.meta.path)
     frozen: dict[str, Entry] = {}
     buffers: dict[str, Entry] = {}
-    placed = trainable.keys()  # a dict's view: its lookups run in C
+    masters = trainable.keys()  # a dict's view: its lookups run in C
     for name, s in ckpt.stored.items():
-        if name not in ckpt.aliases and name not in placed:
+        if name not in ckpt.aliases and name not in masters:
             (buffers if name in ckpt.buffers else frozen)[name] = table.whole(str(s.path), s.key, s.tensor)
     layers = Layers(((TRAINABLE, trainable), (FROZEN, frozen), (BUFFER, buffers)))
     for alias, source in ckpt.aliases.items():
@@ -64,5 +66,5 @@ def partitioned_plan(ckpt: PartitionedCheckpoint, table: SourceTable, dtype: tor
             raise InconsistentCheckpointError(f"tied parameter {alias!r} points to unknown parameter {source!r}",
                                               ckpt.meta.path)
     order = [n for n in ckpt.stored if n in layers.names or n in ckpt.aliases]
-    order += [n for n in placed if n not in ckpt.stored]
+    order += [n for n in masters if n not in ckpt.stored]
     return assemble(ckpt, layers, order, ckpt.aliases, dtype, exclude_frozen)

@@ -42,18 +42,6 @@ _CALL_SECONDS = 0.1  # a signal waits at most about this long for the native cal
 _DTYPES = {code: dtype for dtype, code in SAFETENSORS_CODES.items()}
 
 
-def _codes(tensors: PlanTensors) -> dict[torch.dtype, str]:
-    codes = {}
-    n = len(tensors.out)
-    first = dict(zip(reversed(tensors.out), range(n - 1, -1, -1)))  # each dtype's first tensor
-    for dtype, i in first.items():
-        if dtype not in SAFETENSORS_CODES:
-            raise ExportError(f"{tensors.names[i]!r} has dtype {dtype}, which safetensors cannot store; "
-                              "use --format torch")
-        codes[dtype] = SAFETENSORS_CODES[dtype]
-    return codes
-
-
 def header(tensors: PlanTensors, metadata: dict[str, str]) -> tuple[bytes, Placed]:
     """The file's first bytes (length prefix and JSON header) and each tensor's data offset.
 
@@ -62,23 +50,32 @@ def header(tensors: PlanTensors, metadata: dict[str, str]) -> tuple[bytes, Place
     aligned (the header is padded so the data region starts at a multiple of 8). The JSON is
     ``json.dumps`` of the header dict (compact), written entry by entry from the columns.
     """
-    if "__metadata__" in tensors.names:
-        # The name of the header's metadata entry: the file would lose one or the other.
-        raise ExportError("a tensor named '__metadata__' cannot be stored in safetensors, whose header uses that "
-                          "name for its metadata; use --format torch")
-    codes = _codes(tensors)
     sizes = tensors.itemsizes()
     if len(sizes) and bool((np.diff(sizes) > 0).any()):
         tensors = tensors.select(np.argsort(-sizes, kind="stable"))
+    if "__metadata__" in tensors.names or not SAFETENSORS_CODES.keys() >= set(tensors.out):
+        _refuse(tensors)
     nbytes = tensors.nbytes()
     ends = np.cumsum(nbytes)
     starts = ends - nbytes
     shapes = {s: ",".join(map(str, map(int, s))) for s in set(map(tuple, tensors.shapes))}  # a few distinct
-    entries = [_ENTRY % e for e in zip(map(encode_basestring_ascii, tensors.names), map(codes.__getitem__, tensors.out),
+    entries = [_ENTRY % e for e in zip(map(encode_basestring_ascii, tensors.names),
+                                       map(SAFETENSORS_CODES.__getitem__, tensors.out),
                                        map(shapes.__getitem__, map(tuple, tensors.shapes)), starts.tolist(), ends.tolist())]
     raw = "".join(chain(('{"__metadata__":', json.dumps(metadata, separators=(",", ":"))), entries, "}")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw, Placed(tensors, starts)
+
+
+def _refuse(tensors: PlanTensors) -> None:
+    """The error of the first tensor, in file order, that safetensors cannot store."""
+    for name, dtype in zip(tensors.names, tensors.out):
+        if name == "__metadata__":
+            # The name of the header's metadata entry: the file would lose one or the other.
+            raise ExportError("a tensor named '__metadata__' cannot be stored in safetensors, whose header uses that "
+                              "name for its metadata; use --format torch")
+        if dtype not in SAFETENSORS_CODES:
+            raise ExportError(f"{name!r} has dtype {dtype}, which safetensors cannot store; use --format torch")
 
 
 _ENTRY = ',%s:{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}'
