@@ -101,21 +101,28 @@ def test_read_cast_to_file_matches_reference(tmp_path_factory, readers, copy_mod
     for n, _ in outs:
         out_offsets.append(pos)
         pos += n * out_dtype.itemsize + data.draw(st.integers(0, 5))
-    junk = os.urandom(pos)
+    native, ref = _to_file_both(tmp, (sources, fds, offsets, segments), fd, pos, out_offsets, [n for n, _ in outs],
+                                out_dtype, readers, copy_mode)
+    assert native == ref
+
+
+def _to_file_both(tmp, batch, fd, size, out_offsets, numels, out_dtype, readers, copy_mode) -> tuple[bytes, bytes]:
+    """read_cast_to_file of ``batch`` (sources, fds, offsets, segments) natively and by the
+    reference, each into its own copy of ``size`` junk bytes: both files' bytes. Closes ``fd``."""
+    junk = os.urandom(size)
     paths = [tmp / "native.bin", tmp / "reference.bin"]
     for p in paths:
         p.write_bytes(junk)
     out_fds = [os.open(p, os.O_RDWR) for p in paths]
     try:
-        args = (torch.tensor(out_offsets, dtype=torch.int64), torch.tensor([n for n, _ in outs], dtype=torch.int64),
-                out_dtype)
+        args = (torch.tensor(out_offsets, dtype=torch.int64), torch.tensor(numels, dtype=torch.int64), out_dtype)
         ops.load_native()
-        torch.ops.zerofast.read_cast_to_file(sources, fds, offsets, segments, out_fds[0], *args, readers, copy_mode)
-        reference.read_cast_to_file(sources, fds, offsets, segments, out_fds[1], *args)
+        torch.ops.zerofast.read_cast_to_file(*batch, out_fds[0], *args, readers, copy_mode)
+        reference.read_cast_to_file(*batch, out_fds[1], *args)
     finally:
         for f in (fd, *out_fds):
             os.close(f)
-    assert paths[0].read_bytes() == paths[1].read_bytes()
+    return paths[0].read_bytes(), paths[1].read_bytes()
 
 
 @pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -297,18 +304,6 @@ def test_runs_written_end_to_end_match_reference(tmp_path_factory, readers, copy
     for (n,) in shapes:
         out_offsets.append(pos)
         pos += n * out_dtype.itemsize + data.draw(st.sampled_from([0, 0, 0, 4]))
-    paths = [tmp / "native.bin", tmp / "reference.bin"]
-    junk = os.urandom(pos)
-    for p in paths:
-        p.write_bytes(junk)
-    out_fds = [os.open(p, os.O_RDWR) for p in paths]
-    try:
-        args = (torch.tensor(out_offsets, dtype=torch.int64), torch.tensor([n for (n,) in shapes], dtype=torch.int64),
-                out_dtype)
-        ops.load_native()
-        torch.ops.zerofast.read_cast_to_file(sources, fds, offsets, segments, out_fds[0], *args, readers, copy_mode)
-        reference.read_cast_to_file(sources, fds, offsets, segments, out_fds[1], *args)
-    finally:
-        for f in (fd, *out_fds):
-            os.close(f)
-    assert paths[0].read_bytes() == paths[1].read_bytes()
+    native, ref = _to_file_both(tmp, (sources, fds, offsets, segments), fd, pos, out_offsets, [n for (n,) in shapes],
+                                out_dtype, readers, copy_mode)
+    assert native == ref
