@@ -46,7 +46,7 @@ def one(ckpt: str) -> dict:
     pairs = []
     for _ in range(3):
         t_prepare, q = timed(lambda: prepare(ckpt))
-        t_eager, sd = timed(lambda: eager_state_dict(q.plan, q.streaming_executor()))
+        t_eager, sd = timed(lambda q=q: eager_state_dict(q.plan, q.streaming_executor()))
         pairs.append((t_prepare, t_eager))
         del sd, q
     return {"build_plan": statistics.median(plans), "prepare": statistics.median(a for a, _ in pairs),
