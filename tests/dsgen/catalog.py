@@ -20,6 +20,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -242,13 +243,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+def worth_retrying(output: str) -> bool:
+    """Whether a failed torchrun job that makes test data failed for the machine's sake rather
+    than its own, so that running it again is fair: the port it picked was taken meanwhile, or
+    the first rank to fail was killed by a signal (torch's C++ runtime aborting, which gloo on
+    two oversubscribed cores sometimes does: "terminate called without an active exception").
+    The jobs are seeded, so a rerun makes the same files. A Python error (exit code 1) is not
+    retried: it would fail the same way again."""
+    if "address already in use" in output.lower():
+        return True
+    root = output.rfind("Root Cause")  # torchrun's summary ends with the first rank that failed
+    first = _EXITCODE.search(output, root) if root >= 0 else None
+    return first is not None and int(first.group(1)) < 0
+
+
 def _run_train(spec: dict, outdir: Path) -> None:
     env = dict(os.environ)
     env["DS_ACCELERATOR"] = "cpu"
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     last = None
-    for _attempt in range(3):  # retry only when the picked port was taken meanwhile
+    for _attempt in range(3):  # retried only where worth_retrying says so
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec["world_size"]),
                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
                str(_scripts(spec)[0]), json.dumps(spec), str(outdir)]
@@ -262,7 +280,7 @@ def _run_train(spec: dict, outdir: Path) -> None:
         if proc.returncode == 0:
             return
         last = proc
-        if "address already in use" not in (proc.stderr + proc.stdout).lower():
+        if not worth_retrying(proc.stderr + proc.stdout):
             break
         shutil.rmtree(outdir, ignore_errors=True)
     out = (last.stdout or "") + (last.stderr or "")

@@ -84,21 +84,29 @@ def ensure_dcp(world: int) -> Path:
     import socket
     import subprocess
 
-    from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, build_cached, cache_dir
+    import shutil
+
+    from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, build_cached, cache_dir, worth_retrying
 
     key = hashlib.sha256(HERE.read_bytes() + json.dumps([world, torch.__version__]).encode()).hexdigest()[:12]
 
     def build(tmp: Path) -> None:
-        tmp.mkdir(parents=True)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
-               "127.0.0.1", "--master_port", str(port), str(HERE), str(tmp)]
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the FSDP2 DCP job failed (rc={proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+        for _attempt in range(3):  # retried only where worth_retrying says so
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
+                   "127.0.0.1", "--master_port", str(port), str(HERE), str(tmp)]
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+            output = proc.stdout + proc.stderr
+            if proc.returncode == 0:
+                return
+            if not worth_retrying(output):
+                break
+        raise RuntimeError(f"the FSDP2 DCP job failed (rc={proc.returncode}):\n{output[-6000:]}")
 
     return build_cached(cache_dir() / f"dcp_fsdp2_w{world}-{key}", _complete, build, f"the FSDP2 DCP at {world}") / "ckpt"
 
