@@ -315,3 +315,28 @@ def test_a_signal_stops_a_long_write_within_half_a_second(tmp_path, writer):
             seconds.append(got)
     assert seconds, "the write finished before any signal: make BIG larger"
     assert max(seconds) <= LATENCY_S, f"{writer}: {seconds}"
+
+
+def test_a_signal_landing_during_the_cleanup_still_removes_the_temporary_folder(tmp_path, monkeypatch):
+    """A signal that arrives as a finished command removes its temporary folder: the handler's
+    exception is raised inside that removal, which must still complete (CI once found the folder
+    left behind this way), and the exception then goes on to the CLI."""
+    import shutil
+
+    from zerofast.output import transaction
+
+    real, calls = shutil.rmtree, []
+
+    def interrupted_once(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # the handler's exception, as the removal starts
+        return real(path, *args, **kwargs)
+
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        with transaction.output_dir(out, False) as folder:
+            (folder.tmp / "data.bin").write_bytes(b"x" * 100)
+            monkeypatch.setattr(transaction.shutil, "rmtree", interrupted_once)
+    assert len(calls) == 2
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".zerofast-tmp")]

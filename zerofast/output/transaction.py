@@ -128,9 +128,25 @@ def output_dir(out_dir: str | os.PathLike, overwrite: bool, *, command: str = EX
             yield Folder(out, tmp, command, previous, replaces or (lambda name: False))
         finally:
             if made:  # never a folder of that name that this run did not make
-                shutil.rmtree(tmp, ignore_errors=True)
+                _remove_all(tmp)
     finally:
         os.close(fd)  # releases the lock
+
+
+def _remove_all(folder: Path) -> None:
+    """``rmtree`` that a signal landing meanwhile does not cut short: the CLI's handlers raise
+    (KeyboardInterrupt, ``team.Stopped``), and one arriving as a finished command removes its
+    temporary folder would leave the folder behind. The removal is finished, then that
+    exception goes on."""
+    pending: BaseException | None = None
+    while True:
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+            break
+        except BaseException as e:  # the signal's exception, raised inside rmtree
+            pending = pending or e
+    if pending is not None:
+        raise pending
 
 
 def local_folder(out_dir: str | os.PathLike) -> Path:
