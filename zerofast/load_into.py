@@ -3,7 +3,8 @@
 Nothing like a state dict is built. The tensors of the plan are read from the checkpoint files
 and cast by the batched native reader (the eager dict's) directly into the model's own memory,
 all in one call, where the model's tensor is on the CPU, contiguous, and the cast is one the
-reader does; the others go through temporaries, read in batches of at most
+reader does; on a GPU, contiguous tensors are filled through the device's upload ring
+(:mod:`zerofast.execute.ring`: pinned slots, cast on the GPU); the others go through temporaries, read in batches of at most
 :data:`~zerofast.execute.executor.STAGING_BYTES` (or one tensor, if larger) and copied in. So the
 peak extra memory is one such batch, never a second copy of the model. Writing in place (rather than
 swapping in new tensors) is also what keeps tied parameters tied and optimizers pointing at them.
@@ -17,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from . import dtypes
+from .devices import device_of
 from .errors import LoadIntoError
 from .execute.executor import STAGING_BYTES, in_runs
 from .pipeline import prepare
@@ -67,12 +69,16 @@ def load_into(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, strict: bo
     tensors = as_dict(plan.tensors)
     pairs = [(name, tensors[plan.aliases.get(name, name)]) for name in targets if name not in missing]
     _check_shapes(pairs, targets, prepared.checkpoint.files.tag_dir)
-    executor = prepared.streaming_executor()
+    in_place, staged = _split(pairs, targets, dtype)
+    places = {target.device: None for _, target in in_place} | {torch.device("cpu"): None}
+    executors = {place: prepared.streaming_executor(place) for place in places}
+    executor = executors[torch.device("cpu")]
     del prepared  # the records are not needed to move the bytes (see results.state_dict_of)
     release_freed_heap(len(plan.tensors))
-    in_place, staged = _split(pairs, targets, dtype)
     with torch.no_grad():
-        executor.run_into([tp for tp, _ in in_place], [target.data for _, target in in_place])
+        for place, mover in executors.items():
+            here = [(tp, target) for tp, target in in_place if target.device == place]
+            mover.run_into([tp for tp, _ in here], [target.data for _, target in here])
         done = 0
         for run in in_runs([tp for tp, _ in staged], STAGING_BYTES):
             for value, (_, target) in zip(executor.run_all(run), staged[done:done + len(run)]):
@@ -132,4 +138,6 @@ def _planned(tp: TensorPlan, target: torch.Tensor, dtype: torch.dtype | None) ->
 
 
 def _writable_in_place(target: torch.Tensor, dtype: torch.dtype) -> bool:
-    return target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+    """Host memory the batched reader writes, or device memory its upload ring fills."""
+    reachable = target.device.type == "cpu" or device_of(target.device).streams is not None
+    return reachable and target.dtype == dtype and target.is_contiguous()

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import DeviceError
 from . import cuda
+from .streams import Streams
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class Device:
     select: Callable[[torch.device], None]  # make it this process's device for good (a rank's GPU)
     host_copier: Callable[[], Callable[[torch.Tensor, torch.Tensor], None]] | None  # (src, host dst) copier
     backend: str  # the torch.distributed backend of a team exporting on it
+    # The upload ring's side of it (streams.Streams) for one device; None: results are made in
+    # host memory by the host's own readers
+    streams: Callable[[torch.device], Streams] | None = None
 
     @property
     def host(self) -> bool:
@@ -44,7 +48,8 @@ def _stay(device: torch.device) -> None:
 
 DEVICES: dict[str, Device] = {
     "cpu": Device("cpu", lambda: True, lambda: 1, _nothing, _stay, None, "gloo"),
-    "cuda": Device("cuda", cuda.available, cuda.count, cuda.scope, cuda.select, cuda.PinnedCopy, "nccl"),
+    "cuda": Device("cuda", cuda.available, cuda.count, cuda.scope, cuda.select, cuda.PinnedCopy, "nccl",
+                   cuda.CudaStreams),
 }
 
 

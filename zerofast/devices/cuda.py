@@ -66,3 +66,44 @@ class PinnedCopy:
 def _land(copied: torch.cuda.Event, staged: torch.Tensor, dst: torch.Tensor) -> None:
     copied.synchronize()
     dst.copy_(staged)
+
+
+class CudaStreams:
+    """:class:`~zerofast.devices.streams.Streams` on one GPU: a side stream uploads from pinned
+    slots, the current stream casts (so the outputs, made on it, are ready for whatever the
+    caller queues next on it)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copy = torch.cuda.Stream(device)
+
+    def empty(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def host_buffer(self, nbytes):
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def device_buffer(self, nbytes):
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buffer.record_stream(self.copy)  # written on the copy stream: not reused before it is done
+        return buffer
+
+    def upload(self, host, dev, after):
+        with torch.cuda.stream(self.copy):
+            if after is not None:
+                self.copy.wait_event(after)
+            dev.copy_(host, non_blocking=True)
+            return self.copy.record_event()
+
+    def compute(self, fn, after):
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(after)
+        fn()
+        return stream.record_event()
+
+    def wait(self, event) -> None:
+        event.synchronize()
+
+    def finish(self) -> None:
+        self.copy.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()

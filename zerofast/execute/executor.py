@@ -2,7 +2,6 @@
 gather-and-cast op over the mappings otherwise."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import operator
@@ -15,6 +14,8 @@ from .. import ops
 from ..devices import device_of
 from ..plan.columns import PlanTensors
 from ..plan.model import SegmentTable, TableSegments, TensorPlan
+
+from .ring import Ring
 
 if TYPE_CHECKING:
     from .read_batch import BatchReader
@@ -36,10 +37,10 @@ class Executor:
     native calls that ``pread`` the checkpoint files instead of touching their mappings: a whole
     pass (:meth:`run_all`) is a call per output dtype and ``read_batch.CALL_ROWS`` segment rows,
     one tensor (:meth:`run`) one call. On a
-    GPU (``device`` and ``compute`` both one) the batch is read into host memory in its stored
-    dtype, :data:`STAGING_BYTES` at a time, then copied over and cast there. ``self.batch``
-    is set only where results are built in host memory (file writers use it to go straight from
-    file to file).
+    GPU (``device`` and ``compute`` both one) the reads go through the device's upload ring
+    (:mod:`.ring`): pinned slots read in their stored dtype, uploaded and cast there, the read of
+    one slot overlapping the upload and cast of others. ``self.batch`` is set only where results
+    are built in host memory (file writers use it to go straight from file to file).
     """
 
     def __init__(self, sources: Sequence[torch.Tensor], device: str | torch.device = "cpu",
@@ -55,6 +56,7 @@ class Executor:
         self.reader = batch if self.compute == self.device or self.compute.type == self.device.type == "cpu" else None
         self.batch = self.reader if self.device.type == "cpu" else None
         self._to_host = None  # the compute device's host copier, made on first use
+        self._ring: Ring | None = None  # the device's upload ring, made on first use
 
     def run_all(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
         """Every tensor of ``tps`` in fresh memory, in its shape."""
@@ -62,7 +64,19 @@ class Executor:
             return [self.run(tp) for tp in tps]
         if self.device.type == "cpu":
             return self.reader.read(tps)
-        return self._read_to_device(tps)
+        with device_of(self.device).scope(self.device):
+            return self.ring().read(tps)
+
+    def ring(self) -> Ring:
+        """The upload ring of this executor's device (kept: its pinned slots serve every pass)."""
+        if self._ring is None:
+            self._ring = Ring(device_of(self.device).streams(self.device), self.reader)
+        return self._ring
+
+    def _on_ring(self, outs: Sequence[torch.Tensor]) -> bool:
+        """Whether ``outs`` can be filled through the upload ring: contiguous, on this device."""
+        return (self.reader is not None and self.device.type != "cpu" and device_of(self.device).streams is not None
+                and all(o.device == self.device and o.is_contiguous() for o in outs))
 
     def run_plan(self, tensors: Mapping[str, TensorPlan]) -> list[torch.Tensor]:
         """Every tensor of a plan's ``tensors``, in its order, as :meth:`run_all` makes them; a
@@ -71,14 +85,6 @@ class Executor:
             return self.reader.read(tensors)
         return self.run_all(list(tensors.values()))
 
-    def _read_to_device(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
-        # Read as stored (a plain copy), cast where the result lives: Tensor.to's cast, as on the CPU.
-        made: list[torch.Tensor] = []
-        for run in in_runs([dataclasses.replace(tp, out_dtype=tp.stored_dtype) for tp in tps], STAGING_BYTES):
-            for host in self.reader.read(run):
-                made.append(host.to(self.device).to(tps[len(made)].out_dtype))
-        return made
-
     def run_into(self, tps: Sequence[TensorPlan], outs: Sequence[torch.Tensor]) -> None:
         """Each of ``tps`` into the tensor of ``outs`` beside it, as :meth:`run` with ``out``:
         contiguous CPU ``outs`` in one batched read."""
@@ -86,6 +92,12 @@ class Executor:
             for tp, out in zip(tps, outs):
                 self._check_out(tp, out)  # its numel and dtype: no flat view needed to ask
             self.reader.read_into(tps, outs)
+            return
+        if self._on_ring(outs):
+            for tp, out in zip(tps, outs):
+                self._check_out(tp, out)
+            with device_of(self.device).scope(self.device):
+                self.ring().read_into(tps, outs)
             return
         for tp, out in zip(tps, outs):
             self.run(tp, out)
@@ -100,6 +112,8 @@ class Executor:
         self._check_out(tp, flat)
         if self.reader is not None and flat.device.type == "cpu" and out.is_contiguous():
             self.reader.read_into([tp], [flat])
+        elif self._on_ring([out]):
+            self.run_into([tp], [out])
         elif tp.segments:
             sources, segments = self._local(tp)
             if self.compute.type != flat.device.type:

@@ -1,0 +1,198 @@
+"""The upload ring (zerofast/execute/ring.py) on the CPU-backed stand-in device: its ordering,
+its slot reuse and its error paths run here without a GPU. Results are held bit for bit to the
+CPU path's, on real DeepSpeed checkpoints and on synthesized ones (for shapes DeepSpeed does not
+make on a CPU: tensors split over many slots)."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+
+import zerofast
+from zerofast import devices, ops
+from zerofast.devices.stand_in import StandInError, StandInStreams
+from zerofast.execute import ring as ring_module
+from zerofast.execute.executor import Executor
+from zerofast.pipeline import prepare
+from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize
+
+from tests.conftest import HAVE_DEEPSPEED
+from tests.helpers import assert_bitwise_equal, real_root
+
+SMALL = "s3_bf16_w2_frozen_tied"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, None]
+
+
+@pytest.fixture(scope="module")
+def big_save(tmp_path_factory):
+    """ZeRO-3, world 3: tensors of odd sizes split unevenly over the ranks, one of 40k elements."""
+    root = tmp_path_factory.mktemp("ring") / "ckpt"
+    shapes = [(200, 200), (7,), (33, 5), (1,), (0,), (1000,), (3, 3, 3)]
+    groups = [[ParamSpec(f"layer.{i}.weight", s) for i, s in enumerate(shapes)]]
+    synthesize(root, LayoutSpec(stage=3, world_size=3, model_dtype=torch.bfloat16, groups=groups))
+    return root
+
+
+def _roots(big_save):
+    yield big_save
+    if HAVE_DEEPSPEED:
+        yield real_root(SMALL)
+
+
+def _executor(root, dtype, streams, slot_bytes, slots=3):
+    prepared = prepare(root, dtype)
+    ex = prepared.streaming_executor()
+    ring = ring_module.Ring(streams, ex.reader, slots=slots, slot_bytes=slot_bytes)
+    return prepared, ex, ring
+
+
+def _tensor_plans(prepared):
+    return list(prepared.plan.tensors.values())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("slot_bytes", [1024, 1 << 16, 1 << 20])
+def test_ring_equals_the_cpu_path(big_save, dtype, slot_bytes):
+    streams = StandInStreams(jitter=0.002, seed=slot_bytes)
+    for root in _roots(big_save):
+        prepared, ex, ring = _executor(root, dtype, streams, slot_bytes)
+        tps = _tensor_plans(prepared)
+        got = ring.read(tps)
+        want = ex.run_all(tps)
+        for tp, g, w in zip(tps, got, want):
+            assert_bitwise_equal(g, w, tp.name)
+    streams.close()
+
+
+def test_a_ring_that_skips_its_waits_is_caught(big_save):
+    """The stand-in's jitter makes a missing wait visible: a ring that refills a pinned slot
+    before its upload ran hands out another chunk's bytes."""
+    class NoWaits(StandInStreams):
+        def wait(self, event):
+            return None
+
+        def upload(self, host, dev, after):
+            # the copy is taken when the job runs, too late for a slot the host refilled meanwhile
+            return super().upload(host, dev, None)
+
+    streams = NoWaits(jitter=0.02, seed=1)
+    prepared, ex, ring = _executor(big_save, torch.float32, streams, slot_bytes=256, slots=2)
+    tps = _tensor_plans(prepared)
+    got = ring.read(tps)
+    want = ex.run_all(tps)
+    assert any(not torch.equal(g.view(-1).view(torch.uint8), w.view(-1).view(torch.uint8))
+               for g, w in zip(got, want) if g.numel())
+    streams.close()
+
+
+def test_slots_are_allocated_once_and_reused(big_save):
+    streams = StandInStreams()
+    prepared, ex, ring = _executor(big_save, torch.float32, streams, slot_bytes=1024, slots=3)
+    tps = _tensor_plans(prepared)
+    for _ in range(3):
+        ring.read(tps)
+    assert streams.host_buffers == 3
+    chunks = list(ring_module.chunks(tps, 1024))
+    assert streams.counts["upload"] == 3 * len(chunks) > 3 * 3  # more chunks than slots: reuse
+    streams.close()
+
+
+def test_chunks_cover_each_tensor_once(big_save):
+    prepared = prepare(big_save, torch.float32)
+    tps = _tensor_plans(prepared)
+    for slot in (8, 100, 4096, 1 << 30):
+        covered = [0] * len(tps)
+        for chunk, nbytes in ring_module.chunks(tps, slot):
+            assert 0 <= nbytes <= slot
+            if chunk.lo is not None:
+                covered[int(chunk.which[0])] += chunk.hi - chunk.lo
+                continue
+            assert len({tps[i].stored_dtype for i in chunk.which.tolist()}) == 1
+            for i in chunk.which.tolist():
+                covered[i] += tps[i].numel
+        assert covered == [tp.numel for tp in tps]
+
+
+@pytest.mark.parametrize("fail", [("upload", 0), ("upload", 5), ("compute", 3)])
+def test_a_failed_device_job_is_raised_after_everything_queued_ran(big_save, fail):
+    streams = StandInStreams(jitter=0.002, fail=fail)
+    prepared, ex, ring = _executor(big_save, torch.float32, streams, slot_bytes=512)
+    tps = _tensor_plans(prepared)
+    queued: list[Future] = []
+    real_queue = streams._queue
+
+    def spy(*args):
+        job = real_queue(*args)
+        queued.append(job)
+        return job
+
+    streams._queue = spy
+    with pytest.raises(StandInError, match=f"stand-in {fail[0]} {fail[1]} failed"):
+        ring.read(tps)
+    assert queued and all(job.done() for job in queued)
+    streams.fail = None  # the ring stays usable
+    for tp, g, w in zip(tps, ring.read(tps), ex.run_all(tps)):
+        assert_bitwise_equal(g, w, tp.name)
+    streams.close()
+
+
+def test_a_read_error_drains_the_queue_first(big_save, monkeypatch):
+    streams = StandInStreams(jitter=0.01)
+    prepared, ex, ring = _executor(big_save, torch.float32, streams, slot_bytes=512)
+    tps = _tensor_plans(prepared)
+    calls = {"n": 0}
+    real = ops.read_cast
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise OSError(5, "injected read failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "read_cast", failing)
+    with pytest.raises(OSError, match="injected read failure"):
+        ring.read(tps)
+    assert streams._queued == []  # finish() ran: nothing left in flight
+    streams.close()
+
+
+def test_read_into_casts_into_existing_outputs(big_save):
+    streams = StandInStreams(jitter=0.002)
+    prepared, ex, ring = _executor(big_save, None, streams, slot_bytes=2048)
+    tps = _tensor_plans(prepared)
+    outs = [torch.full(tp.shape, 7, dtype=torch.float64) for tp in tps]
+    ring.read_into(tps, outs)
+    for tp, out, want in zip(tps, outs, ex.run_all(tps)):
+        assert_bitwise_equal(out, want.to(torch.float64), tp.name)
+    streams.close()
+
+
+@pytest.fixture
+def stand_in_cuda(monkeypatch):
+    """The registry's "cuda" entry replaced by the stand-in: the public API runs the ring end to
+    end on the CPU (outputs are host tensors)."""
+    streams = StandInStreams(jitter=0.001)
+    entry = devices.Device("cuda", lambda: True, lambda: 1, devices._nothing, devices._stay, None, "gloo",
+                           lambda device: streams)
+    monkeypatch.setitem(devices.DEVICES, "cuda", entry)
+    monkeypatch.setattr(ring_module, "SLOT_BYTES", 4096)
+    monkeypatch.setattr(ring_module, "MIN_SLOT_BYTES", 4096)
+    yield streams
+    streams.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, None], ids=str)
+def test_reconstruct_on_the_stand_in_device(big_save, stand_in_cuda, dtype):
+    for root in _roots(big_save):
+        want = zerofast.reconstruct(root, dtype=dtype)
+        got = zerofast.reconstruct(root, dtype=dtype, device="cuda")
+        assert list(got) == list(want)
+        for name, value in want.items():
+            assert_bitwise_equal(got[name], value, name)
+        lazy = zerofast.reconstruct(root, dtype=dtype, device="cuda", lazy=True)
+        for name, value in lazy.items():
+            assert_bitwise_equal(value, want[name], name)
+    assert stand_in_cuda.counts["upload"] > 0

@@ -1,0 +1,171 @@
+"""Step 4 onto a device (a GPU): file bytes through a ring of reused pinned host buffers.
+
+A pass is cut into chunks of at most :data:`SLOT_BYTES`. For chunk ``c`` in slot ``k = c % SLOTS``:
+
+1. the host waits until slot ``k``'s last upload has landed, then the batched reader
+   (:class:`~zerofast.execute.read_batch.BatchReader`: several ``pread`` threads) fills pinned
+   slot ``k`` with the chunk's elements in their stored dtype, gathered and unpadded there
+   (each piece of a partitioned tensor is read straight to its place);
+2. the copy stream waits until the compute stream is done with device slot ``k``, then uploads
+   the pinned slot into it;
+3. the compute stream waits for that upload, then copies each tensor out of the device slot into
+   its output, casting on the way (``copy_``: ``Tensor.to`` bit for bit).
+
+Nothing waits for a whole run: while chunk ``c`` is uploaded and cast, the host reads chunk
+``c + 1``. Host memory stays at the ring (``SLOTS * SLOT_BYTES`` pinned), device memory at the
+outputs plus the ring. The device side is a :class:`~zerofast.devices.streams.Streams`, so the
+same ring runs on a GPU and, in tests, on the CPU-backed stand-in. No device kernel of zerofast's
+own is needed: a CUDA torch without nvcc runs this too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .. import ops
+from ..devices.streams import Streams
+from ..plan.columns import segment_rows
+from ..plan.model import TensorPlan
+from .read_batch import BatchReader, _used
+
+# Four 64 MiB slots: a chunk is large enough that the reader threads' fork and join is a small
+# share of its read, and four in flight let the read of one overlap the upload and cast of others.
+SLOT_BYTES = 64 << 20
+SLOTS = 4
+MIN_SLOT_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What one slot holds: tensors ``which`` (indices into the pass) whole, each at its element
+    offset ``at`` in the slot, all stored as ``dtype``; or one piece ``[lo, hi)`` of one tensor
+    too large for a slot (``lo`` is not None)."""
+
+    dtype: torch.dtype
+    which: np.ndarray
+    at: np.ndarray
+    lo: int | None = None
+    hi: int | None = None
+
+
+def chunks(tps: Sequence[TensorPlan], slot_bytes: int = SLOT_BYTES) -> Iterator[tuple[Chunk, int]]:
+    """The pass ``tps`` cut into chunks in order, each with the bytes it fills: runs of whole
+    tensors of one stored dtype, and pieces of a tensor larger than a slot."""
+    run: list[int] = []
+    at: list[int] = []
+    used, dtype = 0, None
+    for i, tp in enumerate(tps):
+        item = tp.stored_dtype.itemsize
+        nbytes = tp.numel * item
+        if run and (tp.stored_dtype != dtype or used + nbytes > slot_bytes):
+            yield Chunk(dtype, np.array(run, dtype=np.int64), np.array(at, dtype=np.int64)), used
+            run, at, used = [], [], 0
+        if nbytes > slot_bytes:
+            step = max(1, slot_bytes // item)
+            for lo in range(0, tp.numel, step):
+                hi = min(tp.numel, lo + step)
+                yield Chunk(tp.stored_dtype, np.array([i]), np.array([0]), lo, hi), (hi - lo) * item
+            continue
+        dtype = tp.stored_dtype
+        run.append(i)
+        at.append(used // item)
+        used += nbytes
+    if run:
+        yield Chunk(dtype, np.array(run, dtype=np.int64), np.array(at, dtype=np.int64)), used
+
+
+class Ring:
+    """The slots of one device and the reader that fills them; reused by every pass of one
+    executor (a lazy mapping's lookups each make a pass), so pinned memory is allocated once."""
+
+    def __init__(self, streams: Streams, reader: BatchReader, slots: int | None = None,
+                 slot_bytes: int | None = None):
+        self.streams = streams
+        self.reader = reader
+        self.slots = slots or SLOTS
+        self.slot_bytes = slot_bytes or SLOT_BYTES
+        self._host: list[torch.Tensor] = []
+        self._dev: list[torch.Tensor] = []
+
+    def read(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
+        """Each of ``tps`` in fresh device memory, in its shape and ``out_dtype``."""
+        outs = [self.streams.empty(tuple(tp.shape), tp.out_dtype) for tp in tps]
+        self.read_into(tps, outs)
+        return outs
+
+    def read_into(self, tps: Sequence[TensorPlan], outs: Sequence[torch.Tensor]) -> None:
+        """Each of ``tps`` into the contiguous device tensor of ``outs`` beside it (of its numel;
+        any dtype: the copy casts)."""
+        if not tps:
+            return
+        flats = [o.view(-1) for o in outs]
+        rows, counts = segment_rows([tp.segments for tp in tps])
+        starts = np.zeros(len(tps) + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        numels = np.array([tp.numel for tp in tps], dtype=np.int64)
+        cut = list(chunks(tps, self.slot_bytes))
+        self._allocate(max(nbytes for _, nbytes in cut))
+        streams = self.streams
+        try:
+            with self.reader.opened(_used([rows[:, 0]])) as files:
+                self._run(cut, tps, flats, rows, starts, numels, files)
+        finally:
+            # Also after an error: no buffer may be dropped or refilled while a copy still uses it.
+            streams.finish()
+
+    def _run(self, cut, tps, flats, rows, starts, numels, files) -> None:
+        streams = self.streams
+        uploaded: list[object | None] = [None] * self.slots
+        copied: list[object | None] = [None] * self.slots
+        for c, (chunk, nbytes) in enumerate(cut):
+            k = c % self.slots
+            if uploaded[k] is not None:
+                streams.wait(uploaded[k])  # the pinned slot's last upload has landed
+            host = self._host[k][:nbytes]
+            self._fill(host.view(chunk.dtype), chunk, tps, rows, starts, files)
+            dev = self._dev[k][:nbytes]
+            uploaded[k] = streams.upload(host, dev, copied[k])
+            copied[k] = streams.compute(_casts(chunk, dev.view(chunk.dtype), flats, numels), uploaded[k])
+
+    def _allocate(self, need: int) -> None:
+        """Slots of at least ``need`` bytes: a lazy lookup of one small tensor pins a few MiB, not
+        the whole ring; the first pass that needs more replaces them (after ``finish``)."""
+        size = min(self.slot_bytes, max(min(MIN_SLOT_BYTES, self.slot_bytes), 1 << max(need - 1, 0).bit_length()))
+        if not self._host or self._host[0].numel() < size:
+            self._host = [self.streams.host_buffer(size) for _ in range(self.slots)]
+            self._dev = [self.streams.device_buffer(size) for _ in range(self.slots)]
+
+    def _fill(self, host: torch.Tensor, chunk: Chunk, tps: Sequence[TensorPlan], rows: np.ndarray,
+              starts: np.ndarray, files: tuple[list[int], torch.Tensor]) -> None:
+        """Read the chunk's elements into ``host`` (the pinned slot, typed), in one batched call."""
+        if chunk.lo is not None:
+            piece = tps[int(chunk.which[0])].slice(chunk.lo, chunk.hi)
+            table = _table(*segment_rows([piece.segments]), np.zeros(1, dtype=np.int64))
+        else:
+            first, last = int(starts[chunk.which[0]]), int(starts[chunk.which[-1] + 1])
+            table = _table(rows[first:last], np.diff(starts[chunk.which[0]:chunk.which[-1] + 2]), chunk.at)
+        if len(table):
+            ops.read_cast(self.reader.sources, files[0], files[1], torch.from_numpy(table), [host])
+
+
+def _table(rows: np.ndarray, counts: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The read op's table for one slot as its single output: each tensor's rows with their
+    output offsets moved to where the tensor sits in the slot."""
+    table = np.zeros((len(rows), 5), dtype=np.int64)
+    table[:, 1:] = rows
+    table[:, 3] += np.repeat(at, counts)
+    return table
+
+
+def _casts(chunk: Chunk, dev: torch.Tensor, flats: Sequence[torch.Tensor], numels: np.ndarray):
+    """The compute stream's work for a chunk: each tensor out of the device slot into its output."""
+    def run() -> None:
+        if chunk.lo is not None:
+            flats[int(chunk.which[0])][chunk.lo:chunk.hi].copy_(dev)
+            return
+        for i, at in zip(chunk.which.tolist(), chunk.at.tolist()):
+            flats[i].copy_(dev[at:at + int(numels[i])])
+    return run
