@@ -14,7 +14,6 @@ import zerofast
 from zerofast import ops
 import zerofast.execute.executor as executor_module
 from zerofast.execute import Executor
-from zerofast.execute.read_batch import BatchReader
 from zerofast.pipeline import prepare
 
 from tests.conftest import HAVE_DEEPSPEED
@@ -146,32 +145,6 @@ def test_prefetched_values_are_fresh_memory_each_lookup():
         if not Executor.may_view(lazy.plan.tensors[lazy.plan.aliases.get(name, name)]):
             assert first[name].data_ptr() != again[name].data_ptr(), name
         assert_bitwise_equal(first[name], again[name], name)
-
-
-def test_a_device_reads_host_batches_within_the_staging_budget(monkeypatch, no_mapped_path):
-    """What device="cuda" does, on torch's meta device (no GPU here): the batched reader fills host
-    memory in the stored dtype, at most STAGING_BYTES (or one larger tensor) at a time, and the
-    cast happens on the device."""
-    plan_dtype = torch.bfloat16
-    prepared = prepare(real_root(SMALL), plan_dtype)
-    tps = list(prepared.plan.tensors.values())
-    budget = 2 * max(tp.nbytes for tp in tps) // 3
-    monkeypatch.setattr(executor_module, "STAGING_BYTES", budget)
-    reads = []
-    read = BatchReader.read
-
-    def spy(self, batch):
-        reads.append(list(batch))
-        return read(self, batch)
-
-    monkeypatch.setattr(BatchReader, "read", spy)
-    made = prepared.streaming_executor("meta").run_all(tps)
-    for tp, t in zip(tps, made):
-        assert (t.device.type, t.dtype, tuple(t.shape)) == ("meta", tp.out_dtype, tuple(tp.shape)), tp.name
-    assert len(reads) > 1 and [tp.name for b in reads for tp in b] == [tp.name for tp in tps]
-    assert all(tp.out_dtype == tp.stored_dtype for b in reads for tp in b)
-    sizes = [sum(tp.stored_dtype.itemsize * tp.numel for tp in b) for b in reads]
-    assert all(len(b) == 1 or size <= budget for b, size in zip(reads, sizes)), (budget, sizes)
 
 
 def _reference_view(sources, tp) -> torch.Tensor:

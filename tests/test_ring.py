@@ -4,10 +4,8 @@ CPU path's, on real DeepSpeed checkpoints and on synthesized ones (for shapes De
 make on a CPU: tensors split over many slots)."""
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,7 +13,6 @@ import zerofast
 from zerofast import devices, ops
 from zerofast.devices.stand_in import StandInError, StandInStreams
 from zerofast.execute import ring as ring_module
-from zerofast.execute.executor import Executor
 from zerofast.pipeline import prepare
 from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize
 

@@ -48,7 +48,7 @@ class BatchReader:
         rows, which makes the tensors too."""
         groups = _column_groups(tps) if isinstance(tps, PlanTensors) else _plan_groups(tps)
         made: list[torch.Tensor | None] = [None] * len(tps)
-        with self.opened(_used(rows[:, 0] for *_, rows, _ in groups)) as (fds, offsets):
+        with self.opened(sources_used(rows[:, 0] for *_, rows, _ in groups)) as (fds, offsets):
             for dtype, where, shapes, rows, counts in groups:
                 outs = []
                 for lo, hi, table in _calls(rows, counts):
@@ -67,7 +67,7 @@ class BatchReader:
         writes keep what they held."""
         if tps:
             rows, counts = segment_rows([tp.segments for tp in tps])
-            with self.opened(_used([rows[:, 0]])) as (fds, offsets):
+            with self.opened(sources_used([rows[:, 0]])) as (fds, offsets):
                 for lo, hi, table in _calls(rows, counts):
                     # contiguous: written by element index
                     ops.read_cast(self.sources, fds, offsets, table, outs[lo:hi])
@@ -82,7 +82,7 @@ class BatchReader:
             groups = _plan_groups([tp for tp, _ in placed])
             where_at = np.array([off for _, off in placed], dtype=np.int64)
             counts_of = np.array([tp.numel for tp, _ in placed], dtype=np.int64)
-        with self.opened(_used(rows[:, 0] for *_, rows, _ in groups)) as (fds, offsets):
+        with self.opened(sources_used(rows[:, 0] for *_, rows, _ in groups)) as (fds, offsets):
             for dtype, where, _, rows, counts in groups:
                 # copies: counts_of may be the plan's cached column, which the op must not share
                 at, numels = torch.from_numpy(where_at[where]), torch.from_numpy(counts_of[where])
@@ -146,7 +146,7 @@ def _positions(values: list) -> dict[object, np.ndarray]:
     return {d: np.flatnonzero(codes == k) for k, d in enumerate(distinct)}
 
 
-def _used(columns: Iterable[np.ndarray]) -> set[int]:
+def sources_used(columns: Iterable[np.ndarray]) -> set[int]:
     """The sources that columns of source indices name (a count per source: np.unique would
     import numpy.ma, 14 ms, on the first lookup)."""
     return set(chain.from_iterable(np.flatnonzero(np.bincount(c)).tolist() for c in columns))

@@ -29,7 +29,7 @@ from .. import ops
 from ..devices.streams import Streams
 from ..plan.columns import segment_rows
 from ..plan.model import TensorPlan
-from .read_batch import BatchReader, _used
+from .read_batch import BatchReader, sources_used
 
 # Four 64 MiB slots: a chunk is large enough that the reader threads' fork and join is a small
 # share of its read, and four in flight let the read of one overlap the upload and cast of others.
@@ -110,7 +110,7 @@ class Ring:
         self._allocate(max(nbytes for _, nbytes in cut))
         streams = self.streams
         try:
-            with self.reader.opened(_used([rows[:, 0]])) as files:
+            with self.reader.opened(sources_used([rows[:, 0]])) as files:
                 self._run(cut, tps, flats, rows, starts, numels, files)
         finally:
             # Also after an error: no buffer may be dropped or refilled while a copy still uses it.
