@@ -172,8 +172,8 @@ def stand_in_cuda(monkeypatch):
     """The registry's "cuda" entry replaced by the stand-in: the public API runs the ring end to
     end on the CPU (outputs are host tensors)."""
     streams = StandInStreams(jitter=0.001)
-    entry = devices.Device("cuda", lambda: True, lambda: 1, devices._nothing, devices._stay, None, "gloo",
-                           lambda device: streams)
+    entry = devices.Device("cuda", lambda: True, lambda: 1, devices._nothing, devices._stay,
+                           lambda: (lambda src, dst: dst.copy_(src)), "gloo", lambda device: streams)
     monkeypatch.setitem(devices.DEVICES, "cuda", entry)
     monkeypatch.setattr(ring_module, "SLOT_BYTES", 4096)
     monkeypatch.setattr(ring_module, "MIN_SLOT_BYTES", 4096)
@@ -192,4 +192,16 @@ def test_reconstruct_on_the_stand_in_device(big_save, stand_in_cuda, dtype):
         lazy = zerofast.reconstruct(root, dtype=dtype, device="cuda", lazy=True)
         for name, value in lazy.items():
             assert_bitwise_equal(value, want[name], name)
+    assert stand_in_cuda.counts["upload"] > 0
+
+
+def test_export_on_the_stand_in_device(big_save, stand_in_cuda, tmp_path):
+    """export(device="cuda") without zerofast's CUDA kernels builds each tensor through the ring
+    and writes the same bytes as the CPU's export."""
+    zerofast.export(big_save, tmp_path / "cpu", dtype=torch.bfloat16)
+    zerofast.export(big_save, tmp_path / "cuda", dtype=torch.bfloat16, device="cuda")
+    files = sorted(p.name for p in (tmp_path / "cpu").iterdir() if p.is_file())
+    assert files == sorted(p.name for p in (tmp_path / "cuda").iterdir() if p.is_file())
+    for name in files:
+        assert (tmp_path / "cpu" / name).read_bytes() == (tmp_path / "cuda" / name).read_bytes(), name
     assert stand_in_cuda.counts["upload"] > 0

@@ -63,6 +63,11 @@ def built_devices() -> list[str]:
     return list(load_native().built_devices())
 
 
+def has_kernels(device: torch.device) -> bool:
+    """Whether the native core runs on ``device`` (meta: the fakes)."""
+    return device.type in ("cpu", "meta") or (native_enabled() and device.type in built_devices())
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """``device`` as a place the executor can run, or a :class:`DeviceError` that says what is missing."""
     entry = device_of(device)
@@ -101,8 +106,9 @@ def _register_fakes() -> None:
 
 def gather_cast(sources: Sequence[torch.Tensor], segments: torch.Tensor, out: torch.Tensor,
                 stream_sources: bool = False) -> None:
-    """See the schema in csrc/zerofast.cpp. ``stream_sources`` only changes memory behaviour."""
-    if not native_enabled():
+    """See the schema in csrc/zerofast.cpp. ``stream_sources`` only changes memory behaviour.
+    On a device the core has no kernels for (a CUDA torch without nvcc), torch's own copies."""
+    if not native_enabled() or not has_kernels(out.device):
         reference.gather_cast(sources, segments, out)
         return
     load_native()

@@ -53,6 +53,7 @@ class Executor:
         self.device = torch.device(device)
         self.compute = self.device if compute is None else torch.device(compute)
         self.streamable = streamable
+        self._files = batch  # the file reader, also where results are computed elsewhere (_gather_elsewhere)
         self.reader = batch if self.compute == self.device or self.compute.type == self.device.type == "cpu" else None
         self.batch = self.reader if self.device.type == "cpu" else None
         self._to_host = None  # the compute device's host copier, made on first use
@@ -68,9 +69,9 @@ class Executor:
             return self.ring().read(tps)
 
     def ring(self) -> Ring:
-        """The upload ring of this executor's device (kept: its pinned slots serve every pass)."""
+        """The upload ring of the compute device (kept: its pinned slots serve every pass)."""
         if self._ring is None:
-            self._ring = Ring(device_of(self.device).streams(self.device), self.reader)
+            self._ring = Ring(device_of(self.compute).streams(self.compute), self._files)
         return self._ring
 
     def _on_ring(self, outs: Sequence[torch.Tensor]) -> bool:
@@ -136,8 +137,13 @@ class Executor:
         with device.scope(self.compute):
             # Elements no segment writes must keep what ``flat`` holds, as on the CPU.
             covered = sum(s[3] for s in tp.segments) == tp.numel
-            scratch = torch.empty_like(flat, device=self.compute) if covered else flat.to(self.compute)
-            ops.gather_cast(sources, segments, scratch, stream_sources=self._streams(tp))
+            if covered and self._files is not None and not ops.has_kernels(self.compute):
+                # No kernels of ours there (a CUDA torch without nvcc): the ring, torch's copies.
+                scratch = self.ring().streams.empty(tuple(flat.shape), flat.dtype)
+                self.ring().read_into([tp], [scratch])
+            else:
+                scratch = torch.empty_like(flat, device=self.compute) if covered else flat.to(self.compute)
+                ops.gather_cast(sources, segments, scratch, stream_sources=self._streams(tp))
             if self._to_host is None:
                 self._to_host = device.host_copier()
             self._to_host(scratch, flat)
