@@ -303,3 +303,64 @@ def test_cpu_only_build_on_a_gpu_machine_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(ops.load_native(), "built_devices", lambda: ["cpu"])
     with pytest.raises(NativeExtensionError, match="built without its CUDA kernels"):
         zerofast.reconstruct(tmp_path, device="cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# The upload ring (zerofast/execute/ring.py) on a real GPU: with zerofast's CUDA kernels and
+# without them (a CUDA torch without nvcc), into fresh tensors and into a model's own.
+
+@pytest.fixture(scope="module")
+def ring_ckpt(tmp_path_factory):
+    if not HAVE_GPU:
+        pytest.skip("no CUDA GPU (torch.cuda.is_available() is False)")
+    root = tmp_path_factory.mktemp("ring")
+    synthesize(root, SYNTH["s3_bf16_w2_big_and_many"])
+    return root
+
+
+@pytest.fixture(params=["kernels", "no-kernels"])
+def kernels(request, monkeypatch):
+    """Run as built, and as if the core had no CUDA kernels (nvcc absent when it was built)."""
+    if request.param == "no-kernels":
+        monkeypatch.setattr(ops, "has_kernels", lambda device: device.type in ("cpu", "meta"))
+    return request.param
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPE_MODES, ids=str)
+def test_ring_reconstruct_equals_cpu(ring_ckpt, kernels, dtype, monkeypatch):
+    from zerofast.execute import ring
+
+    monkeypatch.setattr(ring, "SLOT_BYTES", 1 << 16)  # many chunks: every slot reused
+    cpu = zerofast.reconstruct(ring_ckpt, dtype=dtype)
+    _same_dicts(zerofast.reconstruct(ring_ckpt, dtype=dtype, device="cuda"), cpu)
+    lazy = zerofast.reconstruct(ring_ckpt, dtype=dtype, device="cuda", lazy=True)
+    _same_dicts({k: lazy[k] for k in lazy}, cpu)
+
+
+@pytest.mark.cuda
+def test_ring_export_without_kernels_writes_the_same_bytes(ring_ckpt, kernels, tmp_path):
+    export(ring_ckpt, tmp_path / "cpu", dtype=torch.bfloat16, max_shard_size="20KB")
+    export(ring_ckpt, tmp_path / "gpu", dtype=torch.bfloat16, max_shard_size="20KB", device="cuda")
+    assert _files(tmp_path / "gpu") == _files(tmp_path / "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_ring_load_into_a_gpu_model(ring_ckpt, model_dtype):
+    cpu = zerofast.reconstruct(ring_ckpt, dtype=None)
+    model = torch.nn.Module()
+    for name, value in cpu.items():
+        model.register_parameter(name.replace(".", "_"), torch.nn.Parameter(
+            torch.zeros(value.shape, dtype=model_dtype, device="cuda"), requires_grad=False))
+    renamed = {name.replace(".", "_"): value for name, value in cpu.items()}
+
+    class Named(torch.nn.Module):  # the checkpoint's dotted names, as state_dict() gives them
+        def state_dict(self, *args, **kwargs):
+            return {k: getattr(model, k.replace(".", "_")) for k in cpu}
+
+    zerofast.load_into(Named(), ring_ckpt)
+    for name, value in renamed.items():
+        got = getattr(model, name)
+        assert got.device.type == "cuda"
+        assert_bitwise_equal(got.detach(), value.cuda().to(model_dtype), name)
