@@ -109,6 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--base-model", metavar="DIR",
                     help="with --merge-adapters: the base model's save_pretrained folder, for checkpoints saved "
                          "without their frozen weights (default: adapter_config.json's base_model_name_or_path)")
+    ex.add_argument("--base-dtype", choices=("as-stored", "as-trained"), default=None,
+                    help="with --merge-adapters and a --base-model folder: merge onto its weights as stored "
+                         "(default), or as trained: each base parameter first rounded to the dtype the run held "
+                         "the model in (the checkpoint's bf16/fp16 mode)")
     ex.add_argument("--weights-only", action="store_true",
                     help="write only the weight files: no config, generation config or tokenizer files")
     ex.set_defaults(run=_export)
@@ -133,6 +137,9 @@ def _export(args: argparse.Namespace) -> int:
     from .ops import resolve_device
     from .output import team as teams
 
+    if args.base_dtype and not args.merge_adapters:
+        print("zerofast: error: --base-dtype chooses the base of --merge-adapters; pass that too", file=sys.stderr)
+        return 2
     resolve_device(args.device)  # here, so that --workers starts no ranks for a device that is not there
     if args.workers > 1:
         teams.launch_local(args.workers, _as_one_rank(args.argv))
@@ -146,7 +153,8 @@ def _export(args: argparse.Namespace) -> int:
                      duplicate_tied=args.duplicate_tied, overwrite=args.overwrite,
                      optimizer_states=args.optimizer_states, progress=bar, device=args.device,
                      adapter=args.adapter, merge_adapters=args.merge_adapters, base_model=args.base_model,
-                     hf_files=not args.weights_only, follow_symlinks=args.follow_symlinks)
+                     base_dtype=args.base_dtype, hf_files=not args.weights_only,
+                     follow_symlinks=args.follow_symlinks)
     finally:
         bar.close()
     if leader and not args.quiet:
@@ -157,6 +165,8 @@ def _export(args: argparse.Namespace) -> int:
         print(f"wrote {count} file{'s' if count != 1 else ''} ({human_bytes(result.total_size + result.optimizer_size)}"
               f"{optim}, {result.tensors} tensors{tied}) to {result.out_dir}{ranks} in {result.seconds:.2f} s"
               f"{_replaced(result.replaced)}")
+        if result.merge_base is not None:
+            print(result.merge_base.describe())
     return 0
 
 

@@ -60,6 +60,7 @@ class ExportResult:
     other_files: tuple[str, ...] = ()  # copied config, tokenizer and adapter config files
     optimizer_size: int = 0  # tensor bytes of the optimizer-state shards
     replaced: tuple[str, ...] = ()  # files of others the export replaced (``overwrite``)
+    merge_base: trainer.MergeBase | None = None  # merge_adapters: which base the adapter was merged onto
 
     @property
     def paths(self) -> list[Path]:
@@ -77,7 +78,8 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
            optimizer_states: bool | Sequence[str] = False, progress: Progress | None = None,
            device: str | torch.device = "cpu", team: Team | None = None, adapter: bool = False,
            merge_adapters: bool = False, base_model: str | os.PathLike | None = None,
-           hf_files: bool = True, follow_symlinks: bool | None = None) -> ExportResult:
+           base_dtype: str | None = None, hf_files: bool = True,
+           follow_symlinks: bool | None = None) -> ExportResult:
     """Write a DeepSpeed ZeRO checkpoint out as Hugging Face-layout weight files.
 
     Args:
@@ -113,6 +115,14 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         base_model: the base model's ``save_pretrained`` folder, for merging an adapter whose
             checkpoint holds no frozen weights (the HF Trainer's PEFT saves); by default the
             adapter config's ``base_model_name_or_path`` when that is a folder.
+        base_dtype: with ``merge_adapters`` and such a base folder, which base the adapter is merged
+            onto: ``"as-stored"`` (the default) takes the folder's weights as saved, which is what
+            ``merge_and_unload()`` on ``PeftModel.from_pretrained(base)`` gives; ``"as-trained"``
+            first rounds each base parameter to the dtype the run held the model in (the DeepSpeed
+            config's bf16/fp16 mode, recorded in the checkpoint; an ExportError naming the file
+            where it does not settle that), as the trained model's base was. A checkpoint that kept
+            its frozen weights is merged onto those, as trained, either way.
+            ``ExportResult.merge_base`` says which base was used.
         hf_files: copy ``config.json`` (its dtype set to the exported dtype), the generation
             config and tokenizer files found next to the checkpoint, so that ``from_pretrained``
             loads the folder as it is.
@@ -128,10 +138,14 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     out = local_folder(out_dir)
     if merge_adapters and (adapter or exclude_frozen):
         raise ValueError("merge_adapters writes the whole base model: it excludes adapter and exclude_frozen")
+    if base_dtype is not None and not merge_adapters:
+        raise ValueError("base_dtype chooses the base of merge_adapters: it needs merge_adapters=True")
+    base_dtype = trainer.AS_STORED if base_dtype is None else base_dtype
     with team.step("reading the checkpoint", out):
         prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen or adapter,
                            warn_absent=not merge_adapters, follow_symlinks=follow_symlinks)
-        prepared, names, extras = _hf_view(prepared, fmt, dtype, adapter, merge_adapters, base_model, hf_files)
+        prepared, names, extras, merge_base = _hf_view(prepared, fmt, dtype, adapter, merge_adapters, base_model,
+                                                       base_dtype, hf_files)
         if names != fmt.names:  # peft reads one adapter file
             limit = max(limit, sum(tp.nbytes for tp in prepared.plan.tensors.values()) + 1)
         files, tied = layout(prepared.plan, names, limit, aliases_in_files=fmt.aliases_in_files,
@@ -159,25 +173,26 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
                               pointer=lambda n: n.endswith(".index.json"))
     return ExportResult(out, fmt.name, dtype, tuple(f.name for f in files), index, sum(f.nbytes for f in files),
                         sum(len(f.tensors) for f in files), tied, time.monotonic() - started, tuple(extra),
-                        tuple(extras), sum(f.nbytes for f in optim.files) if optim else 0, tuple(folder.replaced))
+                        tuple(extras), sum(f.nbytes for f in optim.files) if optim else 0, tuple(folder.replaced),
+                        merge_base)
 
 
 def _hf_view(prepared: Prepared, fmt: WeightFormat, dtype, adapter: bool, merge: bool, base_model,
-             hf_files: bool):
-    """The plan to write for a Hugging Face folder, the (single, pattern) file names, and the
-    config/tokenizer files to copy next to the weights."""
+             base_dtype: str, hf_files: bool):
+    """The plan to write for a Hugging Face folder, the (single, pattern) file names, the
+    config/tokenizer files to copy next to the weights, and which base a merge is made on."""
     folder = trainer.trainer_folder(prepared)
-    names, folders = fmt.names, [folder]
+    names, folders, merge_base = fmt.names, [folder], None
     if adapter:
         trainer.read_adapter_config(folder)
         prepared = dataclasses.replace(prepared, plan=trainer.adapter_plan(prepared.plan, folder))
         names = (trainer.ADAPTER_FILES[fmt.name], fmt.pattern)
     elif merge:
-        prepared, folders = trainer.merged_plan(prepared, dtype, base_model, folder)
+        prepared, folders, merge_base = trainer.merged_view(prepared, dtype, base_model, folder, base_dtype)
     elif hf_files and trainer.is_peft(prepared.plan, folder):
         trainer.warn_peft_as_is(prepared.plan, folder)
     extras = trainer.extra_files(folders, prepared.plan, dtype, adapter) if hf_files or adapter else {}
-    return prepared, names, extras
+    return prepared, names, extras, merge_base
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from .. import dtypes
-from ..errors import ExportError, PeftExportWarning, UnsupportedCheckpointError
+from .. import dtypes, keys
+from ..errors import ExportError, PeftExportWarning, UnsupportedCheckpointError, short_repr
 from ..execute import Executor
 from ..pipeline import Prepared
 from ..dtypes import out_dtype_for
@@ -146,12 +146,52 @@ def adapter_plan(plan: Plan, folder: Path) -> Plan:
 # ---------------------------------------------------------------------------------------------
 # Merged export: the base model with every LoRA delta added, as merge_and_unload computes it
 
+AS_STORED, AS_TRAINED = "as-stored", "as-trained"
+BASE_DTYPES = (AS_STORED, AS_TRAINED)  # what base_dtype= (--base-dtype) takes; AS_STORED is the default
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeBase:
+    """The base weights a merged export was built on, as the summary states it.
+
+    ``choice`` is ``"as-stored"`` (the base folder's values as saved) or ``"as-trained"`` (each
+    parameter rounded to the dtype the training held the module in, then merged in fp32);
+    ``dtype`` is the dtype of those base values; ``source`` is the base folder, or None when the
+    checkpoint kept its frozen weights (then they are the trained model's own, as trained)."""
+
+    choice: str
+    dtype: torch.dtype
+    source: Path | None
+
+    def describe(self) -> str:
+        if self.source is None:
+            return f"merged onto the checkpoint's own frozen base weights (as trained, {dtypes.name(self.dtype)})"
+        if self.choice == AS_STORED:
+            return f"merged onto the base as stored ({dtypes.name(self.dtype)}) from {self.source}"
+        return (f"merged onto the base as trained (rounded to {dtypes.name(self.dtype)}, the dtype the run held it "
+                f"in) from {self.source}")
+
+
 def merged_plan(prepared: Prepared, dtype: torch.dtype | None, base_model: str | os.PathLike | None,
-                folder: Path) -> tuple[Prepared, list[Path]]:
+                folder: Path, base_dtype: str = AS_STORED) -> tuple[Prepared, list[Path]]:
+    """:func:`merged_view` without the description of the base."""
+    return merged_view(prepared, dtype, base_model, folder, base_dtype)[:2]
+
+
+def merged_view(prepared: Prepared, dtype: torch.dtype | None, base_model: str | os.PathLike | None,
+                folder: Path, base_dtype: str = AS_STORED) -> tuple[Prepared, list[Path], MergeBase]:
     """A Prepared whose plan writes the base model's tensors under the base model's names, the
     LoRA-targeted weights replaced by ``W + transpose(B @ A, fan_in_fan_out) * scaling`` computed in
-    fp32 (the fp32 masters of A and B; W upcast), and the folders to take config files from. Each
-    merged weight is computed when the writer reaches it, so one is in memory at a time."""
+    fp32 (the fp32 masters of A and B; W upcast), the folders to take config files from, and which
+    base that was. Each merged weight is computed when the writer reaches it, so one is in memory
+    at a time.
+
+    ``base_dtype`` matters when the base comes from a folder (a save without its frozen weights):
+    ``"as-stored"`` takes its values as saved; ``"as-trained"`` first rounds each of its
+    parameters to the dtype the run held the module in (:func:`training_dtype`), as the trained
+    model's base was, and upcasts that to fp32 for the merge. Buffers keep their stored values."""
+    if base_dtype not in BASE_DTYPES:
+        raise ValueError(f"base_dtype must be one of {', '.join(map(repr, BASE_DTYPES))}, got {base_dtype!r}")
     config = read_adapter_config(folder)
     _check_lora(config, folder)
     plan = prepared.plan
@@ -159,22 +199,36 @@ def merged_plan(prepared: Prepared, dtype: torch.dtype | None, base_model: str |
     base, base_order, config_folders = _base_tensors(prepared, base_model, config, folder, sources, mapped)
     lora = _lora_pairs(plan, folder)
     merged = _MergedSources(sources)
+    held = None
+    if plan.frozen_excluded:
+        held = training_dtype(prepared) if base_dtype == AS_TRAINED else None
+        buffers = _buffer_names(prepared, base, held)
+        about = MergeBase(base_dtype, held or _most_bytes(base.values()), config_folders[0])
+    else:  # the checkpoint's own frozen weights, held (and saved) in the training dtype: nothing to round
+        buffers = set()
+        about = MergeBase(AS_TRAINED, _most_bytes(tp for tp in base.values() if tp.kind == FROZEN), None)
     tensors: dict[str, TensorPlan] = {}
     for name in base_order:
         tp = base[name]
+        rounding = held if held is not None and tp.stored_dtype.is_floating_point and name not in buffers else None
         pair = lora.pop(name.removesuffix(".weight"), None)
         if pair is not None:
-            make = _merge_recipe(sources, tp, pair, config, name, folder)
+            make = _merge_recipe(sources, tp, pair, config, name, folder, rounding)
             mapped.append(False)
             tp = TensorPlan(name, tp.shape, FROZEN, torch.float32, torch.float32,
                             ((merged.add(make), 0, 0, tp.numel),))
+        elif rounding is not None and rounding != tp.stored_dtype:
+            # The value as the run held it, which the training dtype stores exactly.
+            mapped.append(False)
+            tp = TensorPlan(name, tp.shape, FROZEN, rounding, rounding,
+                            ((merged.add(_rounded_recipe(sources, tp, rounding)), 0, 0, tp.numel),))
         tensors[name] = dataclasses.replace(tp, name=name, out_dtype=out_dtype_for(tp.stored_dtype, dtype))
     if lora:
         raise ExportError(f"the adapter targets {sorted(lora)[:3]}, which the base model has no weight for", folder)
     aliases = {a: s for a, s in _base_aliases(plan).items() if s in tensors and a not in tensors}
     order = tuple(n for n in base_order if n in tensors) + tuple(a for a in aliases if a not in base_order)
     new_plan = dataclasses.replace(plan, tensors=tensors, aliases=aliases, order=order)
-    return Prepared(prepared.checkpoint, new_plan, merged, mapped), [folder, *config_folders]
+    return Prepared(prepared.checkpoint, new_plan, merged, mapped), [folder, *config_folders], about
 
 
 class _MergedSources(Sequence):
@@ -204,7 +258,7 @@ class _MergedSources(Sequence):
 
 
 def _merge_recipe(sources: list, weight: TensorPlan, pair: tuple[TensorPlan, TensorPlan], config: dict, name: str,
-                  folder: Path) -> Callable[[], torch.Tensor]:
+                  folder: Path, rounding: torch.dtype | None = None) -> Callable[[], torch.Tensor]:
     a, b = pair
     fan_in_fan_out = bool(config.get("fan_in_fan_out"))
     delta_shape = (a.shape[-1], b.shape[0]) if fan_in_fan_out else (b.shape[0], a.shape[-1])
@@ -212,8 +266,12 @@ def _merge_recipe(sources: list, weight: TensorPlan, pair: tuple[TensorPlan, Ten
         raise ExportError(f"the LoRA delta of {name!r} is {delta_shape} (lora_B {b.shape} @ lora_A {a.shape}), "
                           f"the weight {weight.shape}", folder)
     scaling = _scaling(config, name.removesuffix(".weight"), b.shape[1], folder)
-    return lambda: _merge(_materialize(sources, weight), _materialize(sources, a), _materialize(sources, b),
+    return lambda: _merge(_materialize(sources, weight, rounding), _materialize(sources, a), _materialize(sources, b),
                           scaling, fan_in_fan_out, name, folder)
+
+
+def _rounded_recipe(sources: list, tp: TensorPlan, rounding: torch.dtype) -> Callable[[], torch.Tensor]:
+    return lambda: _materialize(sources, tp).to(rounding)
 
 
 def _check_lora(config: dict, folder: Path) -> None:
@@ -293,10 +351,98 @@ def _base_tensors(prepared: Prepared, base_model, config: dict, folder: Path, so
     return base, order, config_folders
 
 
-def _materialize(sources: list, tp: TensorPlan) -> torch.Tensor:
-    """One tensor of the plan in fp32, as peft holds it in an fp32 model."""
+# ---------------------------------------------------------------------------------------------
+# Which base a merge gets: the dtype the run held the module in
+
+_MIXED_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def training_dtype(prepared: Prepared) -> torch.dtype:
+    """The dtype the run held the frozen base in, from what the model-states file records.
+
+    What it relies on: the DeepSpeed config the file records (``ds_config``, as the engine ran it;
+    the Trainer has filled in its "auto" values by then). ``fp16.enabled`` -> float16,
+    ``bf16.enabled`` (``bfloat16`` where there is no ``bf16`` section, as DeepSpeed reads it) ->
+    bfloat16: in those modes DeepSpeed holds the base in that dtype (it casts the module's
+    parameters; at ZeRO-3, zero.Init builds them so). Frozen parameters the file still holds
+    (a tied name) must agree. Not the trainable ones: at ZeRO-3 a LoRA adapter added after
+    zero.Init stays float32 under bf16. With neither mode, DeepSpeed keeps the dtypes the model
+    was loaded in, which the file records only through the parameters it holds: float32 when
+    they are all float32. Anything else is an ExportError naming the file."""
+    meta = prepared.checkpoint.meta
+    path = meta.path
+
+    def unknown(why: str) -> ExportError:
+        return ExportError(f"base_dtype='as-trained' (--base-dtype as-trained) needs the dtype the run held the base "
+                           f"model in, and this file does not settle it: {why}; pass base_dtype='as-stored' "
+                           "(--base-dtype as-stored) to merge onto the base as stored", path)
+
+    config = meta.raw.get(keys.DS_CONFIG)
+    if not isinstance(config, dict):
+        raise unknown("it records no DeepSpeed config (ds_config)")
+    sections = {"fp16": config.get("fp16"),
+                "bf16": config["bf16"] if config.get("bf16") is not None else config.get("bfloat16")}
+    enabled = []
+    for label, section in sections.items():
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise unknown(f"ds_config's {label} section is {short_repr(section, 40)}, not a dict")
+        flag = section.get("enabled", False)
+        if not isinstance(flag, bool):
+            raise unknown(f"ds_config's {label} 'enabled' is {short_repr(flag, 40)}, not true or false")
+        if flag:
+            enabled.append(label)
+    if len(enabled) > 1:
+        raise unknown("ds_config enables both fp16 and bf16")
+    buffers = set(meta.buffer_names)
+    trainable = {n for n, tp in prepared.plan.tensors.items() if tp.kind == TRAINABLE}
+    params = {k: v.dtype for k, v in meta.module.items()
+              if k not in buffers and isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
+    if enabled:
+        dtype = _MIXED_PRECISION[enabled[0]]
+        frozen = {d for k, d in params.items() if k not in trainable}
+        if frozen - {dtype}:
+            raise unknown(f"ds_config trains in {enabled[0]}, but the frozen parameters it holds are "
+                          f"{', '.join(sorted(map(dtypes.name, frozen)))}")
+        return dtype
+    held = set(params.values())
+    if held - {torch.float32}:
+        raise unknown("ds_config enables neither fp16 nor bf16, so DeepSpeed kept the dtypes the model was loaded "
+                      f"in, and the module parameters it holds are {', '.join(sorted(map(dtypes.name, held)))}")
+    return torch.float32
+
+
+def _buffer_names(prepared: Prepared, base: dict[str, TensorPlan], held: torch.dtype | None) -> set[str]:
+    """The base tensors that are the module's buffers, which DeepSpeed does not cast (unless the
+    config sets ``data_types.buffer_dtype``, which as-trained does not follow: refused)."""
+    meta = prepared.checkpoint.meta
+    names = {_base_name(n) for n in meta.buffer_names} & set(base)
+    config = meta.raw.get(keys.DS_CONFIG)
+    types = config.get("data_types") if isinstance(config, dict) else None
+    if held is not None and names and isinstance(types, dict) and types.get("buffer_dtype") is not None:
+        cast = short_repr(types["buffer_dtype"], 20)
+        raise UnsupportedCheckpointError(
+            f"base_dtype='as-trained' with ds_config's data_types.buffer_dtype ({cast}) is not supported: the base "
+            f"holds buffers ({sorted(names)[0]!r}, ...); pass base_dtype='as-stored'", meta.path)
+    return names
+
+
+def _most_bytes(plans) -> torch.dtype:
+    """The floating dtype that holds most of these tensors' bytes (float32 for none)."""
+    counts: Counter = Counter()
+    for tp in plans:
+        if tp.stored_dtype.is_floating_point:
+            counts[tp.stored_dtype] += tp.numel * tp.stored_dtype.itemsize
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def _materialize(sources: list, tp: TensorPlan, rounding: torch.dtype | None = None) -> torch.Tensor:
+    """One tensor of the plan in fp32, as peft holds it in an fp32 model; rounded to ``rounding``
+    first (exactly what ``.to(rounding).float()`` gives) when that is set."""
     full = dataclasses.replace(tp, out_dtype=torch.float32 if tp.stored_dtype.is_floating_point else tp.stored_dtype)
-    return Executor(sources).run(full)
+    value = Executor(sources).run(full)
+    return value if rounding is None else value.to(rounding).float()
 
 
 def _scaling(config: dict, module: str, rank: int, folder: Path | None = None) -> float:
