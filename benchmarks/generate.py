@@ -48,7 +48,7 @@ def _layers(prefix: str, n_params: int) -> list[ParamSpec]:
 
 
 # The many-small-tensor shapes (about 1k elements each) by tensor count: ``many_small`` and the
-# scaling series of the README (1k, 10k, 50k, 200k tensors).
+# scaling series of docs/performance.md (1k, 10k, 50k, 200k tensors).
 SMALL_COUNTS = {"many_small_1k": 1_000, "many_small_10k": 10_000, "many_small": 50_000, "many_small_200k": 200_000}
 SMALL_PARAMS = {name: count * 1_000 for name, count in SMALL_COUNTS.items()}
 

@@ -240,7 +240,7 @@ def test_compat_api(layout, tmp_path):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_deepspeeds_own_converter_cannot_read_them(layout):
-    """The README's claim: DeepSpeed 0.19.8's zero_to_fp32 raises on every one of these saves (MoE:
+    """The claim of docs/formats.md: DeepSpeed 0.19.8's zero_to_fp32 raises on every one of these saves (MoE:
     "layer_0_expert_0_... is not a model state checkpoint"; pipeline: 'NoneType' object has no
     attribute 'items'; AutoTP: "Expected 1 of '*_optim_states.pt' ... but found 2 files")."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

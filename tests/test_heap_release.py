@@ -2,7 +2,7 @@
 
 The trim itself is glibc's; what is ours is when it runs: once per public call, after the records
 are dropped and before any output exists, and only for plans large enough to leave much. The
-peak it saves is measured in benchmarks/ (README, Performance), not here.
+peak it saves is measured in benchmarks/ (docs/performance.md), not here.
 """
 from __future__ import annotations
 

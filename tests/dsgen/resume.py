@@ -172,7 +172,7 @@ def live_view(engine):
 
 
 def restore_module(engine, path):
-    """What a user does after a universal load (README): put the frozen params and buffers back."""
+    """What a user does after a universal load (docs/reshard-universal.md): put the frozen params and buffers back."""
     state = torch.load(path, weights_only=True)
     frozen = [p for n, p in engine.module.named_parameters() if n in state]
     with deepspeed.zero.GatheredParameters(frozen, modifier_rank=0):

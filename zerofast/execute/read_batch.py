@@ -154,7 +154,7 @@ def sources_used(columns: Iterable[np.ndarray]) -> set[int]:
 
 # Segment rows per native call of a whole-plan read. One call for a batch of 200k ZeRO-3 tensors
 # over 4 ranks held its 800k-row table, the op's work list and its copy while growing, all at
-# the peak (about 100 MiB, README: limits); a call per 64k rows keeps a few MiB, for a few
+# the peak (about 100 MiB, README: Limits); a call per 64k rows keeps a few MiB, for a few
 # calls' overhead (tens of microseconds each).
 CALL_ROWS = 1 << 16
 
