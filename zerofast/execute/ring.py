@@ -166,6 +166,8 @@ def _casts(chunk: Chunk, dev: torch.Tensor, flats: Sequence[torch.Tensor], numel
         if chunk.lo is not None:
             flats[int(chunk.which[0])][chunk.lo:chunk.hi].copy_(dev)
             return
-        for i, at in zip(chunk.which.tolist(), chunk.at.tolist()):
-            flats[i].copy_(dev[at:at + int(numels[i])])
+        which = chunk.which.tolist()
+        ends = (chunk.at + numels[chunk.which]).tolist()
+        # One foreach call, not a copy_ per tensor: a chunk may hold thousands of small tensors.
+        torch._foreach_copy_([flats[i] for i in which], [dev[a:b] for a, b in zip(chunk.at.tolist(), ends)])
     return run
