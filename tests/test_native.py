@@ -16,7 +16,7 @@ import torch
 import zerofast
 from zerofast import ops
 from zerofast.errors import NativeExtensionError
-from zerofast.native import cache, loader
+from zerofast.native import cache, cudaplan, loader
 from zerofast.native.cache import Unavailable
 from zerofast.settings import settings
 from tests.helpers import assert_bitwise_equal, expected_value, real_root, real_truth
@@ -26,8 +26,13 @@ REPO = Path(__file__).resolve().parent.parent
 SMALL = "s2_bf16_w2_frozen_tied"
 
 
-def _run_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    code = ("import sys; from zerofast.cli import main\n"
+# In a child: no C++ compiler but CXX, so that what CXX's failure says is what the user sees (else
+# the loader passes over it to the next compiler, see tests/test_toolchain.py).
+ONLY_CXX = "import zerofast.native.toolchain as t; t.SYSTEM_COMPILERS = t.PATH_COMPILERS = ()\n"
+
+
+def _run_cli(*args: str, prelude: str = "", **env: str) -> subprocess.CompletedProcess:
+    code = (prelude + "import sys; from zerofast.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "print('torch imported:', 'torch' in sys.modules)")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO,
@@ -53,7 +58,8 @@ def test_version_names_torch_python_core_and_threads():
 
 
 def test_version_says_why_the_core_is_not_available(tmp_path):
-    lines = _run_cli("--version", CXX="/bin/false", ZEROFAST_CACHE_DIR=str(tmp_path)).stdout.splitlines()
+    lines = _run_cli("--version", prelude=ONLY_CXX, CXX="/bin/false",
+                     ZEROFAST_CACHE_DIR=str(tmp_path)).stdout.splitlines()
     assert lines[3] == "native core: not available (the C++ compiler /bin/false does not run (`/bin/false --version` fails))"
     lines = _run_cli("--version", ZEROFAST_NATIVE="0").stdout.splitlines()
     assert lines[3].startswith("native core: off (ZEROFAST_NATIVE=0")
@@ -100,26 +106,26 @@ def test_cpu_torch_never_builds_cuda_even_with_nvcc(monkeypatch, tmp_path):
         (tmp_path / "nvcc").chmod(0o755)
         monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert shutil.which("nvcc") is not None
-    assert loader.wanted_devices(settings()) == (("cpu",), None)
+    assert cudaplan.wanted_devices(settings()) == (("cpu",), None)
 
 
 def test_cuda_archs_without_a_gpu_or_a_list_are_a_default(monkeypatch):
     # torch's builder alone raises IndexError here (nvcc, no GPU, no TORCH_CUDA_ARCH_LIST).
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for cuda, archs in (("13.0", loader.DEFAULT_ARCHS[13]), ("12.8", loader.DEFAULT_ARCHS[12]),
-                        ("11.8", loader.DEFAULT_ARCHS[11])):
+    for cuda, archs in (("13.0", cudaplan.DEFAULT_ARCHS[13]), ("12.8", cudaplan.DEFAULT_ARCHS[12]),
+                        ("11.8", cudaplan.DEFAULT_ARCHS[11])):
         monkeypatch.setattr(torch.version, "cuda", cuda)
-        assert loader.cuda_archs(settings()) == archs
+        assert cudaplan.cuda_archs(settings()) == archs
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-    assert loader.cuda_archs(settings()) == "9.0"
+    assert cudaplan.cuda_archs(settings()) == "9.0"
     assert cache.device_tag(("cpu", "cuda"), "8.0;9.0+PTX") == "cpu+cuda-8.0_9.0+PTX"
 
 
 def test_force_cuda_asks_for_the_cuda_kernels(monkeypatch):
     monkeypatch.setenv("FORCE_CUDA", "1")
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-    assert loader.wanted_devices(settings()) == (("cpu", "cuda"), "9.0")
+    assert cudaplan.wanted_devices(settings()) == (("cpu", "cuda"), "9.0")
 
 
 def test_a_failed_build_is_remembered_for_its_compiler(tmp_path, monkeypatch):
@@ -224,7 +230,8 @@ def test_a_process_waits_for_the_one_building_and_loads_its_core(tmp_path):
 
 
 def test_build_command_failure_is_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "zerofast", "build"], capture_output=True, text=True, cwd=REPO,
+    code = ONLY_CXX + "import runpy; runpy.run_module('zerofast', run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", code, "build"], capture_output=True, text=True, cwd=REPO,
                           env=dict(os.environ, PYTHONPATH=str(REPO), CXX="/bin/false",
                                    ZEROFAST_CACHE_DIR=str(tmp_path)), timeout=600)
     assert done.returncode == 1

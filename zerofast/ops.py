@@ -59,8 +59,10 @@ def load_native():
 
 
 def built_devices() -> list[str]:
-    """Device types the loaded extension has kernels for (``["cpu"]``, ``["cpu", "cuda"]``)."""
-    return list(load_native().built_devices())
+    """Device types the loaded extension has sound kernels for (``["cpu"]``, ``["cpu", "cuda"]``):
+    those it was built with, less any whose check failed at its first call (:func:`resolve_device`)."""
+    unsound = loader.unsound_devices()
+    return [d for d in load_native().built_devices() if d not in unsound]
 
 
 def has_kernels(device: torch.device) -> bool:
@@ -69,18 +71,19 @@ def has_kernels(device: torch.device) -> bool:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``device`` as a place the executor can run, or a :class:`DeviceError` that says what is missing."""
+    """``device`` as a place the executor can run, or a :class:`DeviceError` that says what is missing.
+
+    A core without kernels for a GPU device is no error: the executor then runs there on torch's
+    own operations. The first GPU call of a process checks the core's kernels for it where its
+    build could not (no GPU visible then)."""
     entry = device_of(device)
     device = torch.device(device)
     if device.type == "cpu":
         return device
     if not entry.available():
         raise DeviceError(f"device={str(device)!r}: this torch ({torch.__version__}) sees no {device.type.upper()} GPU")
-    if native_enabled() and device.type not in built_devices():
-        raise NativeExtensionError(
-            f"zerofast's native extension was built without its {device.type.upper()} kernels (torch without "
-            f"{device.type.upper()}, or no nvcc when it was built); rebuild it with nvcc on the PATH: "
-            "`zerofast build` (FORCE_CUDA=1 to insist)")
+    if native_module() is not None and device.type in load_native().built_devices():
+        loader.device_problem(device.type)
     return device
 
 

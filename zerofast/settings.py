@@ -33,6 +33,7 @@ FOLLOW_SYMLINKS_ENV = "ZEROFAST_FOLLOW_SYMLINKS"
 READERS_ENV = "ZEROFAST_READERS"
 HUGEPAGES_ENV = "ZEROFAST_HUGEPAGES"
 COPY_FILE_RANGE_ENV = "ZEROFAST_COPY_FILE_RANGE"
+CUDA_KERNELS_ENV = "ZEROFAST_CUDA_KERNELS"
 DIST_TIMEOUT_ENV = "ZEROFAST_DIST_TIMEOUT"
 # A collective waits for the slowest rank to finish its share of the files, so the timeout must
 # cover the imbalance between ranks (at most one file), not a whole export.
@@ -60,6 +61,14 @@ class Settings:
     force_cuda: bool = False
     # TORCH_CUDA_ARCH_LIST: the GPUs the CUDA kernels are built for (default: the visible ones).
     cuda_arch_list: str | None = None
+    # ZEROFAST_CUDA_KERNELS=0: build the native core without its CUDA kernels even where torch has
+    # CUDA and nvcc is found (device="cuda" then runs on torch's own GPU ops); also what a test or
+    # a GPU machine sets to stand for a CUDA torch without nvcc. Default 1; FORCE_CUDA does not
+    # override it.
+    cuda_kernels: bool = True
+    # CUDA_HOME, else CUDA_PATH: where nvcc is looked for first (bin/nvcc), before the PATH and
+    # /usr/local/cuda, as torch's builder looks (native/toolchain.find_nvcc).
+    cuda_home: str | None = None
     # ZEROFAST_FOLLOW_SYMLINKS=1: follow links that lead out of the checkpoint folder (default:
     # refused, see zerofast.discover.check_inside). The public follow_symlinks= keyword wins.
     follow_symlinks: bool = False
@@ -116,6 +125,8 @@ def from_environment(env: Mapping[str, str]) -> Settings:
         cxx=env.get("CXX") or "c++",
         force_cuda=env.get("FORCE_CUDA", "0") == "1",
         cuda_arch_list=env.get("TORCH_CUDA_ARCH_LIST") or None,
+        cuda_kernels=env.get(CUDA_KERNELS_ENV, "1") != "0",
+        cuda_home=env.get("CUDA_HOME") or env.get("CUDA_PATH") or None,
         follow_symlinks=env.get(FOLLOW_SYMLINKS_ENV) == "1",
         readers=_count(env.get(READERS_ENV)),
         hugepages=env.get(HUGEPAGES_ENV, "0") == "1",
@@ -132,7 +143,8 @@ def _count(value: str | None) -> int:
 
 
 _VARIABLES = (NATIVE_ENV, CACHE_DIR_ENV, "XDG_CACHE_HOME", "HOME", "CXX", "FORCE_CUDA", "TORCH_CUDA_ARCH_LIST",
-              FOLLOW_SYMLINKS_ENV, READERS_ENV, HUGEPAGES_ENV, COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV)
+              CUDA_KERNELS_ENV, "CUDA_HOME", "CUDA_PATH", FOLLOW_SYMLINKS_ENV, READERS_ENV, HUGEPAGES_ENV,
+              COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV)
 _cache: tuple[tuple, Settings] | None = None
 # The reading that stands while a public call runs (read_once), and how many such calls are in
 # flight; a plain global, not thread-local, so that the call's reader threads see it too.

@@ -4,8 +4,9 @@
 (and, condensed, to stderr) rather than to the caller's stdout, and a failed build leaves the
 caller's process untouched. torch's own builder (``torch.utils.cpp_extension.load``, with ninja)
 compiles against the torch this Python imports, into a temporary folder next to CORE that is
-renamed into place once the module has loaded and its manifest is written: a core folder is
-complete or absent.
+renamed into place once the module has loaded, proved sound (:mod:`.proof`) and its manifest is
+written: a core folder is complete and sound, or absent. An unsound core exits with
+``proof.UNSOUND`` and says why on its last line.
 """
 from __future__ import annotations
 
@@ -16,27 +17,21 @@ import sys
 import time
 from pathlib import Path
 
-from . import cache
+from . import cache, proof, toolchain
+
+
+class Unsound(Exception):
+    """The core built and loaded, but is not sound: the message says why."""
 
 
 def build(core: Path, devices: tuple[str, ...]) -> None:
-    import torch
-    from torch.utils.cpp_extension import load
-
     start = time.monotonic()
     tmp = core.with_name(f".{core.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    # Escaped for the shell that ninja runs the compiler through.
-    version = f'-DZEROFAST_TORCH_VERSION=\\"{torch.__version__}\\"'
-    module = load(cache.EXTENSION_NAME, [str(p) for p in cache.source_files(cache.sources_dir(), devices)],
-                  extra_cflags=[*cache.cxx_flags(torch.__version__), version], extra_cuda_cflags=cache.NVCC_FLAGS,
-                  extra_ldflags=cache.LDFLAGS, build_directory=str(tmp), verbose=True, with_cuda="cuda" in devices)
-    manifest = {"torch": torch.__version__, "torch_git": torch.version.git_version, "cuda": torch.version.cuda,
-                "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI), "python": sys.version.split()[0],
-                "devices": list(module.built_devices()),
-                "cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST") if "cuda" in devices else None,
-                "seconds": round(time.monotonic() - start, 1), "built": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    module = _compile(tmp, devices)
+    manifest = {**_proved(module, cache.library(tmp)), "seconds": round(time.monotonic() - start, 1),
+                "cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST") if "cuda" in devices else None}
     (tmp / cache.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     if core.exists():  # `zerofast build --force`: the old core goes only once the new one is whole
         old = core.with_name(f".{core.name}.old-{os.getpid()}")
@@ -45,10 +40,42 @@ def build(core: Path, devices: tuple[str, ...]) -> None:
     tmp.rename(core)
 
 
+def _compile(tmp: Path, devices: tuple[str, ...]):
+    import torch
+    from torch.utils.cpp_extension import load
+
+    # Escaped for the shell that ninja runs the compiler through.
+    version = f'-DZEROFAST_TORCH_VERSION=\\"{torch.__version__}\\"'
+    return load(cache.EXTENSION_NAME, [str(p) for p in cache.source_files(cache.sources_dir(), devices)],
+                extra_cflags=[*cache.cxx_flags(torch.__version__), version], extra_cuda_cflags=cache.NVCC_FLAGS,
+                extra_ldflags=cache.LDFLAGS, build_directory=str(tmp), verbose=True, with_cuda="cuda" in devices)
+
+
+def _proved(module, library: Path) -> dict:
+    """The manifest's record of the loaded core and its compiler, once :mod:`.proof` finds it sound
+    (else :class:`Unsound`): the op check of each device visible here, the linkage of all."""
+    import torch
+
+    built = list(module.built_devices())
+    checked = proof.checkable(built)
+    unsound = proof.problems(str(library), built, checked)
+    if unsound:
+        raise Unsound("; ".join(unsound))
+    cxx = os.environ.get("CXX", "c++")  # the loader sets it to the compiler it chose
+    return {"torch": torch.__version__, "torch_git": torch.version.git_version, "cuda": torch.version.cuda,
+            "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI), "python": sys.version.split()[0],
+            "devices": built, "checked": checked, "compiler": cxx,
+            "compiler_version": toolchain.compiler_version(cxx).split("\n")[0],
+            "links": toolchain.needed_libraries(str(library)), "built": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
 def main(argv: list[str]) -> int:
     core, devices = Path(argv[0]), tuple(argv[1].split(","))
     try:
         build(core, devices)
+    except Unsound as e:
+        print(proof.MARK + str(e), flush=True)
+        return proof.UNSOUND
     finally:  # what a failed build compiled is of no use; the log is kept by the caller
         for tmp in core.parent.glob(f".{core.name}.tmp-{os.getpid()}"):
             shutil.rmtree(tmp, ignore_errors=True)

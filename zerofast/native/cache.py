@@ -1,15 +1,18 @@
 """Where a built native core lives, and what it is built from, found without importing torch.
 
-A core is kept in ``<cache>/native/<tag>/<devices>/``: the tag names the torch build (its
-version, CUDA version and git commit, read from ``torch/version.py``), the Python ABI, the
+A core is kept in ``<cache>/native/<tag>/<devices>@<compiler>/``: the tag names the torch build
+(its version, CUDA version and git commit, read from ``torch/version.py``), the Python ABI, the
 machine, the compiler flags and a hash of every source under ``csrc/``, so a core is never loaded
 by a torch, a Python or sources it was not built for. ``<devices>`` is ``cpu`` or, with the CUDA
-kernels, ``cpu+cuda-<archs>``. Next to it: ``<devices>.lock`` (held while building),
-``<devices>.build.log`` and, after a failed build, ``<devices>.failed.json``.
+kernels, ``cpu+cuda-<archs>``; ``<compiler>`` names the C++ compiler (:func:`.toolchain.compiler_key`)
+and, with the CUDA kernels, nvcc, so a core built by one compiler is never taken for another's.
+Next to it: ``<core>.lock`` (held while building), ``<core>.build.log`` and, after a failed build
+or a core found unsound, ``<core>.failed.json``.
 """
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -109,6 +112,20 @@ def device_tag(devices: tuple[str, ...], arch_list: str | None) -> str:
     return tag
 
 
+def core_name(devices: tuple[str, ...], arch_list: str | None, compiler_key: str, nvcc_key: str | None) -> str:
+    """``cpu@g++-12-0123456789`` or ``cpu+cuda-9.0@g++-12-0123456789@nvcc-01234567``."""
+    name = f"{device_tag(devices, arch_list)}@{compiler_key}"
+    if "cuda" in devices:
+        name += "@nvcc-" + hashlib.sha256((nvcc_key or "").encode()).hexdigest()[:8]
+    return name
+
+
+def compiler_key_of(core: Path) -> str:
+    """The compiler part of a core folder's name (see :func:`core_name`)."""
+    parts = core.name.split("@")
+    return parts[1] if len(parts) > 1 else ""
+
+
 def tag_dir(s: Settings, tag: str) -> Path:
     return s.cache_dir / "native" / tag
 
@@ -133,8 +150,12 @@ def built_cores(s: Settings) -> list[tuple[Path, dict]]:
 
 def tool_path() -> str:
     """PATH for the build: this environment's scripts (where pip puts ninja) first."""
-    return os.pathsep.join([sysconfig.get_path("scripts"), os.path.dirname(sys.executable),
-                            os.environ.get("PATH", "")])
+    return os.pathsep.join([_scripts(), os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+
+
+@functools.lru_cache(maxsize=None)
+def _scripts() -> str:
+    return sysconfig.get_path("scripts")  # a millisecond, and every load looks for the compiler on this PATH
 
 
 def compiler(s: Settings) -> str | None:
@@ -143,25 +164,21 @@ def compiler(s: Settings) -> str | None:
     return shutil.which(s.cxx.split()[0], path=tool_path()) if s.cxx.split() else None
 
 
-def preflight(s: Settings) -> None:
-    """Raise :class:`Unavailable` for what can be known without compiling anything."""
+def preflight(s: Settings, cxx: str | None = None) -> None:
+    """Raise :class:`Unavailable` for what can be known without compiling anything, with the
+    compiler ``cxx`` (default: CXX)."""
+    preflight_environment(s)
+    preflight_compiler(cxx or (s.cxx.split()[0] if s.cxx.split() else "CXX"))
+
+
+def preflight_environment(s: Settings) -> None:
+    """What no other compiler would change: the platform, the sources, the build tools, Python.h."""
     import shutil
-    import subprocess
 
     if not sys.platform.startswith("linux"):
         raise Unavailable(f"the native core is built on Linux only ({sys.platform} has no copy_file_range, and "
                           "its default compiler no OpenMP)")
     sources_dir()
-    cxx = compiler(s)
-    if cxx is None:
-        raise Unavailable(f"no C++ compiler: {s.cxx.split()[0] if s.cxx.split() else 'CXX'} is not on the PATH "
-                          "(install g++, or set CXX)")
-    try:
-        runs = subprocess.run([cxx, "--version"], capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        runs = False
-    if not runs:
-        raise Unavailable(f"the C++ compiler {cxx} does not run (`{cxx} --version` fails)")
     if importlib.util.find_spec("setuptools") is None:  # torch's builder imports it
         raise Unavailable("setuptools is not installed (pip install setuptools)")
     if shutil.which("ninja", path=tool_path()) is None:
@@ -171,19 +188,41 @@ def preflight(s: Settings) -> None:
                           "install python3-dev)")
 
 
-def failure(core: Path, s: Settings) -> str | None:
-    """The reason a build of ``core`` failed before with this same compiler, if it did."""
+def preflight_compiler(name: str) -> str:
+    """The compiler ``name`` as a path that runs, or :class:`Unavailable` saying why not."""
+    import shutil
+    import subprocess
+
+    cxx = shutil.which(name, path=tool_path())
+    if cxx is None:
+        raise Unavailable(f"no C++ compiler: {name} is not on the PATH (install g++, or set CXX)")
+    try:
+        runs = subprocess.run([cxx, "--version"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        runs = False
+    if not runs:
+        raise Unavailable(f"the C++ compiler {cxx} does not run (`{cxx} --version` fails)")
+    return cxx
+
+
+def failure(core: Path, s: Settings, cxx: str | None = None, retry: bool = False) -> str | None:
+    """The reason a build of ``core`` failed before with this same compiler (default: CXX), if it
+    did. ``retry`` (``zerofast build``) forgets failed builds but not unsound cores: the same
+    compiler links the same way again."""
     try:
         record = json.loads(core.with_name(core.name + ".failed.json").read_text())
     except (OSError, ValueError):
         return None
-    return record.get("reason") if record.get("compiler") == compiler(s) else None
+    if retry and record.get("kind") != "unsound":
+        return None
+    return record.get("reason") if record.get("compiler") == (cxx or compiler(s)) else None
 
 
-def record_failure(core: Path, s: Settings, reason: str) -> None:
+def record_failure(core: Path, s: Settings, reason: str, cxx: str | None = None, kind: str = "failed") -> None:
     marker = core.with_name(core.name + ".failed.json")
+    marker.parent.mkdir(parents=True, exist_ok=True)
     tmp = marker.with_name(marker.name + f".{os.getpid()}")
-    tmp.write_text(json.dumps({"reason": reason, "compiler": compiler(s)}))
+    tmp.write_text(json.dumps({"reason": reason, "compiler": cxx or compiler(s), "kind": kind}))
     tmp.replace(marker)
 
 

@@ -6,10 +6,17 @@ default mode (``ZEROFAST_NATIVE`` unset or ``auto``) the ops then run on the pur
 reference, with one warning line; ``ZEROFAST_NATIVE=1`` makes it a :class:`NativeExtensionError`.
 A failed build is remembered for its compiler, so later processes do not compile again to fail
 again; ``zerofast build`` retries.
+
+A core is proven sound before it is cached (:mod:`.proof`); where the compiler asked for (CXX,
+default ``c++``) gives none, or fails, the next C++ compiler is tried
+(:func:`.toolchain.compiler_candidates`), and only where none gives a sound core do the ops run
+on the reference. Finding a built core touches no CUDA (:mod:`.cudaplan`): a CPU-only call on a
+GPU node initializes no CUDA context.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -22,8 +29,9 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 from ..errors import NativeExtensionError, first_line
-from . import cache
+from . import cache, cudaplan, proof, toolchain
 from .cache import Unavailable
+from .cudaplan import wanted_devices
 from ..settings import Settings, settings
 
 # Measured with benchmarks/startup.py (fresh processes, median of 5; see the README): an export
@@ -32,10 +40,6 @@ SLOWDOWN = "exports about 3x slower"
 # The first build compiles three C++ files (plus two CUDA ones with the CUDA kernels): 141 to
 # 306 s measured on 2 busy cores.
 BUILD_TIME = "a few minutes"
-# What CUDA torch builds for when neither TORCH_CUDA_ARCH_LIST nor a visible GPU says:
-# CUDA 13 dropped the GPUs before Turing (sm_75).
-DEFAULT_ARCHS = {13: "7.5;8.0;8.6;8.9;9.0;10.0;12.0+PTX", 12: "7.0;7.5;8.0;8.6;8.9;9.0+PTX",
-                 11: "7.0;7.5;8.0;8.6+PTX"}
 
 
 class Loaded(NamedTuple):
@@ -106,63 +110,99 @@ def _build(force: bool) -> Loaded:
     return _state
 
 
+class Earlier(Unavailable):
+    """A failure an earlier process recorded for this core and compiler: not said again."""
+
+
+class BuildFailed(Unavailable):
+    """The build ran in this process and gave no core."""
+
+
+class Unsound(BuildFailed):
+    """The core built but is not sound: its compiler is unsound for every device set."""
+
+
+class Environment(Unavailable):
+    """Missing whatever compiler is used (the platform, ninja, Python.h): no other one is tried."""
+
+
+class Job(NamedTuple):
+    s: Settings
+    progress: bool
+    force: bool
+    retry: bool
+    failures: list  # "compiler: why" for each compiler that gave no core, for the fallback's notes
+
+
 def find_or_build(s: Settings, progress: bool, force: bool = False, retry: bool = False) -> Loaded:
+    """The first core that loads from the compilers in turn (CXX first), building it where needed."""
     tag_dir = cache.tag_dir(s, cache.core_tag(cache.sources_dir(), cache.torch_identity()))
     wanted = wanted_devices(s)
-    candidates = [wanted] if wanted[0] == ("cpu",) else [wanted, (("cpu",), None)]
-    for devices, archs in candidates:
-        core = tag_dir / cache.device_tag(devices, archs)
+    job = Job(s, progress, force, retry, [])
+    for cxx in toolchain.compiler_candidates(s, cache.tool_path()):
         try:
-            return _find_or_build_one(core, devices, archs, s, progress, force, retry)
+            return _with_compiler(tag_dir, cxx, wanted, job)
+        except Environment:
+            raise
+        except Unavailable as e:
+            job.failures.append((cxx, str(e)))
+            if isinstance(e, BuildFailed):  # said once, by the process that found it
+                _note(f"zerofast: warning: {cxx} gave no sound core ({e}); trying the next C++ compiler")
+    if len(job.failures) == 1:
+        raise Unavailable(job.failures[0][1])
+    raise Unavailable("no C++ compiler gave a sound core: " + "; ".join(f"{c}: {why}" for c, why in job.failures))
+
+
+def _with_compiler(tag_dir: Path, cxx: str, wanted: tuple, job: Job) -> Loaded:
+    """The core of ``cxx``: with the CUDA kernels where they are wanted, else (or where they fail)
+    for the CPU alone."""
+    devices, archs = wanted
+    candidates = [wanted] if devices == ("cpu",) else [wanted, (("cpu",), None)]
+    key = toolchain.compiler_key(cxx)
+    for devices, archs in candidates:
+        nvcc = cudaplan.nvcc_key(job.s) if "cuda" in devices else None
+        core = tag_dir / cache.core_name(devices, archs, key, nvcc)
+        try:
+            return _find_or_build_one(core, devices, archs, cxx, job)
+        except (Unsound, Environment):
+            raise
         except Unavailable as e:
             if devices == ("cpu",):
                 raise
-            _note(f"zerofast: warning: the CUDA kernels did not build ({e}); building the native core for the "
-                  "CPU only")
+            if not isinstance(e, Earlier):
+                _note(f"zerofast: the CUDA kernels are not built ({e}); building the native core for the CPU only: "
+                      "device=\"cuda\" runs on torch's own GPU operations")
     raise AssertionError("unreachable: the CPU-only candidate comes last")
 
 
-def _find_or_build_one(core: Path, devices: tuple[str, ...], archs: str | None, s: Settings,
-                       progress: bool, force: bool, retry: bool) -> Loaded:
-    if not force and cache.read_manifest(core):
+def _find_or_build_one(core: Path, devices: tuple[str, ...], archs: str | None, cxx: str, job: Job) -> Loaded:
+    if not job.force and cache.read_manifest(core):
         return import_core(core)
-    cache.preflight(s)
-    reason = None if force or retry else cache.failure(core, s)
+    reason = None if job.force else cache.failure(core, job.s, cxx, job.retry)
     if reason:
-        raise Unavailable(f"{reason}; that was an earlier build with the same compiler: `zerofast build` retries")
+        raise Earlier(f"{reason}; that was an earlier build with the same compiler: `zerofast build` retries")
+    try:
+        cache.preflight_environment(job.s)
+    except Unavailable as e:
+        raise Environment(str(e)) from None
+    cxx = cache.preflight_compiler(cxx)
+    if "cuda" in devices:
+        _check_nvcc(core, cxx, job.s)
     with _locked(core):
-        if force or not cache.read_manifest(core):  # else another process built it while we waited
-            _run_build(core, devices, archs, s, progress)
+        if job.force or not cache.read_manifest(core):  # else another process built it while we waited
+            _run_build(core, devices, archs, cxx, job)
     return import_core(core)
 
 
-def wanted_devices(s: Settings) -> tuple[tuple[str, ...], str | None]:
-    """The device kernels to compile, and the CUDA archs: CUDA only where torch has it and nvcc is
-    found (or FORCE_CUDA=1), so a CPU-only torch never starts a CUDA build, nvcc or not."""
+def _check_nvcc(core: Path, cxx: str, s: Settings) -> None:
+    """nvcc that cannot build for this torch (missing, not running, another CUDA major): recorded,
+    so that later processes go to the CPU core without running it again."""
     import torch
 
-    if not s.force_cuda:
-        if torch.version.cuda is None:
-            return ("cpu",), None
-        from torch.utils.cpp_extension import CUDA_HOME
-
-        if CUDA_HOME is None:
-            return ("cpu",), None
-    return ("cpu", "cuda"), cuda_archs(s)
-
-
-def cuda_archs(s: Settings) -> str:
-    """TORCH_CUDA_ARCH_LIST, else the visible GPUs' compute capabilities, else a default list (torch's
-    builder alone raises an IndexError on a machine with nvcc and no GPU)."""
-    if s.cuda_arch_list:
-        return s.cuda_arch_list
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count():
-        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-        return ";".join(f"{major}.{minor}" for major, minor in caps)
-    major = int((torch.version.cuda or "12").split(".")[0])
-    return DEFAULT_ARCHS.get(major, DEFAULT_ARCHS[13 if major > 13 else 11])
+    problem = cudaplan.nvcc_problem(s, torch.version.cuda)
+    if problem:
+        cache.record_failure(core, s, problem, cxx)
+        raise Unavailable(problem)
 
 
 def import_core(core: Path) -> Loaded:
@@ -187,6 +227,63 @@ def verify(module) -> None:
         raise Unavailable(f"the native core was built for torch {built_for} but torch {torch.__version__} is running")
 
 
+def device_problem(device: str) -> str | None:
+    """Why the loaded core's ``device`` kernels are not sound, or None. Where its build saw no such
+    device (a GPU node's core built where no GPU was visible), the op check runs here, at the first
+    call for it: once per core (the answer is kept in its folder), in a child process, so that a
+    kernel that crashes takes only the child down. A core found wanting warns once (ZEROFAST_NATIVE=1:
+    an error), and the device's kernels are not used (:func:`unsound_devices`)."""
+    state = _state
+    if not isinstance(state, Loaded) or device in state.manifest.get("checked", [device]):
+        return None
+    with _LOCK:
+        if device not in _checked:
+            _checked[device] = _recorded_check(state.path.parent, device)
+            if _checked[device]:
+                _unsound_kernels(device, _checked[device])
+    return _checked[device]
+
+
+def unsound_devices() -> set[str]:
+    """The devices whose kernels in the loaded core failed their check in this process."""
+    return {d for d, problem in _checked.items() if problem}
+
+
+_checked: dict[str, str | None] = {}  # device -> why its kernels are not sound (None: they are)
+
+
+def _recorded_check(core: Path, device: str) -> str | None:
+    record = core / f"checked-{device}.json"
+    try:
+        return json.loads(record.read_text())["problem"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(cache.PACKAGE.parent), os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-m", "zerofast.native.proof", str(core), device], capture_output=True,
+                          text=True, env=env, errors="replace", timeout=600)
+    if done.returncode == 0:
+        problem = None
+    elif done.returncode < 0:
+        problem = f"its {device} op crashed its check ({_signal_name(-done.returncode)})"
+    elif done.returncode == proof.UNSOUND:
+        problem = done.stdout.strip().splitlines()[-1][len(proof.MARK):]
+    else:  # the check itself could not run (no memory, a busy GPU): not the core's verdict, not kept
+        said = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"its {device} op check did not run ({said})"
+    tmp = record.with_name(f"{record.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"problem": problem}))
+    tmp.replace(record)
+    return problem
+
+
+def _unsound_kernels(device: str, problem: str) -> None:
+    message = f"the native core's {device.upper()} kernels are not sound ({problem})"
+    if settings().mode == "required":
+        raise NativeExtensionError(message + "; ZEROFAST_NATIVE=1 requires them")
+    _note(f"zerofast: warning: {message}; device={device!r} runs on torch's own operations instead")
+
+
 @contextmanager
 def _locked(core: Path) -> Iterator[None]:
     import fcntl  # here: Windows has none, and never gets this far (cache.preflight)
@@ -204,19 +301,33 @@ def _locked(core: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _run_build(core: Path, devices: tuple[str, ...], archs: str | None, s: Settings, progress: bool) -> None:
+def _run_build(core: Path, devices: tuple[str, ...], archs: str | None, cxx: str, job: Job) -> None:
     import torch
 
     for stale in core.parent.glob(f".{core.name}.*-*"):  # left by a killed build; we hold the lock
         shutil.rmtree(stale, ignore_errors=True)
     _note(f"zerofast: building the native core for torch {torch.__version__} ({'+'.join(devices)}"
-          f"{', CUDA archs ' + archs if archs else ''}) in {core}: once per torch version, {BUILD_TIME}")
+          f"{', CUDA archs ' + archs if archs else ''}) with {cxx} in {core}: once per torch version, {BUILD_TIME}")
     start = time.monotonic()
-    env = dict(os.environ, PATH=cache.tool_path(),
+    log = core.with_name(core.name + ".build.log")
+    returncode = _run_child(core, devices, _build_env(cxx, archs, "cuda" in devices, job), log, job.progress)
+    if returncode != 0:
+        _failed(core, cxx, job.s, returncode, log)
+    cache.clear_failure(core)
+    _note(f"zerofast: built the native core in {time.monotonic() - start:.0f} s")
+
+
+def _build_env(cxx: str, archs: str | None, cuda: bool, job: Job) -> dict:
+    env = dict(os.environ, PATH=cache.tool_path(), CXX=cxx,
                PYTHONPATH=os.pathsep.join(p for p in (str(cache.PACKAGE.parent), os.environ.get("PYTHONPATH")) if p))
+    if cuda and (job.failures or "CC" not in env):  # nvcc's host compiler (torch passes CC as -ccbin)
+        env["CC"] = cxx
     if archs:
         env["TORCH_CUDA_ARCH_LIST"] = archs
-    log = core.with_name(core.name + ".build.log")
+    return env
+
+
+def _run_child(core: Path, devices: tuple[str, ...], env: dict, log: Path, progress: bool) -> int:
     cmd = [sys.executable, "-m", "zerofast.native.build", str(core), ",".join(devices)]
     with open(log, "w") as out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                                  env=env, errors="replace") as child:
@@ -225,12 +336,34 @@ def _run_build(core: Path, devices: tuple[str, ...], archs: str | None, s: Setti
             step = progress_line(line) if progress else None
             if step:
                 _note(step)
-    if child.returncode != 0:
-        reason = f"the build failed: {_failure_line(log)} (compiler {cache.compiler(s)}; log: {log})"
-        cache.record_failure(core, s, reason)
-        raise Unavailable(reason)
-    cache.clear_failure(core)
-    _note(f"zerofast: built the native core in {time.monotonic() - start:.0f} s")
+    return child.returncode
+
+
+def _failed(core: Path, cxx: str, s: Settings, returncode: int, log: Path) -> None:
+    """Record and raise why the build child failed: an unsound core (it says why), a crash while
+    loading or checking the new core (a signal), or a failed compile."""
+    if returncode == proof.UNSOUND or returncode < 0:
+        said = _unsound_line(log) if returncode > 0 else f"it crashed its check ({_signal_name(-returncode)})"
+        reason = f"its core is not sound: {said} (log: {log})"
+        cache.record_failure(core, s, reason, cxx, kind="unsound")
+        raise Unsound(reason)
+    reason = f"the build failed: {_failure_line(log)} (compiler {cxx}; log: {log})"
+    cache.record_failure(core, s, reason, cxx)
+    raise BuildFailed(reason)
+
+
+def _unsound_line(log: Path) -> str:
+    lines = log.read_text(errors="replace").splitlines()
+    return next((ln[len(proof.MARK):] for ln in reversed(lines) if ln.startswith(proof.MARK)), "no reason given")
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 _STEP = re.compile(r"^\[(\d+)/(\d+)\] (.*)")

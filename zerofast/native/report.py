@@ -2,12 +2,13 @@
 ``zerofast doctor`` adds (it imports torch and loads, or builds, the native core)."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
 
 from ..errors import NativeExtensionError
-from . import cache
+from . import cache, toolchain
 from .cache import Unavailable
 from ..settings import settings
 
@@ -30,31 +31,48 @@ def _python() -> str:
 
 
 def _core_line() -> str:
-    """The core this process would load, read from the cache: nothing is loaded or compiled here."""
+    """The core this process would load, read from the cache: nothing is loaded or compiled here.
+    As the loader does, the compilers are taken in turn (CXX first): the first one's built core,
+    else its earlier failure or why it cannot run, then the next."""
     try:
         s = settings()
         if s.mode == "off":
             return "off (ZEROFAST_NATIVE=0: the pure-torch reference runs)"
-        built = cache.built_cores(s)
-        if built:
-            core, manifest = built[0]
-            return (f"built for {', '.join(manifest.get('devices', ['?']))} (torch {manifest.get('torch')}), "
-                    f"loaded on first use from {cache.library(core)}")
-        cache.preflight(s)
-        failed = _earlier_failure(s)
-        if failed:
-            return f"not available ({failed})"
+        tag_dir = cache.tag_dir(s, cache.core_tag(cache.sources_dir(), cache.torch_identity()))
+        reasons = []
+        for cxx in toolchain.compiler_candidates(s, cache.tool_path()):
+            built = _built_by(tag_dir, toolchain.compiler_key(cxx))
+            if built:
+                core, manifest = built
+                return (f"built for {', '.join(manifest.get('devices', ['?']))} (torch {manifest.get('torch')}), "
+                        f"loaded on first use from {cache.library(core)}")
+            reasons.append((cxx, _why_not(tag_dir, cxx, s)))
+            if reasons[-1][1] is None:
+                return "not built yet: it is built on first use, once per torch version (`zerofast build` does it now)"
     except (Unavailable, NativeExtensionError) as e:
         return f"not available ({e})"
-    return "not built yet: it is built on first use, once per torch version (`zerofast build` does it now)"
+    if len(reasons) == 1:
+        return f"not available ({reasons[0][1]})"
+    return "not available (no C++ compiler gave a sound core: " + "; ".join(f"{c}: {w}" for c, w in reasons) + ")"
 
 
-def _earlier_failure(s) -> str | None:
-    tag_dir = cache.tag_dir(s, cache.core_tag(cache.sources_dir(), cache.torch_identity()))
-    for marker in sorted(tag_dir.glob("*.failed.json")):
-        reason = cache.failure(marker.with_name(marker.name.removesuffix(".failed.json")), s)
-        if reason:
-            return reason
+def _built_by(tag_dir, key: str):
+    """The complete core of the compiler named ``key``, most devices first, or None."""
+    found = [(d, m) for d in sorted(tag_dir.glob(f"*@{key}*")) if d.is_dir() and cache.compiler_key_of(d) == key
+             and (m := cache.read_manifest(d))]
+    return max(found, key=lambda dm: len(dm[1].get("devices", [])), default=None)
+
+
+def _why_not(tag_dir, cxx: str, s) -> str | None:
+    """Why ``cxx`` gives no CPU core (its recorded failure, or it does not run), or None: it would build."""
+    cache.preflight_environment(s)
+    failed = cache.failure(tag_dir / f"cpu@{toolchain.compiler_key(cxx)}", s, cxx)
+    if failed:
+        return failed
+    try:
+        cache.preflight_compiler(cxx)
+    except Unavailable as e:
+        return str(e)
     return None
 
 
@@ -72,7 +90,8 @@ def doctor_lines(zerofast_version: str) -> list[str]:
 
     import torch
 
-    from .loader import load, unavailable_reason, wanted_devices
+    from .cudaplan import find_nvcc, wanted_devices
+    from .loader import load, unavailable_reason
 
     lines = version_lines(zerofast_version)[:3]
     s = settings()
@@ -81,6 +100,7 @@ def doctor_lines(zerofast_version: str) -> list[str]:
         m = loaded.manifest
         lines.append(f"native core: loaded from {loaded.path}, kernels for {', '.join(loaded.module.built_devices())} "
                      f"(built for torch {m.get('torch')} in {m.get('seconds')} s on {m.get('built')})")
+        lines += _proof_lines(loaded)
     except NativeExtensionError:
         lines.append(f"native core: not available ({unavailable_reason()}); the ops run on the pure-torch reference")
     devices, archs = wanted_devices(s)
@@ -89,11 +109,52 @@ def doctor_lines(zerofast_version: str) -> list[str]:
               f"cache: {s.cache_dir / 'native'}",
               f"compiler: {_tool_version(cache.compiler(s))}",
               f"ninja: {_tool_version(shutil.which('ninja', path=cache.tool_path()))}",
-              f"nvcc: {_tool_version(shutil.which('nvcc'))}",
+              f"nvcc: {_tool_version(find_nvcc(s))}" + ("" if s.cuda_kernels else " (not used: ZEROFAST_CUDA_KERNELS=0)"),
               f"kernels wanted: {', '.join(devices)}" + (f" (CUDA archs {archs})" if archs else
                                                           " (CUDA needs a CUDA torch and nvcc, or FORCE_CUDA=1)"),
+              *_rejected(s),
               f"GPUs: {_gpus(torch)}",
               f"package: {os.path.dirname(cache.PACKAGE)} (sources: {_sources()})"]
+    return lines
+
+
+def _proof_lines(loaded) -> list[str]:
+    """What the core was built with, what it links and what its checks found (see :mod:`.proof`)."""
+    from . import proof
+
+    m = loaded.manifest
+    problem = toolchain.linkage_problem(str(loaded.path))
+    checked = m.get("checked", [])
+    pending = [d for d in loaded.module.built_devices() if d not in checked]
+    return [f"core compiler: {m.get('compiler')} ({m.get('compiler_version') or '?'})",
+            f"core linkage: {problem or 'links ' + toolchain.LIBSTDCXX + ' (' + _process_libstdcxx() + ')'}",
+            f"core check: an op's bad-argument error arrives whole ({proof.EXPECTED!r}) on "
+            f"{', '.join(checked) or 'no device'}" + (f"; {', '.join(pending)} is checked at its first call (no GPU "
+                                                      "was visible at build time)" if pending else "")]
+
+
+def _process_libstdcxx() -> str:
+    """Where this process's libstdc++ was loaded from (torch loaded it), from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as f:
+            hit = next((ln.split()[-1] for ln in f if ln.rstrip().endswith("/" + toolchain.LIBSTDCXX)
+                        or "/libstdc++.so.6." in ln), None)
+    except OSError:
+        hit = None
+    return f"the process's: {hit}" if hit else "the process's"
+
+
+def _rejected(s) -> list[str]:
+    """One line per compiler whose core failed to build or was found unsound, from the cache."""
+    tag_dir = cache.tag_dir(s, cache.core_tag(cache.sources_dir(), cache.torch_identity()))
+    lines = []
+    for marker in sorted(tag_dir.glob("*.failed.json")):
+        try:
+            record = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            continue
+        lines.append(f"not used: {marker.name.removesuffix('.failed.json')} by {record.get('compiler')}: "
+                     f"{record.get('reason')}")
     return lines
 
 

@@ -1,0 +1,69 @@
+"""What proves a freshly built core sound before it is put in the cache (issue 38): it links the
+C++ runtime the process uses, and an op given bad arguments raises a ``RuntimeError`` carrying
+its whole message, on each device it has kernels for.
+
+These run in a child process (the build's, or :func:`main`'s for a device that was not visible at
+build time), so a core that crashes on its first error takes only that child down.
+"""
+from __future__ import annotations
+
+import sys
+
+from ..errors import first_line
+from . import toolchain
+
+# The op call and the message it must raise, whole. A core linking its own static libstdc++ cut
+# this at the first integer ("gather_cast: `segments[") on the CPU machine and crashed on the GPU one.
+BAD_SEGMENTS = [[1, 0, 0, 1]]  # names source 1 of a list of one
+EXPECTED = "gather_cast: `segments[0]` names source 1 but there are 1 sources"
+UNSOUND = 3  # the child's exit status for a core that built but is not sound
+MARK = "zerofast-unsound: "  # how the child says why, on the last line of its output
+
+
+def problems(library: str, devices: list[str], checked: list[str]) -> list[str]:
+    """Why the loaded core at ``library`` is not sound (empty: it is). Each device of ``checked``
+    has its op check run; the linkage is read from the file."""
+    found = [p for p in [toolchain.linkage_problem(library)] if p]
+    return found + [p for device in checked if (p := message_problem(device))]
+
+
+def checkable(devices: list[str]) -> list[str]:
+    """The devices whose op check can run here: the CPU, and CUDA only where a GPU is visible."""
+    import torch
+
+    return [d for d in devices if d == "cpu" or (d == "cuda" and torch.cuda.is_available())]
+
+
+def message_problem(device: str) -> str | None:
+    """Why ``gather_cast`` on ``device`` does not raise its bad-segment error whole, or None."""
+    import torch
+
+    sources, out = [torch.zeros(10, device=device)], torch.zeros(10, device=device)
+    try:
+        torch.ops.zerofast.gather_cast(sources, torch.tensor(BAD_SEGMENTS), out, False)
+    except RuntimeError as e:
+        said = first_line(e)
+        if EXPECTED in str(e):
+            return None
+        return f"its {device} op's error message arrives cut short ({said!r} where {EXPECTED!r} was raised)"
+    return f"its {device} op accepted a segment that names a missing source"
+
+
+def main(argv: list[str]) -> int:
+    """``python -m zerofast.native.proof CORE DEVICE``: load the core in CORE and check DEVICE."""
+    from pathlib import Path
+
+    import torch  # noqa: F401 (first: the core's libraries, libc10 and the rest, come with torch)
+
+    from .loader import import_core
+
+    import_core(Path(argv[0]))
+    problem = message_problem(argv[1])
+    if problem:
+        print(MARK + problem, flush=True)
+        return UNSOUND
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
