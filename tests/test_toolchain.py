@@ -219,7 +219,7 @@ def test_a_static_libstdcxx_compiler_is_passed_over_for_a_sound_one(built, tmp_p
         (tmp_path / "wrap" / name).symlink_to(wrapper)
     env = dict(CXX=str(wrapper), PATH=f"{tmp_path / 'wrap'}{os.pathsep}{os.environ['PATH']}",
                ZEROFAST_CACHE_DIR=str(tmp_path / "cache"))
-    done = _child("""
+    code = """
     import torch
     from zerofast.native import loader
     print(loader.load(required=True).path)
@@ -227,13 +227,19 @@ def test_a_static_libstdcxx_compiler_is_passed_over_for_a_sound_one(built, tmp_p
         torch.ops.zerofast.gather_cast([torch.zeros(10)], torch.tensor([[1, 0, 0, 1]]), torch.zeros(10))
     except RuntimeError as e:
         print(str(e).splitlines()[0])
-    """, **env)
+    """
+    done = _child(code, **env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [str(tmp_path / "cache" / built.path.relative_to(settings().cache_dir)),
                                         proof.EXPECTED]
-    refused = [ln for ln in done.stderr.splitlines() if ln.startswith(f"zerofast: {wrapper} gave no sound core")]
+    refused = [ln for ln in done.stderr.splitlines()
+               if ln.startswith(f"zerofast: warning: {wrapper} gave no sound core (its core is not sound: ")]
     assert len(refused) == 1 and "it does not link libstdc++.so.6" in refused[0], done.stderr
     assert "arrives cut short ('gather_cast: `segments['" in refused[0]  # the defect, reproduced
+    again = _child(code, **env)  # the refusal is recorded: the next process loads the sound core in silence
+    assert again.returncode == 0 and again.stdout == done.stdout and again.stderr == "", again.stderr
+    version = _child("from zerofast.cli import main; main(['--version'])", **env).stdout.splitlines()
+    assert version[3].endswith(f"loaded on first use from {done.stdout.splitlines()[0]}"), version
     doctor = subprocess.run([sys.executable, "-m", "zerofast", "doctor"], capture_output=True, text=True, cwd=REPO,
                             env=dict(os.environ, PYTHONPATH=str(REPO), **env), timeout=600).stdout.splitlines()
     assert f"core linkage: links {toolchain.LIBSTDCXX} (the process's: " in "\n".join(doctor)

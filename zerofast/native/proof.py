@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import first_line
-from . import toolchain
+from . import cache, toolchain
 
 # The op call and the message it must raise, whole. A core linking its own static libstdc++ cut
 # this at the first integer ("gather_cast: `segments[") on the CPU machine and crashed on the GPU one.
@@ -51,13 +51,13 @@ def message_problem(device: str) -> str | None:
 
 def main(argv: list[str]) -> int:
     """``python -m zerofast.native.proof CORE DEVICE``: load the core in CORE and check DEVICE."""
+    import importlib.util
     from pathlib import Path
 
     import torch  # noqa: F401 (first: the core's libraries, libc10 and the rest, come with torch)
 
-    from .loader import import_core
-
-    import_core(Path(argv[0]))
+    spec = importlib.util.spec_from_file_location(cache.EXTENSION_NAME, cache.library(Path(argv[0])))
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # registers torch.ops.zerofast
     problem = message_problem(argv[1])
     if problem:
         print(MARK + problem, flush=True)

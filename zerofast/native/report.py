@@ -109,7 +109,8 @@ def doctor_lines(zerofast_version: str) -> list[str]:
               f"cache: {s.cache_dir / 'native'}",
               f"compiler: {_tool_version(cache.compiler(s))}",
               f"ninja: {_tool_version(shutil.which('ninja', path=cache.tool_path()))}",
-              f"nvcc: {_tool_version(find_nvcc(s))}" + ("" if s.cuda_kernels else " (not used: ZEROFAST_CUDA_KERNELS=0)"),
+              f"nvcc: {_tool_version(find_nvcc(s))}"
+              + ("" if s.cuda_kernels else " (not used: ZEROFAST_CUDA_KERNELS=0)"),
               f"kernels wanted: {', '.join(devices)}" + (f" (CUDA archs {archs})" if archs else
                                                           " (CUDA needs a CUDA torch and nvcc, or FORCE_CUDA=1)"),
               *_rejected(s),
