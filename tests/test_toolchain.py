@@ -273,6 +273,15 @@ def test_the_switch_says_no_cuda_kernels_even_under_force_cuda(monkeypatch):
     assert cudaplan.wanted_devices(settings()) == (("cpu",), None)
 
 
+def test_cuda_settings_are_read_as_torchs_builder_reads_them():
+    from zerofast.settings import from_environment
+
+    assert from_environment({}).cuda_kernels is True and from_environment({}).cuda_home is None
+    assert from_environment({"ZEROFAST_CUDA_KERNELS": "0"}).cuda_kernels is False
+    assert from_environment({"CUDA_PATH": "/p"}).cuda_home == "/p"
+    assert from_environment({"CUDA_HOME": "/h", "CUDA_PATH": "/p"}).cuda_home == "/h"
+
+
 @pytest.mark.parametrize("nvcc", ['echo "Cuda compilation tools, release 12.4, V12.4.131"', "exit 1"],
                          ids=["other-major", "fails"])
 def test_an_unfit_nvcc_gives_the_cpu_core_with_one_line(nvcc, built, tmp_path):

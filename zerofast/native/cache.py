@@ -155,13 +155,19 @@ def tool_path() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _scripts() -> str:
-    return sysconfig.get_path("scripts")  # a millisecond, and every load looks for the compiler on this PATH
+    return sysconfig.get_path("scripts")  # two milliseconds: only where a build or doctor looks for ninja
+
+
+def compiler_path() -> str:
+    """PATH for finding the C++ compiler, which every load does: this Python's folder first, as in
+    :func:`tool_path`, without the scripts folder that pip puts ninja in (sysconfig's cost)."""
+    return os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 
 
 def compiler(s: Settings) -> str | None:
     import shutil  # shutil and subprocess are off the path of `zerofast --version` when a core is built
 
-    return shutil.which(s.cxx.split()[0], path=tool_path()) if s.cxx.split() else None
+    return shutil.which(s.cxx.split()[0], path=compiler_path()) if s.cxx.split() else None
 
 
 def preflight(s: Settings, cxx: str | None = None) -> None:
@@ -193,7 +199,7 @@ def preflight_compiler(name: str) -> str:
     import shutil
     import subprocess
 
-    cxx = shutil.which(name, path=tool_path())
+    cxx = shutil.which(name, path=compiler_path())
     if cxx is None:
         raise Unavailable(f"no C++ compiler: {name} is not on the PATH (install g++, or set CXX)")
     try:

@@ -110,6 +110,9 @@ def _build(force: bool) -> Loaded:
     return _state
 
 
+NOT_SOUND = "its core is not sound: "  # how a recorded unsound core's reason starts
+
+
 class Earlier(Unavailable):
     """A failure an earlier process recorded for this core and compiler: not said again."""
 
@@ -139,7 +142,7 @@ def find_or_build(s: Settings, progress: bool, force: bool = False, retry: bool 
     tag_dir = cache.tag_dir(s, cache.core_tag(cache.sources_dir(), cache.torch_identity()))
     wanted = wanted_devices(s)
     job = Job(s, progress, force, retry, [])
-    for cxx in toolchain.compiler_candidates(s, cache.tool_path()):
+    for cxx in toolchain.compiler_candidates(s, cache.compiler_path()):
         try:
             return _with_compiler(tag_dir, cxx, wanted, job)
         except Environment:
@@ -180,7 +183,9 @@ def _find_or_build_one(core: Path, devices: tuple[str, ...], archs: str | None, 
         return import_core(core)
     reason = None if job.force else cache.failure(core, job.s, cxx, job.retry)
     if reason:
-        raise Earlier(f"{reason}; that was an earlier build with the same compiler: `zerofast build` retries")
+        again = "`zerofast build --force` builds it again" if reason.startswith(NOT_SOUND) else \
+            "`zerofast build` retries"
+        raise Earlier(f"{reason}; that was an earlier build with the same compiler: {again}")
     try:
         cache.preflight_environment(job.s)
     except Unavailable as e:
@@ -224,7 +229,7 @@ def verify(module) -> None:
 
     built_for = module.torch_version()
     if built_for != torch.__version__:
-        raise Unavailable(f"the native core was built for torch {built_for} but torch {torch.__version__} is running")
+        raise Environment(f"the native core was built for torch {built_for} but torch {torch.__version__} is running")
 
 
 def device_problem(device: str) -> str | None:
@@ -344,7 +349,7 @@ def _failed(core: Path, cxx: str, s: Settings, returncode: int, log: Path) -> No
     loading or checking the new core (a signal), or a failed compile."""
     if returncode == proof.UNSOUND or returncode < 0:
         said = _unsound_line(log) if returncode > 0 else f"it crashed its check ({_signal_name(-returncode)})"
-        reason = f"its core is not sound: {said} (log: {log})"
+        reason = f"{NOT_SOUND}{said} (log: {log})"
         cache.record_failure(core, s, reason, cxx, kind="unsound")
         raise Unsound(reason)
     reason = f"the build failed: {_failure_line(log)} (compiler {cxx}; log: {log})"

@@ -40,7 +40,7 @@ def _core_line() -> str:
             return "off (ZEROFAST_NATIVE=0: the pure-torch reference runs)"
         tag_dir = cache.tag_dir(s, cache.core_tag(cache.sources_dir(), cache.torch_identity()))
         reasons = []
-        for cxx in toolchain.compiler_candidates(s, cache.tool_path()):
+        for cxx in toolchain.compiler_candidates(s, cache.compiler_path()):
             built = _built_by(tag_dir, toolchain.compiler_key(cxx))
             if built:
                 core, manifest = built
