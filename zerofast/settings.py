@@ -67,7 +67,7 @@ class Settings:
     # override it.
     cuda_kernels: bool = True
     # CUDA_HOME, else CUDA_PATH: where nvcc is looked for first (bin/nvcc), before the PATH and
-    # /usr/local/cuda, as torch's builder looks (native/toolchain.find_nvcc).
+    # /usr/local/cuda, as torch's builder looks (native/cudaplan.find_nvcc).
     cuda_home: str | None = None
     # ZEROFAST_FOLLOW_SYMLINKS=1: follow links that lead out of the checkpoint folder (default:
     # refused, see zerofast.discover.check_inside). The public follow_symlinks= keyword wins.
