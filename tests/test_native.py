@@ -26,13 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 SMALL = "s2_bf16_w2_frozen_tied"
 
 
-# In a child: no C++ compiler but CXX, so that what CXX's failure says is what the user sees (else
-# the loader passes over it to the next compiler, see tests/test_toolchain.py).
-ONLY_CXX = "import zerofast.native.toolchain as t; t.SYSTEM_COMPILERS = t.PATH_COMPILERS = ()\n"
-
-
-def _run_cli(*args: str, prelude: str = "", **env: str) -> subprocess.CompletedProcess:
-    code = (prelude + "import sys; from zerofast.cli import main\n"
+def _run_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    code = ("import sys; from zerofast.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "print('torch imported:', 'torch' in sys.modules)")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO,
@@ -58,8 +53,7 @@ def test_version_names_torch_python_core_and_threads():
 
 
 def test_version_says_why_the_core_is_not_available(tmp_path):
-    lines = _run_cli("--version", prelude=ONLY_CXX, CXX="/bin/false",
-                     ZEROFAST_CACHE_DIR=str(tmp_path)).stdout.splitlines()
+    lines = _run_cli("--version", CXX="/bin/false", ZEROFAST_CACHE_DIR=str(tmp_path)).stdout.splitlines()
     assert lines[3] == "native core: not available (the C++ compiler /bin/false does not run (`/bin/false --version` fails))"
     lines = _run_cli("--version", ZEROFAST_NATIVE="0").stdout.splitlines()
     assert lines[3].startswith("native core: off (ZEROFAST_NATIVE=0")
@@ -230,8 +224,7 @@ def test_a_process_waits_for_the_one_building_and_loads_its_core(tmp_path):
 
 
 def test_build_command_failure_is_one_line(tmp_path):
-    code = ONLY_CXX + "import runpy; runpy.run_module('zerofast', run_name='__main__')"
-    done = subprocess.run([sys.executable, "-c", code, "build"], capture_output=True, text=True, cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "zerofast", "build"], capture_output=True, text=True, cwd=REPO,
                           env=dict(os.environ, PYTHONPATH=str(REPO), CXX="/bin/false",
                                    ZEROFAST_CACHE_DIR=str(tmp_path)), timeout=600)
     assert done.returncode == 1

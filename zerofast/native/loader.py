@@ -129,6 +129,11 @@ class Environment(Unavailable):
     """Missing whatever compiler is used (the platform, ninja, Python.h): no other one is tried."""
 
 
+class NoCompiler(Unavailable):
+    """The compiler is not there or does not run. For the one asked for (CXX, default ``c++``)
+    that is final: the next compilers stand in for one that builds an unsound core, not for none."""
+
+
 class Job(NamedTuple):
     s: Settings
     progress: bool
@@ -142,11 +147,15 @@ def find_or_build(s: Settings, progress: bool, force: bool = False, retry: bool 
     tag_dir = cache.tag_dir(s, cache.core_tag(cache.sources_dir(), cache.torch_identity()))
     wanted = wanted_devices(s)
     job = Job(s, progress, force, retry, [])
-    for cxx in toolchain.compiler_candidates(s, cache.compiler_path()):
+    for i, cxx in enumerate(toolchain.compiler_candidates(s, cache.compiler_path())):
         try:
             return _with_compiler(tag_dir, cxx, wanted, job)
         except Environment:
             raise
+        except NoCompiler:
+            if i == 0:
+                raise
+            continue  # a PATH entry that does not run: not worth a line
         except Unavailable as e:
             job.failures.append((cxx, str(e)))
             if isinstance(e, BuildFailed):  # said once, by the process that found it
@@ -167,7 +176,7 @@ def _with_compiler(tag_dir: Path, cxx: str, wanted: tuple, job: Job) -> Loaded:
         core = tag_dir / cache.core_name(devices, archs, key, nvcc)
         try:
             return _find_or_build_one(core, devices, archs, cxx, job)
-        except (Unsound, Environment):
+        except (Unsound, Environment, NoCompiler):
             raise
         except Unavailable as e:
             if devices == ("cpu",):
@@ -190,7 +199,10 @@ def _find_or_build_one(core: Path, devices: tuple[str, ...], archs: str | None, 
         cache.preflight_environment(job.s)
     except Unavailable as e:
         raise Environment(str(e)) from None
-    cxx = cache.preflight_compiler(cxx)
+    try:
+        cxx = cache.preflight_compiler(cxx)
+    except Unavailable as e:
+        raise NoCompiler(str(e)) from None
     if "cuda" in devices:
         _check_nvcc(core, cxx, job.s)
     with _locked(core):

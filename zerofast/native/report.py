@@ -40,13 +40,13 @@ def _core_line() -> str:
             return "off (ZEROFAST_NATIVE=0: the pure-torch reference runs)"
         tag_dir = cache.tag_dir(s, cache.core_tag(cache.sources_dir(), cache.torch_identity()))
         reasons = []
-        for cxx in toolchain.compiler_candidates(s, cache.compiler_path()):
+        for i, cxx in enumerate(toolchain.compiler_candidates(s, cache.compiler_path())):
             built = _built_by(tag_dir, toolchain.compiler_key(cxx))
             if built:
                 core, manifest = built
                 return (f"built for {', '.join(manifest.get('devices', ['?']))} (torch {manifest.get('torch')}), "
                         f"loaded on first use from {cache.library(core)}")
-            reasons.append((cxx, _why_not(tag_dir, cxx, s)))
+            reasons.append((cxx, _why_not(tag_dir, cxx, s, asked=i == 0)))
             if reasons[-1][1] is None:
                 return "not built yet: it is built on first use, once per torch version (`zerofast build` does it now)"
     except (Unavailable, NativeExtensionError) as e:
@@ -63,8 +63,9 @@ def _built_by(tag_dir, key: str):
     return max(found, key=lambda dm: len(dm[1].get("devices", [])), default=None)
 
 
-def _why_not(tag_dir, cxx: str, s) -> str | None:
-    """Why ``cxx`` gives no CPU core (its recorded failure, or it does not run), or None: it would build."""
+def _why_not(tag_dir, cxx: str, s, asked: bool) -> str | None:
+    """Why ``cxx`` gives no CPU core (its recorded failure, or it does not run), or None: it would
+    build. The compiler ``asked`` for (CXX) not running is final, as for the loader."""
     cache.preflight_environment(s)
     failed = cache.failure(tag_dir / f"cpu@{toolchain.compiler_key(cxx)}", s, cxx)
     if failed:
@@ -72,6 +73,8 @@ def _why_not(tag_dir, cxx: str, s) -> str | None:
     try:
         cache.preflight_compiler(cxx)
     except Unavailable as e:
+        if asked:
+            raise
         return str(e)
     return None
 
