@@ -207,6 +207,31 @@ def test_compilers_are_tried_cxx_first_then_the_path_then_the_system_one_per_rea
     assert list(toolchain.compiler_candidates(settings(), path))[:2] == ["no-such-compiler-zf", str(a)]
 
 
+def test_where_no_compiler_gives_a_sound_core_the_reference_runs_with_one_warning(tmp_path, monkeypatch, capfd):
+    """Each compiler's build is stood in for by an unsound verdict (no compiling here): each is said
+    once as it is passed over, and the warning that the reference runs names them all."""
+    a, b = (str(_script(tmp_path / name / "g++", "exit 0")) for name in ("a", "b"))
+    monkeypatch.setattr(toolchain, "compiler_candidates", lambda s, path: iter([a, b]))
+
+    def unsound(core, devices, archs, cxx, job):
+        raise loader.Unsound(f"{loader.NOT_SOUND}it does not link libstdc++.so.6")
+
+    monkeypatch.setattr(loader, "_run_build", unsound)
+    monkeypatch.setenv("ZEROFAST_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ZEROFAST_NATIVE", "auto")
+    monkeypatch.setattr(loader, "_state", None)
+    monkeypatch.setattr(loader, "_warned", False)
+    capfd.readouterr()
+    assert loader.load() is None
+    said = capfd.readouterr().err.splitlines()
+    assert said[:2] == [f"zerofast: warning: {cxx} gave no sound core (its core is not sound: it does not link "
+                        "libstdc++.so.6); trying the next C++ compiler" for cxx in (a, b)]
+    assert said[2:] == [f"zerofast: warning: native core not available (no C++ compiler gave a sound core: {a}: its "
+                        f"core is not sound: it does not link libstdc++.so.6; {b}: its core is not sound: it does not "
+                        f"link libstdc++.so.6); using the pure-torch reference: same results, {loader.SLOWDOWN} "
+                        "(ZEROFAST_NATIVE=1 makes this an error; `zerofast doctor` says more)"]
+
+
 @pytest.mark.slow_build
 def test_a_static_libstdcxx_compiler_is_passed_over_for_a_sound_one(built, tmp_path):
     """Issue 38's GPU machine, on the CPU: CXX, g++ and c++ are a wrapper that links a static
@@ -315,4 +340,10 @@ def test_a_core_without_gpu_kernels_does_not_refuse_the_gpu(built, monkeypatch):
     with pytest.raises(DeviceError, match="sees no CUDA GPU"):  # no GPU visible: still refused
         ops.resolve_device("cuda")
     monkeypatch.setattr(ops, "device_of", lambda device: SimpleNamespace(available=lambda: True))
+    asked = []
+    monkeypatch.setattr(loader, "device_problem", asked.append)
     assert ops.resolve_device("cuda") == torch.device("cuda")
+    assert asked == []  # no CUDA kernels: nothing to check
+    monkeypatch.setattr(ops.load_native(), "built_devices", lambda: ["cpu", "cuda"])
+    assert ops.resolve_device("cuda") == torch.device("cuda")
+    assert asked == ["cuda"]  # the first GPU call checks the CUDA kernels (once: device_problem keeps it)
