@@ -275,23 +275,31 @@ def _recorded_check(core: Path, device: str) -> str | None:
         return json.loads(record.read_text())["problem"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    verdict, problem = _check_in_child(core, device)
+    if verdict:
+        try:
+            tmp = record.with_name(f"{record.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"problem": problem}))
+            tmp.replace(record)
+        except OSError:  # a cache shared read-only: the verdict stands for this process alone
+            pass
+    return problem
+
+
+def _check_in_child(core: Path, device: str) -> tuple[bool, str | None]:
+    """(whether it is the core's verdict, why it is not sound or None) from :mod:`.proof` run in a
+    child. A check that could not run (no memory, a busy GPU) is no verdict: it is not kept."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(cache.PACKAGE.parent), os.environ.get("PYTHONPATH")) if p))
     done = subprocess.run([sys.executable, "-m", "zerofast.native.proof", str(core), device], capture_output=True,
                           text=True, env=env, errors="replace", timeout=600)
     if done.returncode == 0:
-        problem = None
-    elif done.returncode < 0:
-        problem = f"its {device} op crashed its check ({_signal_name(-done.returncode)})"
-    elif done.returncode == proof.UNSOUND:
-        problem = done.stdout.strip().splitlines()[-1][len(proof.MARK):]
-    else:  # the check itself could not run (no memory, a busy GPU): not the core's verdict, not kept
-        said = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return f"its {device} op check did not run ({said})"
-    tmp = record.with_name(f"{record.name}.{os.getpid()}")
-    tmp.write_text(json.dumps({"problem": problem}))
-    tmp.replace(record)
-    return problem
+        return True, None
+    if done.returncode < 0:
+        return True, f"its {device} op crashed its check ({_signal_name(-done.returncode)})"
+    if done.returncode == proof.UNSOUND:
+        return True, done.stdout.strip().splitlines()[-1][len(proof.MARK):]
+    return False, f"its {device} op check did not run ({(done.stderr.strip().splitlines() or ['no output'])[-1]})"
 
 
 def _unsound_kernels(device: str, problem: str) -> None:
