@@ -165,6 +165,7 @@ def test_an_op_error_arrives_whole_on_the_cpu(built):
         torch.ops.zerofast.gather_cast([torch.zeros(10)], torch.tensor(proof.BAD_SEGMENTS), torch.zeros(10))
     assert str(e.value).splitlines()[0] == proof.EXPECTED
     assert proof.message_problem("cpu") is None
+    assert proof.run_problem("cpu") is None  # and a good call copies right
 
 
 def test_a_device_not_checked_at_build_is_checked_once_at_its_first_call(built, tmp_path, monkeypatch, capfd):

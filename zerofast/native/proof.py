@@ -1,6 +1,6 @@
 """What proves a freshly built core sound before it is put in the cache (issue 38): it links the
-C++ runtime the process uses, and an op given bad arguments raises a ``RuntimeError`` carrying
-its whole message, on each device it has kernels for.
+C++ runtime the process uses, and on each device it has kernels for, an op given bad arguments
+raises a ``RuntimeError`` carrying its whole message and one given good ones copies right.
 
 These run in a child process (the build's, or :func:`main`'s for a device that was not visible at
 build time), so a core that crashes on its first error takes only that child down.
@@ -24,7 +24,7 @@ def problems(library: str, devices: list[str], checked: list[str]) -> list[str]:
     """Why the loaded core at ``library`` is not sound (empty: it is). Each device of ``checked``
     has its op check run; the linkage is read from the file."""
     found = [p for p in [toolchain.linkage_problem(library)] if p]
-    return found + [p for device in checked if (p := message_problem(device))]
+    return found + [p for device in checked for p in (message_problem(device), run_problem(device)) if p]
 
 
 def checkable(devices: list[str]) -> list[str]:
@@ -49,6 +49,19 @@ def message_problem(device: str) -> str | None:
     return f"its {device} op accepted a segment that names a missing source"
 
 
+def run_problem(device: str) -> str | None:
+    """Why ``gather_cast`` on ``device`` does not copy a good segment here, or None: kernels that the
+    driver cannot run (an nvcc newer than the driver) fail only once something is launched."""
+    import torch
+
+    out = torch.zeros(4, device=device)
+    try:
+        torch.ops.zerofast.gather_cast([torch.arange(10.0, device=device)], torch.tensor([[0, 2, 0, 3]]), out, False)
+    except RuntimeError as e:
+        return f"its {device} op does not run here ({first_line(e)})"
+    return None if out.tolist() == [2.0, 3.0, 4.0, 0.0] else f"its {device} op copied the wrong values"
+
+
 def main(argv: list[str]) -> int:
     """``python -m zerofast.native.proof CORE DEVICE``: load the core in CORE and check DEVICE."""
     import importlib.util
@@ -58,7 +71,7 @@ def main(argv: list[str]) -> int:
 
     spec = importlib.util.spec_from_file_location(cache.EXTENSION_NAME, cache.library(Path(argv[0])))
     spec.loader.exec_module(importlib.util.module_from_spec(spec))  # registers torch.ops.zerofast
-    problem = message_problem(argv[1])
+    problem = message_problem(argv[1]) or run_problem(argv[1])
     if problem:
         print(MARK + problem, flush=True)
         return UNSOUND
