@@ -15,6 +15,7 @@ from zerofast import ops
 import zerofast.execute.executor as executor_module
 from zerofast.execute import Executor
 from zerofast.pipeline import prepare
+from zerofast.plan.columns import PlanTensors
 
 from tests.conftest import HAVE_DEEPSPEED
 from tests.dsgen.families import FAMILY_LAYOUTS
@@ -155,17 +156,17 @@ def _reference_view(sources, tp) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, None, torch.bfloat16])
 @pytest.mark.parametrize("root_name", [SMALL, "s2_bf16_w2_frozen_tied", "s1_bf16_w2_frozen", "s0_bf16_w2"])
 def test_view_ranges_say_what_may_view_says_and_views_are_the_slices(root_name, dtype):
-    """The whole-table answer (``view_ranges``) is the per-tensor one, for columnar plans and for
-    plans of tuples alike; a lazy lookup's view is the slice-and-view of its source exactly."""
+    """The whole-table answer (``view_ranges``, off the columns) is the per-tensor one, for a
+    plan's columns and for the columns of plans of tuples alike; a lazy lookup's view is the
+    slice-and-view of its source exactly."""
     prepared = prepare(real_root(root_name), dtype)
+    ranges = executor_module.view_ranges(prepared.plan.tensors)  # off the columns, no TensorPlan made
     tps = list(prepared.plan.tensors.values())
-    ranges = executor_module.view_ranges(tps)
     assert [r is not None for r in ranges] == [Executor.may_view(tp) for tp in tps]
     if dtype == torch.float32 and root_name.startswith(("s2", "s3")):  # the fp32 masters are whole tensors
         assert any(r is not None for r in ranges) and not all(r is not None for r in ranges)
     as_tuples = [dataclasses.replace(tp, segments=tuple(map(tuple, tp.segments))) for tp in tps]
-    assert executor_module.view_ranges(as_tuples) == ranges
-    assert executor_module.view_ranges(prepared.plan.tensors) == ranges  # off the columns, no TensorPlan made
+    assert executor_module.view_ranges(PlanTensors.of(as_tuples)) == ranges
     lazy = zerofast.reconstruct(real_root(root_name), dtype=dtype, lazy=True)
     executor = prepared.lazy_executor()
     for tp, where in zip(tps, ranges):

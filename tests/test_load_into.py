@@ -95,11 +95,11 @@ def _spy_on_reader(monkeypatch) -> dict[str, list]:
     read_into, read = BatchReader.read_into, BatchReader.read
 
     def spy_into(self, tps, outs):
-        calls["read_into"].append((list(tps), list(outs)))
+        calls["read_into"].append((list(tps.values()), list(outs)))  # a PlanTensors: its plans
         return read_into(self, tps, outs)
 
     def spy_read(self, tps):
-        calls["read"].append(list(tps))
+        calls["read"].append(list(tps.values()))
         return read(self, tps)
 
     def no_gather(*args, **kwargs):

@@ -1,11 +1,11 @@
 """Columnar plans (zerofast.plan.columns) against the per-entry code they stand in for.
 
-- ``plan_tensors`` over layers of tables and dicts must give, tensor by tensor, the TensorPlan
-  the per-entry assembly gives: the later layer winning a name, segments equal row for row,
-  and tuples given back where the entry had tuples, table views where it had views.
+- ``plan_tensors`` over layers of tables (made by array arithmetic, or of entries made one by
+  one: ``EntryTable.of_entries``) must give, tensor by tensor, the TensorPlan the per-entry
+  assembly gives: the later layer winning a name, segments equal row for row.
 - ``segment_rows`` of mixed tuples and views of several tables equals their rows in order.
 - ``EntryTable`` is the dict a builder made before: same items, same order, a repeated name
-  keeping the last entry as a dict does; ``join`` refuses what one dict would not keep apart.
+  keeping the last entry as a dict does; ``join`` is the dict that updating one with each makes.
 - The batched reader gives the same tensors, bit for bit, from the columns as from a list of
   TensorPlans, on real saves whose outputs mix dtypes; and the same read cut into many native
   calls (``read_batch.CALL_ROWS``) as in one, the calls' tables being the one table's, cut
@@ -70,6 +70,11 @@ def layers(draw) -> list:
     return [(draw(kind), picked[i]) for i in order]
 
 
+def _tables(pairs: list) -> list:
+    """The layers as plain_plan hands them over: a dict of entries as its columns."""
+    return [(k, e if isinstance(e, EntryTable) else EntryTable.of_entries(e)) for k, e in pairs]
+
+
 @st.composite
 def table_first(draw) -> list:
     """What plain_plan passes: the builder's table, then dicts (frozen weights, buffers)."""
@@ -93,9 +98,9 @@ def _per_entry(named: list[str], pairs: list) -> dict[str, TensorPlan]:
 @settings(max_examples=300, deadline=None)
 @given(layers() | table_first(), st.randoms(use_true_random=False))
 def test_plan_tensors_equal_the_per_entry_plans(pairs, rnd):
-    known = list(Layers(pairs).names)
+    known = list(Layers(_tables(pairs)).names)
     named = rnd.sample(known, rnd.randint(0, len(known)))
-    cols = plan_tensors(named, Layers(pairs), _out)
+    cols = plan_tensors(named, Layers(_tables(pairs)), _out)
     want = _per_entry(named, pairs)
     assert list(cols) == named and len(cols) == len(named)
     for name, tp in want.items():
@@ -103,14 +108,14 @@ def test_plan_tensors_equal_the_per_entry_plans(pairs, rnd):
         assert (got.name, got.shape, got.kind, got.stored_dtype, got.out_dtype) == \
                (tp.name, tp.shape, tp.kind, tp.stored_dtype, tp.out_dtype)
         assert tuple(map(tuple, got.segments)) == tuple(map(tuple, tp.segments)), name
-        assert type(got.segments) is type(tp.segments)
+        assert type(got.segments) is TableSegments and got.segments.table is cols.table  # a view of the columns
     assert dict(cols.items()) == want and list(cols.values()) == list(want.values())
 
 
 def test_layers_let_the_later_win_and_keep_the_first_place():
     first = EntryTable.of(["a", "b"], [(1,), (2,)], torch.float32, SegmentTable.of([[(0, 0, 0, 1)], [(0, 1, 0, 2)]]))
     later = {"c": ((1,), torch.int64, [(1, 0, 0, 1)]), "a": ((1,), torch.bfloat16, [(2, 0, 0, 1)])}
-    both = Layers([("trainable", first), ("empty", {}), ("buffer", later)])
+    both = Layers(_tables([("trainable", first), ("empty", {}), ("buffer", later)]))
     assert list(both.names) == ["a", "b", "c"]
     assert [k for k, _ in both.layers] == ["trainable", "buffer"]
     assert (both.kind("a"), both.kind("b"), both.kind("zz")) == ("buffer", "trainable", None)
@@ -150,17 +155,28 @@ def test_entry_table_is_the_dict_it_replaces():
         table["w"]
     # a repeated name: the builder's dict kept the last entry, in the first one's place
     twice = EntryTable.of(["x", "y", "x"], [(2,), (0,), (2,)], torch.float32, SegmentTable.of(segs))
-    assert type(twice) is dict and list(twice) == ["x", "y"] and twice["x"][2] == [(1, 4, 0, 1), (0, 9, 1, 1)]
+    assert type(twice) is EntryTable and list(twice) == ["x", "y"] and twice["x"][2] == [(1, 4, 0, 1), (0, 9, 1, 1)]
+    assert dict(twice.items()) == dict(zip(["x", "y", "x"], zip([(2,), (0,), (2,)], repeat(torch.float32),
+                                                              SegmentTable.of(segs).views())))
+    of_entries = EntryTable.of_entries({"b": ((1,), torch.int64, [(3, 0, 0, 1)]), "a": ((2,), torch.float32, [])})
+    assert list(of_entries.items()) == [("b", ((1,), torch.int64, [(3, 0, 0, 1)])), ("a", ((2,), torch.float32, []))]
+    assert of_entries.dtype is None and len(EntryTable.of_entries({})) == 0
 
 
-def test_joined_tables_are_one_table_or_none():
+def test_joined_tables_are_the_dict_updated_with_each():
     a = EntryTable.of(["x", "y"], [(1,), (2,)], torch.float32, SegmentTable.of([[(0, 0, 0, 1)], [(0, 1, 0, 2)]]))
     b = EntryTable.of(["z"], [(3,)], torch.float32, SegmentTable.of([[(1, 0, 0, 3)]]))
     joined = EntryTable.join([a, b])
-    assert dict(joined.items()) == {**dict(a.items()), **dict(b.items())}
-    assert EntryTable.join([a, a]) is None  # a name in both: a dict would keep one entry
+    assert dict(joined.items()) == {**dict(a.items()), **dict(b.items())} and joined.dtype == torch.float32
+    later = EntryTable.of(["y"], [(4,)], torch.float32, SegmentTable.of([[(2, 0, 0, 4)]]))
+    twice = EntryTable.join([a, later])  # a name in both: the later entry, at the first place
+    assert list(twice.items()) == list({**dict(a.items()), **dict(later.items())}.items())
     other = EntryTable.of(["z"], [(3,)], torch.bfloat16, SegmentTable.of([[(1, 0, 0, 3)]]))
-    assert EntryTable.join([a, other]) is None
+    mixed = EntryTable.join([a, other])
+    assert mixed.dtype is None and mixed.dtypes == [torch.float32, torch.float32, torch.bfloat16]
+    assert dict(mixed.items()) == {**dict(a.items()), **dict(other.items())}
+    assert EntryTable.join([a]) is a and len(EntryTable.join([])) == 0
+    assert a.without(frozenset({"x"})).names == ["y"] and a.without(frozenset({"q"})) is a
 
 
 @needs_deepspeed

@@ -197,3 +197,59 @@ def test_public_functions_and_their_modules_have_different_names():
         importlib.import_module(module)
     assert callable(zerofast.hf.distributed.export)
     assert callable(zerofast.export)
+
+
+# The plan has one form: a plan's tensors are a PlanTensors, a builder's entries an EntryTable.
+# Entries or plans made one by one become that form where they are handed over, by the one
+# door that may ask which it got (a plan adapted outside zerofast.plan is a dict of TensorPlans).
+PLAN_FORMS = {"PlanTensors", "EntryTable", "dict", "Mapping", "TableSegments"}
+PLAN_FORM_DOORS = {("zerofast.plan.columns", "columns_of")}
+# A dict (or Mapping) asked of something named as plan material is a dict of entries or plans;
+# asked of anything else (a pickle's records) it is not about the plan.
+PLAN_MATERIAL = re.compile(r"tensors|entries|entry|plan|tps|cols|parts|layer|trainable|frozen|buffers|placed")
+# The modules that hold plans and entries; elsewhere a dict is a record read from a file.
+PLAN_MODULES = ("zerofast.plan", "zerofast.execute", "zerofast.output", "zerofast.pipeline", "zerofast.results",
+                "zerofast.load_into")
+
+
+def _form_tests(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """(line, function, code) of each ``type(x) is/is not T``, ``type(x) in (...)`` and
+    ``isinstance(x, T)`` naming a form of the plan."""
+    found = []
+
+    def names(node) -> set[str]:
+        return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))}
+
+    def visit(node, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            test = subject = None
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Name) and child.func.id == "isinstance" \
+                    and len(child.args) == 2:
+                test, subject = child.args[1], child.args[0]
+            elif isinstance(child, ast.Compare) and isinstance(child.left, ast.Call) and \
+                    isinstance(child.left.func, ast.Name) and child.left.func.id == "type" and child.left.args:
+                test, subject = ast.Tuple(elts=child.comparators), child.left.args[0]
+            forms = names(test) & PLAN_FORMS if test is not None else set()
+            if forms - {"dict", "Mapping"} or (forms and PLAN_MATERIAL.search(ast.unparse(subject))):
+                found.append((child.lineno, inner, ast.unparse(child)))
+            visit(child, inner)
+
+    visit(tree, "")
+    return found
+
+
+def test_no_module_branches_on_the_form_of_the_plan():
+    found = []
+    for m, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        found += [f"{m}:{line} ({function}): {code}" for line, function, code in _form_tests(tree)
+                  if (m, function) not in PLAN_FORM_DOORS
+                  and (m.startswith(PLAN_MODULES) or not re.search(r"\b(dict|Mapping)\b", code))]
+    assert not found, "branches on the plan's form:\n" + "\n".join(found)
+
+
+def test_the_form_check_sees_each_way_of_asking():
+    code = ("def f(x, tensors):\n    if type(x) is PlanTensors: pass\n    if isinstance(x, (EntryTable, list)): pass\n"
+            "    if type(tensors) is not dict: pass\n    if isinstance(x, int): pass\n    if isinstance(x, dict): pass\n")
+    assert [line for line, _, _ in _form_tests(ast.parse(code))] == [2, 3, 4]

@@ -20,7 +20,6 @@ from .layouts import discover, load_checkpoint
 from .load import LoadedCheckpoint
 from .load.reader import collector_paused
 from .plan import Plan, SourceTable, build_optimizer_plan, build_plan
-from .plan.columns import PlanTensors
 from .settings import read_once
 
 
@@ -43,7 +42,7 @@ class Prepared:
         if torch.device(device).type == "cpu":
             with collector_paused():  # tens of thousands of small objects made, none of them garbage
                 tensors = self.plan.tensors
-                ranges = view_ranges(tensors if type(tensors) is PlanTensors else list(tensors.values()))
+                ranges = view_ranges(tensors)
                 views = {name: where for name, where in zip(tensors, ranges) if where is not None and self._inside(where)}
         viewed = {where[0] for where in views.values()}
         streamable = [m and i not in viewed for i, m in enumerate(self.mapped)]

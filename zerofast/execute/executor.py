@@ -3,9 +3,8 @@ gather-and-cast op over the mappings otherwise."""
 from __future__ import annotations
 
 import functools
-import math
 import operator
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -13,7 +12,7 @@ import torch
 from .. import ops
 from ..devices import device_of
 from ..plan.columns import PlanTensors
-from ..plan.model import SegmentTable, TableSegments, TensorPlan
+from ..plan.model import SegmentTable, TensorPlan
 
 from .ring import Ring
 
@@ -60,11 +59,12 @@ class Executor:
         self._ring: Ring | None = None  # the device's upload ring, made on first use
 
     def run_all(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
-        """Every tensor of ``tps`` in fresh memory, in its shape."""
+        """Every tensor of ``tps`` (plans picked one by one: a lazy window, a staged run) in fresh
+        memory, in its shape; the batched reader takes them as columns (``PlanTensors.of``)."""
         if self.reader is None:
             return [self.run(tp) for tp in tps]
         if self.device.type == "cpu":
-            return self.reader.read(tps)
+            return self.reader.read(PlanTensors.of(tps))
         with device_of(self.device).scope(self.device):
             return self.ring().read(tps)
 
@@ -79,10 +79,10 @@ class Executor:
         return (self.reader is not None and self.device.type != "cpu" and device_of(self.device).streams is not None
                 and all(o.device == self.device and o.is_contiguous() for o in outs))
 
-    def run_plan(self, tensors: Mapping[str, TensorPlan]) -> list[torch.Tensor]:
-        """Every tensor of a plan's ``tensors``, in its order, as :meth:`run_all` makes them; a
-        columnar plan's (:class:`~zerofast.plan.columns.PlanTensors`) are read off its columns."""
-        if type(tensors) is PlanTensors and self.reader is not None and self.device.type == "cpu":
+    def run_plan(self, tensors: PlanTensors) -> list[torch.Tensor]:
+        """Every tensor of a plan's ``tensors`` (or a selection of them), in its order, as
+        :meth:`run_all` makes them; the batched reader reads them off the columns."""
+        if self.reader is not None and self.device.type == "cpu":
             return self.reader.read(tensors)
         return self.run_all(list(tensors.values()))
 
@@ -92,7 +92,7 @@ class Executor:
         if self.reader is not None and all(o.device.type == "cpu" and o.is_contiguous() for o in outs):
             for tp, out in zip(tps, outs):
                 self._check_out(tp, out)  # its numel and dtype: no flat view needed to ask
-            self.reader.read_into(tps, outs)
+            self.reader.read_into(PlanTensors.of(tps), outs)
             return
         if self._on_ring(outs):
             for tp, out in zip(tps, outs):
@@ -112,7 +112,7 @@ class Executor:
         flat = out.view(-1)
         self._check_out(tp, flat)
         if self.reader is not None and flat.device.type == "cpu" and out.is_contiguous():
-            self.reader.read_into([tp], [flat])
+            self.reader.read_into(PlanTensors.of([tp]), [flat])
         elif self._on_ring([out]):
             self.run_into([tp], [out])
         elif tp.segments:
@@ -190,43 +190,14 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def view_ranges(tps: Sequence[TensorPlan] | PlanTensors) -> list[tuple[int, int, int] | None]:
-    """Per tensor, the ``(source, offset, length)`` it may be viewed from, where
-    :meth:`Executor.may_view`, else None. Each columnar plan's segment table is read whole,
-    without a trip through :class:`~zerofast.plan.model.TableSegments` per tensor (a lazy
-    mapping of tens of thousands of tensors asks this of all of them); a plan's whole
-    :class:`~zerofast.plan.columns.PlanTensors` is read off its columns, no TensorPlan made."""
-    if isinstance(tps, PlanTensors):
-        return _column_view_ranges(tps)
-    out: list[tuple[int, int, int] | None] = [None] * len(tps)
-    tables: dict[int, tuple[SegmentTable, list[int], list[int], list[int]]] = {}
-    for i, tp in enumerate(tps):
-        segments = tp.segments
-        if tp.stored_dtype != tp.out_dtype:
-            continue
-        if type(segments) is not TableSegments:
-            if Executor.may_view(tp):
-                src, offset, _, length = segments[0]
-                out[i] = (src, offset, length)
-            continue
-        table, at, numbers, numels = tables.setdefault(id(segments.table), (segments.table, [], [], []))
-        at.append(i)
-        numbers.append(segments.number)
-        numels.append(tp.numel)
-    for table, at, numbers, numels in tables.values():
-        ok, rows = _whole_rows(table, np.array(numbers, dtype=np.int64), np.array(numels, dtype=np.int64))
-        for i, yes, (src, offset, _, length) in zip(at, ok.tolist(), rows.tolist()):
-            if yes:
-                out[i] = (src, offset, length)
-    return out
-
-
-def _column_view_ranges(cols: PlanTensors) -> list[tuple[int, int, int] | None]:
+def view_ranges(cols: PlanTensors) -> list[tuple[int, int, int] | None]:
+    """Per tensor of ``cols``, the ``(source, offset, length)`` it may be viewed from, where
+    :meth:`Executor.may_view`, else None: read off the columns, the segment table whole, no
+    TensorPlan made (a lazy mapping of tens of thousands of tensors asks this of all of them)."""
     n = len(cols)
     out: list[tuple[int, int, int] | None] = [None] * n
     same = np.fromiter(map(operator.eq, cols.stored, cols.out), dtype=bool, count=n)
-    numels = np.fromiter(map(math.prod, cols.shapes), dtype=np.int64, count=n)
-    ok, rows = _whole_rows(cols.table, np.arange(n, dtype=np.int64), numels)
+    ok, rows = _whole_rows(cols.table, np.arange(n, dtype=np.int64), cols.numels())
     at = np.flatnonzero(ok & same)
     for i, (src, offset, _, length) in zip(at.tolist(), rows[at].tolist()):
         out[i] = (src, offset, length)

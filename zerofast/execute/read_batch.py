@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from itertools import chain
-from operator import attrgetter
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 from .. import ops
 from ..load.archive import file_identity
 from ..load.unpickle import file_location
-from ..plan.columns import Placed, PlanTensors, segment_rows
+from ..plan.columns import Placed, PlanTensors
 from ..plan.model import TensorPlan
 
 Location = tuple[int, tuple[int, int, int, int]]  # (byte offset in the file, file identity)
@@ -34,7 +33,9 @@ def locate(files: Sequence[str], sources: Sequence[torch.Tensor]) -> list[Locati
 
 
 class BatchReader:
-    """Runs batches of :class:`TensorPlan` over ``sources`` in one native call each."""
+    """Runs batches of a plan's tensors (:class:`~zerofast.plan.columns.PlanTensors`: a plan's,
+    a selection of them, or :meth:`~zerofast.plan.columns.PlanTensors.of` plans made one by
+    one) over ``sources``, in one native call each."""
 
     def __init__(self, files: Sequence[str], sources: Sequence[torch.Tensor],
                  locations: Sequence[Location | None]):
@@ -42,11 +43,10 @@ class BatchReader:
         self.sources = list(sources)
         self.locations = locations
 
-    def read(self, tps: Sequence[TensorPlan] | PlanTensors) -> list[torch.Tensor]:
-        """Each of ``tps`` (plans, or a columnar plan's tensors: all of them, in their order)
-        in fresh memory, in its shape: a call per output dtype and :data:`CALL_ROWS` segment
-        rows, which makes the tensors too."""
-        groups = _column_groups(tps) if isinstance(tps, PlanTensors) else _plan_groups(tps)
+    def read(self, tps: PlanTensors) -> list[torch.Tensor]:
+        """Each of ``tps``, in their order, in fresh memory, in its shape: a call per output
+        dtype and :data:`CALL_ROWS` segment rows, which makes the tensors too."""
+        groups = _groups(tps)
         made: list[torch.Tensor | None] = [None] * len(tps)
         with self.opened(sources_used(rows[:, 0] for *_, rows, _ in groups)) as (fds, offsets):
             for dtype, where, shapes, rows, counts in groups:
@@ -61,27 +61,23 @@ class BatchReader:
                     made[i] = out
         return made
 
-    def read_into(self, tps: Sequence[TensorPlan], outs: Sequence[torch.Tensor]) -> None:
+    def read_into(self, tps: PlanTensors, outs: Sequence[torch.Tensor]) -> None:
         """Each of ``tps`` into the contiguous CPU tensor of ``outs`` beside it (of its size, in
         its ``out_dtype``), a call per :data:`CALL_ROWS` segment rows; elements no segment
         writes keep what they held."""
-        if tps:
-            rows, counts = segment_rows([tp.segments for tp in tps])
+        if len(tps):
+            rows, counts = tps.table.rows, np.diff(tps.table.starts)
             with self.opened(sources_used([rows[:, 0]])) as (fds, offsets):
                 for lo, hi, table in _calls(rows, counts):
                     # contiguous: written by element index
                     ops.read_cast(self.sources, fds, offsets, table, outs[lo:hi])
 
-    def write(self, fd: int, placed: Sequence[tuple[TensorPlan, int]] | Placed) -> None:
-        """Each ``(tp, byte offset)`` (a list, or a :class:`~zerofast.plan.columns.Placed`
-        read off its columns) into file ``fd``, a call per output dtype and :data:`CALL_ROWS`
-        segment rows."""
-        if isinstance(placed, Placed):
-            groups, where_at, counts_of = _column_groups(placed.tensors), placed.offsets, placed.tensors.numels()
-        else:
-            groups = _plan_groups([tp for tp, _ in placed])
-            where_at = np.array([off for _, off in placed], dtype=np.int64)
-            counts_of = np.array([tp.numel for tp, _ in placed], dtype=np.int64)
+    def write(self, fd: int, placed: Placed | Sequence[tuple[TensorPlan, int]]) -> None:
+        """Each tensor of ``placed`` at its byte offset (a :class:`~zerofast.plan.columns.Placed`;
+        ``(plan, offset)`` pairs, a sliced tensor's, become one here) into file ``fd``, a call
+        per output dtype and :data:`CALL_ROWS` segment rows."""
+        placed = Placed.of(placed)
+        groups, where_at, counts_of = _groups(placed.tensors), placed.offsets, placed.tensors.numels()
         with self.opened(sources_used(rows[:, 0] for *_, rows, _ in groups)) as (fds, offsets):
             for dtype, where, _, rows, counts in groups:
                 # copies: counts_of may be the plan's cached column, which the op must not share
@@ -128,14 +124,6 @@ def _open_same(path: str, identity: tuple[int, int, int, int]) -> int:
     return fd
 
 
-def _by_dtype(tps: Sequence[TensorPlan]) -> dict[torch.dtype, tuple[np.ndarray, list[TensorPlan]]]:
-    """``tps`` grouped by output dtype: (their positions in ``tps``, the plans)."""
-    groups = _positions(list(map(attrgetter("out_dtype"), tps)))
-    if len(groups) == 1:  # the usual batch: one call, no regrouping
-        return {dtype: (where, list(tps)) for dtype, where in groups.items()}
-    return {dtype: (where, list(map(tps.__getitem__, where.tolist()))) for dtype, where in groups.items()}
-
-
 def _positions(values: list) -> dict[object, np.ndarray]:
     """Each distinct value, in first-seen order, with the positions that hold it (int64)."""
     distinct = list(dict.fromkeys(values))
@@ -162,13 +150,8 @@ CALL_ROWS = 1 << 16
 _Group = tuple[torch.dtype, Sequence[int], Sequence[Sequence[int]], np.ndarray, np.ndarray]
 
 
-def _plan_groups(tps: Sequence[TensorPlan]) -> list[_Group]:
-    return [(dtype, where, [tp.shape for tp in group], *segment_rows([tp.segments for tp in group]))
-            for dtype, (where, group) in _by_dtype(tps).items()]
-
-
-def _column_groups(cols: PlanTensors) -> list[_Group]:
-    """:func:`_plan_groups` of a columnar plan, read off its columns: no object per tensor."""
+def _groups(cols: PlanTensors) -> list[_Group]:
+    """``cols`` by output dtype, read off its columns: no object per tensor."""
     groups = []
     for dtype, where in _positions(cols.out).items():
         whole = len(where) == len(cols)  # one output dtype: the table and the shapes as they are

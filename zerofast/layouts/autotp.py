@@ -34,6 +34,7 @@ from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, Incomplet
 from ..load import LoadedCheckpoint, PartitionedCheckpoint, Stored, load_file
 from ..load.records import check_flat_groups, read_model_states, read_optim_states, settle_stage
 from ..plan.builders import flat_entries
+from ..plan.columns import EntryTable
 from ..plan.model import Entry, FlatGroups, SourceTable, VirtualBuffer, rank_share
 from .base import PartitionedLayout
 
@@ -64,7 +65,7 @@ class AutoTPLayout(PartitionedLayout):
         return load(files)
 
     def trainable_from(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
-                       what: str) -> dict[str, Entry]:
+                       what: str) -> EntryTable:
         return trainable(ckpt, table, flats, what)
 
 
@@ -203,11 +204,11 @@ def _check_frozen(ckpt, metas, maps) -> None:
                                              "not supported", metas[0].path)
 
 
-def trainable(ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> dict[str, Entry]:
+def trainable(ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> EntryTable:
     """Every trainable parameter in full, read from ``flats`` (the masters or one optimizer state)."""
     T = ckpt.files.mp_size
-    return _Composer(ckpt.model_states[:T], ckpt.extra["maps"], ckpt.extra["replicated"], T,
-                     len(ckpt.optim_states) // T).entries(ckpt, table, flats, what)
+    return EntryTable.of_entries(_Composer(ckpt.model_states[:T], ckpt.extra["maps"], ckpt.extra["replicated"], T,
+                                           len(ckpt.optim_states) // T).entries(ckpt, table, flats, what))
 
 
 class _Composer:

@@ -32,7 +32,7 @@ size; their writers refuse the layouts that cannot.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 
@@ -41,6 +41,7 @@ from ..errors import UnsupportedCheckpointError
 from ..load import LoadedCheckpoint, PartitionedCheckpoint
 from ..plan import optimizer
 from ..plan.builders import master_flat_groups
+from ..plan.columns import EntryTable
 from ..plan.model import Entry, FlatGroups, Plan, SourceTable
 from ..plan.partitioned import partition_entries, partitioned_plan
 
@@ -67,7 +68,7 @@ class Layout:
         raise NotImplementedError
 
     def trainable_from(self, ckpt: LoadedCheckpoint, table: SourceTable, flats: FlatGroups,
-                       what: str) -> dict[str, Entry]:
+                       what: str) -> EntryTable:
         raise UnsupportedCheckpointError(f"{self.name} checkpoints keep no flat partitions to place {what} from",
                                          ckpt.files.tag_dir)
 
@@ -108,11 +109,11 @@ class PartitionedLayout(Layout):
     def plan(self, ckpt: PartitionedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
              exclude_frozen: bool) -> Plan:
         if ckpt.stage == 0:
-            trainable = self.stage0_masters(ckpt, table)
+            trainable = EntryTable.of_entries(self.stage0_masters(ckpt, table))
         else:
             trainable = self.trainable_from(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups")
         return partitioned_plan(ckpt, table, dtype, exclude_frozen, trainable)
 
     def trainable_from(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
-                       what: str) -> Mapping[str, Entry]:
+                       what: str) -> EntryTable:
         return partition_entries(ckpt, table, flats, what)

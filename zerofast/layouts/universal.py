@@ -33,6 +33,7 @@ from ..load.records import (agree_with_config, check_parallelism, expect_dict, e
                             read_model_states, some_of)
 from ..plan import optimizer
 from ..plan.build import plain_plan
+from ..plan.columns import EntryTable
 from ..plan.model import Entry, Plan, SourceTable
 from .base import Layout
 
@@ -162,7 +163,7 @@ def _load(files: UniversalFiles, models: list) -> UniversalCheckpoint:
     return UniversalCheckpoint(files, stage, world, models, [], UniversalState(files.zero_dir, common))
 
 
-def trainable(ckpt: LoadedCheckpoint, table: SourceTable, key: str = MASTER) -> dict[str, Entry]:
+def trainable(ckpt: LoadedCheckpoint, table: SourceTable, key: str = MASTER) -> EntryTable:
     """Every trainable parameter, read from its ``<key>.pt`` (the fp32 master, or an optimizer
     state such as ``exp_avg``): one whole source per parameter."""
     u = _state(ckpt)
@@ -178,7 +179,7 @@ def trainable(ckpt: LoadedCheckpoint, table: SourceTable, key: str = MASTER) -> 
         where, tensor = _read(ckpt, paths[name], shape)
         src = table.add(str(paths[name]), where, tensor)
         out[name] = (shape, tensor.dtype, [(src, 0, 0, tensor.numel())])
-    return out
+    return EntryTable.of_entries(out)
 
 
 def trainable_shapes(ckpt: LoadedCheckpoint) -> dict[str, tuple[int, ...]]:

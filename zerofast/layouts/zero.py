@@ -20,6 +20,7 @@ from ..load.records import (agree_with_config, check_flat_groups, check_parallel
                             read_optim_states, settle_stage, settle_world_size)
 from ..plan.build import plain_plan
 from ..plan.builders import flat_entries, master_flat_groups, stage0
+from ..plan.columns import EntryTable
 from ..plan.model import Entry, FlatGroups, Plan, SourceTable
 from .base import Layout
 
@@ -57,13 +58,13 @@ class ZeroLayout(Layout):
     def plan(self, ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
              exclude_frozen: bool) -> Plan:
         if ckpt.stage == 0:
-            trainable = stage0.trainable(ckpt, table, exclude_frozen)
+            trainable = EntryTable.of_entries(stage0.trainable(ckpt, table, exclude_frozen))
         else:
             trainable = self.trainable_from(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups")
         return plain_plan(ckpt, table, dtype, exclude_frozen, trainable)
 
     def trainable_from(self, ckpt: LoadedCheckpoint, table: SourceTable, flats: FlatGroups,
-                       what: str) -> dict[str, Entry]:
+                       what: str) -> EntryTable:
         return flat_entries(ckpt, table, flats, what)
 
 

@@ -1,6 +1,9 @@
 """Step 3: the plan, a plain-data description of every output tensor, and its builders.
 
-- :mod:`.model`: ``Plan``, ``TensorPlan``, ``SourceTable``, ``VirtualBuffer``;
+- :mod:`.tensor`: ``TensorPlan`` (one output tensor) and the segment tables;
+- :mod:`.model`: ``Plan``, ``SourceTable``, ``VirtualBuffer``;
+- :mod:`.columns`: the one form of a plan's tensors (``PlanTensors``) and of a builder's
+  entries (``EntryTable``), column by column;
 - :mod:`.builders`: the partition arithmetic (stage 0 matching, stages 1-2, stage 3, frozen);
 - :mod:`.build`: the state dict's plan: the module's classification and the dtype policy applied;
 - :mod:`.partitioned`: the same for saves split into partitions (MoE, pipeline, AutoTP);

@@ -17,7 +17,7 @@ from ..dtypes import out_dtype_for
 from ..errors import InconsistentCheckpointError
 from ..load import LoadedCheckpoint
 from .builders.frozen import declared as frozen_entries
-from .columns import Layers, plan_tensors
+from .columns import EntryTable, Layers, plan_tensors
 from .model import BUFFER, FROZEN, TRAINABLE, Entry, Plan, SourceTable, tensor_identity
 
 
@@ -28,7 +28,7 @@ def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | 
 
 
 def plain_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None, exclude_frozen: bool,
-               trainable: Mapping[str, Entry]) -> Plan:
+               trainable: EntryTable) -> Plan:
     """The plan of a save whose module dict names every tensor (plain ZeRO 0-3 and its universal
     copy), given the layout's ``trainable`` entries: the rest of the module is classified here."""
     frozen = frozen_entries(ckpt, table)
@@ -37,7 +37,8 @@ def plain_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | 
         frozen[name] = _module_entry(ckpt, table, name)
     for name in buffers:
         buffers[name] = _module_entry(ckpt, table, name)
-    layers = Layers(((TRAINABLE, trainable), (FROZEN, frozen), (BUFFER, buffers)))
+    layers = Layers(((TRAINABLE, trainable), (FROZEN, EntryTable.of_entries(frozen)),
+                     (BUFFER, EntryTable.of_entries(buffers))))
     return assemble(ckpt, layers, _order(kinds, layers.names, aliases, absent), aliases, dtype, exclude_frozen,
                     frozen_excluded=frozen_excluded(ckpt) or bool(absent), absent_frozen=tuple(sorted(absent)))
 

@@ -1,11 +1,13 @@
-"""Plans of tens of thousands of tensors, kept column by column.
+"""Plans of tens of thousands of tensors, kept column by column: the one form of a plan.
 
 A ZeRO save of 20k small parameters used to cost a Python object per tensor at every step: an
-entry and a segment view from the builder, a :class:`~.model.TensorPlan` from the plan, and a
+entry and a segment view from the builder, a :class:`~.tensor.TensorPlan` from the plan, and a
 trip through each again when the executor packed its table. Here the builders' output
 (:class:`EntryTable`) and the plan's tensors (:class:`PlanTensors`) are lists and one
-:class:`~.model.SegmentTable`; both are ordinary read-only mappings, whose values are made
-only when someone asks for them, and the batched reader takes the columns as they are.
+:class:`~.tensor.SegmentTable`; both are ordinary read-only mappings, whose values are made
+only when someone asks for them (a view of the columns), and the batched reader takes the
+columns as they are. Entries or plans made one by one become columns where they are handed
+over: :meth:`EntryTable.of_entries`, :meth:`PlanTensors.of`.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .model import Entry, SegmentTable, TableSegments, TensorPlan
+from .tensor import Entry, SegmentTable, TableSegments, TensorPlan
 
 
 class _Named(Mapping):
@@ -40,62 +42,91 @@ class _Named(Mapping):
 
 
 class EntryTable(_Named):
-    """A builder's entries (name -> :data:`~.model.Entry`) of one stored dtype whose segments
-    are the rows of one table, tensor ``i`` named ``names[i]``. Made with :meth:`of`, which
-    declines names that repeat (the dict a builder would make keeps the last of those)."""
+    """A builder's entries (name -> :data:`~.tensor.Entry`), column by column: entry ``i`` is
+    ``names[i]`` of ``shapes[i]``, stored as ``dtypes[i]``, its segments rows ``i`` of
+    ``table``; ``dtype`` is the one stored dtype of them all (None where they differ).
 
-    __slots__ = ("names", "shapes", "dtype", "table", "index")
+    A name given twice keeps the place of its first and the entry of its last, as the dict a
+    builder would make by assigning each in turn."""
 
-    def __init__(self, names: list[str], shapes: list, dtype: torch.dtype, table: SegmentTable,
-                 index: dict[str, int]):
+    __slots__ = ("names", "shapes", "dtypes", "dtype", "table", "index")
+
+    def __init__(self, names: list[str], shapes: list, dtypes: list[torch.dtype], dtype: torch.dtype | None,
+                 table: SegmentTable):
+        index = dict(zip(names, range(len(names))))
+        if len(index) != len(names):  # a repeated name: the later entry, at the earlier place
+            keep = np.fromiter(index.values(), dtype=np.int64, count=len(index))
+            at = keep.tolist()
+            names, shapes, dtypes = list(index), list(map(shapes.__getitem__, at)), list(map(dtypes.__getitem__, at))
+            table = _table(*table.gather(keep))
+            index = dict(zip(names, range(len(names))))
         self.names = names
         self.shapes = shapes
+        self.dtypes = dtypes
         self.dtype = dtype
         self.table = table
         self.index = index  # name -> its number
 
     @classmethod
-    def of(cls, names: list[str], shapes: list, dtype: torch.dtype,
-           table: SegmentTable) -> "EntryTable | dict[str, Entry]":
-        index = dict(zip(names, range(len(names))))
-        if len(index) == len(names):
-            return cls(names, shapes, dtype, table, index)
-        return dict(zip(names, zip(shapes, repeat(dtype), table.views())))
+    def of(cls, names: list[str], shapes: list, dtype: torch.dtype, table: SegmentTable) -> "EntryTable":
+        """Entries of one stored dtype (a builder's group, laid out by array arithmetic)."""
+        return cls(names, shapes, [dtype] * len(names), dtype, table)
+
+    @classmethod
+    def of_entries(cls, entries: Mapping[str, Entry]) -> "EntryTable":
+        """The columns of entries made one by one (a dict: a builder's loop, a module's buffers);
+        segments that are views of tables (:class:`~.tensor.TableSegments`) are read a table at
+        a time."""
+        names = list(entries)
+        if not names:
+            return cls([], [], [], None, SegmentTable(np.zeros((0, 4), dtype=np.int64), np.zeros(1, dtype=np.int64)))
+        shapes, dtypes, segments = map(list, zip(*map(entries.__getitem__, names)))
+        one = dict.fromkeys(dtypes)
+        return cls(names, shapes, dtypes, next(iter(one)) if len(one) == 1 else None, _table(*segment_rows(segments)))
 
     def __getitem__(self, name: str) -> Entry:
         i = self.index[name]
-        return self.shapes[i], self.dtype, TableSegments(self.table, i)
+        return self.shapes[i], self.dtypes[i], TableSegments(self.table, i)
+
+    def without(self, names: set[str] | frozenset[str]) -> "EntryTable":
+        """These entries less those of ``names``."""
+        if not names or not any(map(names.__contains__, self.names)):
+            return self
+        keep = np.flatnonzero(np.fromiter(map(names.__contains__, self.names), dtype=bool, count=len(self.names)) == 0)
+        at = keep.tolist()
+        return EntryTable(list(map(self.names.__getitem__, at)), list(map(self.shapes.__getitem__, at)),
+                          list(map(self.dtypes.__getitem__, at)), self.dtype, _table(*self.table.gather(keep)))
 
     @staticmethod
-    def join(parts: Sequence["EntryTable"]) -> "EntryTable | None":
-        """Several tables as one (stages 1-2 build one per param group), or None where they
-        differ in dtype or share a name."""
-        if len({p.dtype for p in parts}) != 1:
-            return None
-        names = list(chain.from_iterable(p.names for p in parts))
-        index = dict(zip(names, range(len(names))))
-        if len(index) != len(names):
-            return None
+    def join(parts: Sequence["EntryTable"]) -> "EntryTable":
+        """Several tables as one (stages 1-2 build one per param group), a name in two keeping
+        the place of its first and the entry of its last (as updating one dict with each)."""
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return EntryTable.of_entries({})
         rows = np.concatenate([p.table.rows for p in parts])
-        starts = np.zeros(len(names) + 1, dtype=np.int64)
-        np.cumsum(np.concatenate([np.diff(p.table.starts) for p in parts]), out=starts[1:])
-        shapes = list(chain.from_iterable(p.shapes for p in parts))
-        return EntryTable(names, shapes, parts[0].dtype, SegmentTable(rows, starts), index)
+        counts = np.concatenate([np.diff(p.table.starts) for p in parts])
+        first = parts[0].dtype
+        dtype = first if first is not None and all(p.dtype == first for p in parts) else None
+        return EntryTable(list(chain.from_iterable(p.names for p in parts)),
+                          list(chain.from_iterable(p.shapes for p in parts)),
+                          list(chain.from_iterable(p.dtypes for p in parts)), dtype, _table(rows, counts))
 
 
 class PlanTensors(_Named):
-    """A plan's tensors (name -> :class:`~.model.TensorPlan`), column by column: tensor ``i``
+    """A plan's tensors (name -> :class:`~.tensor.TensorPlan`), column by column: tensor ``i``
     is ``names[i]`` with rows ``i`` of ``table``. A TensorPlan is made the first time one is
-    looked up, and kept (the lazy mapping looks each up more than once); tensors whose segments
-    were given as tuples (``loose``: number -> tuple) get those back."""
+    looked up (:meth:`plan_of`: a view of the columns, its segments a
+    :class:`~.tensor.TableSegments` of the table), and kept (the lazy mapping looks each up
+    more than once)."""
 
-    __slots__ = ("names", "shapes", "kinds", "stored", "out", "table", "loose", "_index", "_made", "_numels")
+    __slots__ = ("names", "shapes", "kinds", "stored", "out", "table", "_index", "_made", "_numels")
 
     def __init__(self, names: list[str], shapes: list, kinds: list[str], stored: list[torch.dtype],
-                 out: list[torch.dtype], table: SegmentTable, loose: dict[int, tuple]):
+                 out: list[torch.dtype], table: SegmentTable):
         self.names, self.shapes, self.kinds, self.stored, self.out = names, shapes, kinds, stored, out
         self.table = table
-        self.loose = loose
         self._index: dict[str, int] | None = None
         self._made: list[TensorPlan | None] | None = None
         self._numels: np.ndarray | None = None
@@ -113,9 +144,8 @@ class PlanTensors(_Named):
             made = self._made = [None] * len(self.names)
         tp = made[i]
         if tp is None:
-            segments = self.loose.get(i)
             tp = made[i] = TensorPlan(self.names[i], self.shapes[i], self.kinds[i], self.stored[i], self.out[i],
-                                      TableSegments(self.table, i) if segments is None else segments)
+                                      TableSegments(self.table, i))
         return tp
 
     def __getitem__(self, name: str) -> TensorPlan:
@@ -127,7 +157,7 @@ class PlanTensors(_Named):
         lookups return those plans; :meth:`select` and :meth:`span` make theirs from the table."""
         rows, counts = segment_rows([tp.segments for tp in tps])
         cols = cls([tp.name for tp in tps], [tp.shape for tp in tps], [tp.kind for tp in tps],
-                   [tp.stored_dtype for tp in tps], [tp.out_dtype for tp in tps], _table(rows, counts), {})
+                   [tp.stored_dtype for tp in tps], [tp.out_dtype for tp in tps], _table(rows, counts))
         cols._made = list(tps)
         return cols
 
@@ -140,8 +170,7 @@ class PlanTensors(_Named):
         at = numbers.tolist()
         pick = [list(map(column.__getitem__, at)) for column in (self.names, self.shapes, self.kinds, self.stored,
                                                                self.out)]
-        loose = {new: self.loose[old] for new, old in enumerate(at) if old in self.loose} if self.loose else {}
-        part = PlanTensors(pick[0] if names is None else names, *pick[1:], _table(*self.table.gather(numbers)), loose)
+        part = PlanTensors(pick[0] if names is None else names, *pick[1:], _table(*self.table.gather(numbers)))
         part._numels = None if self._numels is None else self._numels[numbers]
         return part
 
@@ -151,9 +180,8 @@ class PlanTensors(_Named):
             return self
         starts = self.table.starts
         table = SegmentTable(self.table.rows[int(starts[lo]):int(starts[hi])], starts[lo:hi + 1] - starts[lo])
-        loose = {i - lo: t for i, t in self.loose.items() if lo <= i < hi} if self.loose else {}
         part = PlanTensors(self.names[lo:hi], self.shapes[lo:hi], self.kinds[lo:hi], self.stored[lo:hi],
-                           self.out[lo:hi], table, loose)
+                           self.out[lo:hi], table)
         part._numels = None if self._numels is None else self._numels[lo:hi]
         return part
 
@@ -186,7 +214,9 @@ class PlanTensors(_Named):
 
 
 def columns_of(tensors: Mapping[str, TensorPlan]) -> PlanTensors:
-    """A plan's tensors as columns: a :class:`PlanTensors` as it is, a dict's plans gathered."""
+    """A plan's tensors as columns: a :class:`PlanTensors` as it is, a mapping's plans gathered.
+    The one door into the plan's form, which :class:`~.model.Plan` passes what it is given
+    through (a plan adapted outside :mod:`zerofast.plan` is a dict of TensorPlans)."""
     return tensors if isinstance(tensors, PlanTensors) else PlanTensors.of(list(tensors.values()))
 
 
@@ -200,6 +230,14 @@ class Placed(Sequence):
         self.tensors = tensors
         self.offsets = offsets  # int64, one per tensor
 
+    @classmethod
+    def of(cls, placed: "Placed | Sequence[tuple[TensorPlan, int]]") -> "Placed":
+        """``placed`` as it is, or ``(plan, offset)`` pairs (a tensor's slices, cut by a writer
+        one by one) as columns: where those pairs come into the columnar writer."""
+        if isinstance(placed, Placed):
+            return placed
+        return cls(PlanTensors.of([tp for tp, _ in placed]), np.array([off for _, off in placed], dtype=np.int64))
+
     def __len__(self) -> int:
         return len(self.offsets)
 
@@ -212,10 +250,10 @@ class Placed(Sequence):
         return Placed(self.tensors.span(lo, hi), self.offsets[lo:hi] + base)
 
 
-def as_dict(tensors: Mapping[str, TensorPlan]) -> dict[str, TensorPlan]:
+def as_dict(tensors: PlanTensors) -> dict[str, TensorPlan]:
     """A plan's tensors as a plain dict, for a caller that looks up every name (a
     :class:`PlanTensors` answers each lookup in Python; a dict, in C)."""
-    return tensors if type(tensors) is dict else dict(tensors.items())
+    return dict(tensors.items())
 
 
 class _Values(ValuesView):
@@ -229,11 +267,12 @@ class _Items(ItemsView):
 
 
 class Layers:
-    """Entries by kind: name -> (kind, :data:`~.model.Entry`) over ``(kind, entries)`` pairs,
-    where two name one tensor the later winning, as ``dict.update`` in turn would have it.
-    ``names``: every name once, in the order that dict would have."""
+    """Entries by kind: name -> (kind, :data:`~.tensor.Entry`) over ``(kind, entries)`` pairs
+    (each an :class:`EntryTable`), where two name one tensor the later winning, as
+    ``dict.update`` in turn would have it. ``names``: every name once, in the order that dict
+    would have."""
 
-    def __init__(self, layers: Sequence[tuple[str, Mapping[str, Entry]]]):
+    def __init__(self, layers: Sequence[tuple[str, EntryTable]]):
         self.layers = [(kind, entries) for kind, entries in layers if len(entries)]
         self.names = dict.fromkeys(chain.from_iterable(entries.keys() for _, entries in self.layers))
 
@@ -247,51 +286,45 @@ class Layers:
 def plan_tensors(named: list[str], layers: Layers, out_dtype) -> PlanTensors:
     """The columns of ``named`` (every one in ``layers``), their output dtypes ``out_dtype(stored)``.
 
-    Column by column per layer: a layer's positions in ``named`` at once, an
-    :class:`EntryTable`'s rows gathered from its table, never an entry made of it."""
+    Column by column per layer: a layer's positions in ``named`` at once, its rows gathered
+    from its table, never an entry made of it."""
     n = len(named)
     winner, numbers = _winners(named, layers.layers)
     shapes, kinds, stored = (np.empty(n, dtype=object) for _ in range(3))
-    loose: dict[int, tuple] = {}
     parts = []
     for k, (kind, entries) in enumerate(layers.layers):
         at = np.flatnonzero(winner == k)
         if not len(at):
             continue
         kinds[at] = kind
-        if type(entries) is EntryTable:
-            which = numbers[at] if k == 0 and numbers is not None else np.fromiter(
-                map(entries.index.__getitem__, map(named.__getitem__, at.tolist())), dtype=np.int64, count=len(at))
-            shapes[at] = np.fromiter(map(entries.shapes.__getitem__, which.tolist()), dtype=object, count=len(at))
+        which = numbers[at] if k == 0 else np.fromiter(
+            map(entries.index.__getitem__, map(named.__getitem__, at.tolist())), dtype=np.int64, count=len(at))
+        picked = which.tolist()
+        shapes[at] = np.fromiter(map(entries.shapes.__getitem__, picked), dtype=object, count=len(at))
+        if entries.dtype is not None:
             stored[at] = entries.dtype
-            parts.append((at, *entries.table.gather(which)))
-            continue
-        names = list(map(named.__getitem__, at.tolist()))
-        shape, dtypes, segments = zip(*map(entries.__getitem__, names))
-        shapes[at] = np.fromiter(shape, dtype=object, count=len(at))
-        stored[at] = np.fromiter(dtypes, dtype=object, count=len(at))
-        loose.update((i, tuple(s)) for i, s in zip(at.tolist(), segments) if type(s) is not TableSegments)
-        parts.append((at, *segment_rows(segments)))
+        else:
+            stored[at] = np.fromiter(map(entries.dtypes.__getitem__, picked), dtype=object, count=len(at))
+        parts.append((at, *entries.table.gather(which)))
     stored_dtypes = stored.tolist()
     outs = {s: out_dtype(s) for s in set(stored_dtypes)}
     return PlanTensors(list(named), shapes.tolist(), kinds.tolist(), stored_dtypes,
-                       list(map(outs.__getitem__, stored_dtypes)), scattered(n, parts), loose)
+                       list(map(outs.__getitem__, stored_dtypes)), scattered(n, parts))
 
 
-def _winners(named: list[str], layers: list) -> tuple[np.ndarray, np.ndarray | None]:
-    """Per name of ``named``, the layer whose entry it takes (the last that holds it), and where
-    the first layer is the one :class:`EntryTable`, each name's number there (-1: not in it).
+def _winners(named: list[str], layers: list[tuple[str, EntryTable]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per name of ``named``, the layer whose entry it takes (the last that holds it), and each
+    name's number in the first layer (-1: not in it).
 
-    That case (a builder's table, then the few frozen weights and buffers of the module) is
-    looked up once per name, in the table alone; the later layers' names are placed by their
-    numbers there, or among the few names the table lacks."""
+    The first layer is the large one (a builder's table; then come the few frozen weights and
+    buffers of the module): each name is looked up once, in it alone; the later layers' names
+    are placed by their numbers there, or among the few names it lacks."""
     n = len(named)
-    first = layers[0][1] if layers else None
-    if type(first) is not EntryTable or any(type(e) is EntryTable for _, e in layers[1:]):
-        which: dict[str, int] = {}
-        for k, (_, entries) in enumerate(layers):
-            which.update(zip(entries.keys(), repeat(k)))
-        return np.fromiter(map(which.__getitem__, named), dtype=np.int64, count=n), None
+    if not layers:
+        if n:
+            raise KeyError(named[0])
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    first = layers[0][1]
     numbers = np.fromiter(map(first.index.get, named, repeat(-1)), dtype=np.int64, count=n)
     winner = np.where(numbers >= 0, 0, -1)
     if len(layers) > 1:
@@ -301,7 +334,7 @@ def _winners(named: list[str], layers: list) -> tuple[np.ndarray, np.ndarray | N
         missing = np.flatnonzero(numbers < 0).tolist()
         outside = dict(zip(map(named.__getitem__, missing), missing))  # the few names the table lacks
         for k, (_, entries) in enumerate(layers[1:], 1):
-            names = list(entries.keys())
+            names = entries.names
             there = place[np.fromiter(map(first.index.get, names, repeat(-1)), dtype=np.int64, count=len(names))]
             elsewhere = np.fromiter(map(outside.get, names, repeat(-1)), dtype=np.int64, count=len(names))
             at = np.where(there >= 0, there, elsewhere)
@@ -312,7 +345,7 @@ def _winners(named: list[str], layers: list) -> tuple[np.ndarray, np.ndarray | N
 
 
 def segment_rows(segments: Sequence[Sequence]) -> tuple[np.ndarray, np.ndarray]:
-    """The rows of each of ``segments`` (tuples, or :class:`~.model.TableSegments` of any
+    """The rows of each of ``segments`` (tuples, or :class:`~.tensor.TableSegments` of any
     tables) in that order, and how many each has: a table at a time, no object per row."""
     tables = list(map(getattr, segments, repeat("table"), repeat(None)))
     distinct = list(dict.fromkeys(map(id, tables)))

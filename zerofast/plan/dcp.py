@@ -21,6 +21,7 @@ import torch
 
 from ..dtypes import out_dtype_for
 from ..load.dcp import ChunkReader, DcpRecords, DcpTensor
+from .columns import PlanTensors
 from .model import BUFFER, TRAINABLE, Plan, Segments, SourceTable, TensorPlan
 
 MODEL = "model"
@@ -45,7 +46,7 @@ def build_dcp_plan(ckpt: DcpRecords, table: SourceTable, dtype: torch.dtype | No
                 segments.extend(box_runs(src, t.size, chunk.offsets, chunk.sizes))
         kind = TRAINABLE if t.dtype.is_floating_point else BUFFER
         tensors[name] = TensorPlan(name, t.size, kind, t.dtype, out_dtype_for(t.dtype, dtype), tuple(segments))
-    return Plan(tensors, {}, tuple(tensors), 0, ckpt.ranks)
+    return Plan(PlanTensors.of(list(tensors.values())), {}, tuple(tensors), 0, ckpt.ranks)
 
 
 def box_runs(src: int, size: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Segments:

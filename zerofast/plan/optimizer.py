@@ -26,6 +26,7 @@ from ..errors import (InconsistentCheckpointError, MissingOptimizerStateError, U
 from ..load import LoadedCheckpoint, OptimStates
 from . import whole_params
 from .builders import master_flat_groups
+from .columns import PlanTensors
 from .model import FlatGroups, Plan, SourceTable, TensorPlan
 
 KIND = "optimizer_state"
@@ -46,7 +47,7 @@ def build_optimizer_plan(ckpt: LoadedCheckpoint, table: SourceTable, keys: Seque
             shape, stored, segs = by_key[key][name]
             out = f"{name}.{key}" if qualified else name
             tensors[out] = TensorPlan(out, shape, KIND, stored, out_dtype_for(stored, dtype), tuple(segs))
-    return Plan(tensors, {}, tuple(tensors), ckpt.stage, ckpt.world_size)
+    return Plan(PlanTensors.of(list(tensors.values())), {}, tuple(tensors), ckpt.stage, ckpt.world_size)
 
 
 def flat_state_entries(ckpt: LoadedCheckpoint, table: SourceTable, keys: Sequence[str]) -> dict[str, dict]:

@@ -10,7 +10,6 @@ composition, the masters of a save without ZeRO) as the ``trainable`` entries.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 
 import torch
 
@@ -24,31 +23,22 @@ from .model import BUFFER, FROZEN, TRAINABLE, Entry, FlatGroups, Plan, SourceTab
 
 
 def partition_entries(ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
-                      what: str) -> Mapping[str, Entry]:
+                      what: str) -> EntryTable:
     """Every trainable parameter of ``ckpt.partitions``, read from ``flats`` (the masters or one
-    optimizer state, one entry per optimizer file): the partitions' tables joined into one where
-    they can be (one dtype, no name twice; the plan then reads its columns), else the dict that
-    updating one with each in turn makes."""
+    optimizer state, one entry per optimizer file): the partitions' tables joined into one, as
+    updating one dict with each in turn would have them."""
     parts = []
     for p in ckpt.partitions:
         optims = [narrow_group(ckpt.optim_states[r], p.group) for r in p.ranks]
         meta = dataclasses.replace(ckpt.meta, param_shapes=[p.shapes])
         view = LoadedCheckpoint(ckpt.files, ckpt.stage, len(p.ranks), [meta], optims)
         entries = flat_entries(view, table, [[flats[r][p.group]] for r in p.ranks], what)
-        parts.append(entries if not p.skip else {n: e for n, e in entries.items() if n not in p.skip})
-    if len(parts) == 1:
-        return parts[0]
-    joined = EntryTable.join(parts) if parts and all(type(e) is EntryTable for e in parts) else None
-    if joined is not None:
-        return joined
-    out: dict[str, Entry] = {}
-    for entries in parts:
-        out.update(entries.items())
-    return out
+        parts.append(entries.without(p.skip))
+    return EntryTable.join(parts)
 
 
 def partitioned_plan(ckpt: PartitionedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
-                     exclude_frozen: bool, trainable: Mapping[str, Entry]) -> Plan:
+                     exclude_frozen: bool, trainable: EntryTable) -> Plan:
     """The state dict's plan: ``trainable`` (the layout's masters) and every stored tensor."""
     if exclude_frozen and not ckpt.frozen_known:
         raise UnsupportedCheckpointError(
@@ -60,7 +50,8 @@ def partitioned_plan(ckpt: PartitionedCheckpoint, table: SourceTable, dtype: tor
     for name, s in ckpt.stored.items():
         if name not in ckpt.aliases and name not in masters:
             (buffers if name in ckpt.buffers else frozen)[name] = table.whole(str(s.path), s.key, s.tensor)
-    layers = Layers(((TRAINABLE, trainable), (FROZEN, frozen), (BUFFER, buffers)))
+    layers = Layers(((TRAINABLE, trainable), (FROZEN, EntryTable.of_entries(frozen)),
+                     (BUFFER, EntryTable.of_entries(buffers))))
     for alias, source in ckpt.aliases.items():
         if source not in layers.names:
             raise InconsistentCheckpointError(f"tied parameter {alias!r} points to unknown parameter {source!r}",

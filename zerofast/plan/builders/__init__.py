@@ -14,7 +14,8 @@ from __future__ import annotations
 from ... import keys
 from ...errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
-from ..model import Entry, FlatGroups, SourceTable
+from ..columns import EntryTable
+from ..model import FlatGroups, SourceTable
 from . import zero3, zero12
 
 
@@ -25,7 +26,7 @@ def master_flat_groups(ckpt: LoadedCheckpoint) -> FlatGroups:
             for o in ckpt.optim_states]
 
 
-def flat_entries(ckpt: LoadedCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> dict[str, Entry]:
+def flat_entries(ckpt: LoadedCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> EntryTable:
     """Each parameter ``param_shapes`` lists, read from ``flats`` (one entry per rank in
     ``ckpt.optim_states``, laid out like the fp32 masters; ``what`` names them in errors), with
     the stage 1-2 or stage 3 arithmetic."""

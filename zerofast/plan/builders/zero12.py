@@ -6,7 +6,6 @@ Parameters follow each other in ``param_shapes`` order; after parameter i come
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import numpy as np
 
@@ -18,8 +17,8 @@ from ..model import Entry, FlatGroups, SegmentTable, SourceTable, VirtualBuffer
 INT64_MAX = 2 ** 63 - 1
 
 
-def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGroups) -> Mapping[str, Entry]:
-    parts: list[Mapping[str, Entry]] = []  # per group
+def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGroups) -> EntryTable:
+    parts: list[EntryTable] = []  # per group
     for g, group in enumerate(shapes):
         buf_parts = [groups[g][1] for groups in flats]
         buf = VirtualBuffer([table.add(str(o.path), groups[g][0], groups[g][1])
@@ -39,23 +38,9 @@ def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGro
                     f"{ckpt.world_size} ranks' partitions hold only {buf.numel}", ckpt.optim_states[0].path)
             out[name] = (shape, buf_parts[0].dtype, buf.pieces(offset, n, 0))
             offset += n + pads[i]
-        parts.append(out)
-    return _joined(parts)
-
-
-def _joined(parts: list[Mapping[str, Entry]]) -> Mapping[str, Entry]:
-    """The groups' entries as one mapping: one table where each group made one, else a dict in
-    group order (a later group's entry of a name replacing an earlier one's)."""
-    if len(parts) == 1:
-        return parts[0]
-    if parts and all(type(p) is EntryTable for p in parts):
-        joined = EntryTable.join(parts)
-        if joined is not None:
-            return joined
-    out: dict[str, Entry] = {}
-    for part in parts:
-        out.update(part.items())
-    return out
+        parts.append(EntryTable.of_entries(out))
+    # one table, in group order (a later group's entry of a name replacing an earlier one's)
+    return EntryTable.join(parts)
 
 
 def _alignment_paddings(ckpt: LoadedCheckpoint, group: int, count: int) -> list[int]:
@@ -70,7 +55,7 @@ def _alignment_paddings(ckpt: LoadedCheckpoint, group: int, count: int) -> list[
     return [int(p) for p in pads[group]]
 
 
-def _columns(group: dict, pads: list[int], buf: VirtualBuffer, dtype) -> Mapping[str, Entry] | None:
+def _columns(group: dict, pads: list[int], buf: VirtualBuffer, dtype) -> EntryTable | None:
     """The loop's entries for one group by array arithmetic (tens of thousands of parameters), or
     None where the loop would raise or the sums could leave int64. A parameter that crosses from
     one rank's partition into the next gets its segments from :meth:`VirtualBuffer.pieces`."""

@@ -9,7 +9,6 @@ the per-parameter loop (:func:`_loop`) remains for what that does not cover and 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from itertools import chain
 
 import numpy as np
@@ -23,7 +22,7 @@ from ..model import Entry, FlatGroups, SegmentTable, SourceTable, VirtualBuffer,
 INT64_MAX = 2 ** 63 - 1
 
 
-def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGroups) -> Mapping[str, Entry]:
+def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGroups) -> EntryTable:
     rank_bufs = [VirtualBuffer([table.add(str(o.path), where, t) for where, t in groups],
                                [t.numel() for _, t in groups])
                  for o, groups in zip(ckpt.optim_states, flats)]
@@ -31,7 +30,7 @@ def trainable(ckpt: LoadedCheckpoint, table: SourceTable, shapes, flats: FlatGro
     names = list(chain.from_iterable(shapes))
     dims = list(chain.from_iterable(group.values() for group in shapes))
     out = _columns(names, dims, rank_bufs, dtype)
-    return out if out is not None else _loop(ckpt, shapes, rank_bufs, dtype)
+    return out if out is not None else EntryTable.of_entries(_loop(ckpt, shapes, rank_bufs, dtype))
 
 
 def _loop(ckpt: LoadedCheckpoint, shapes, rank_bufs: list[VirtualBuffer], dtype: torch.dtype) -> dict[str, Entry]:
@@ -54,7 +53,7 @@ def _loop(ckpt: LoadedCheckpoint, shapes, rank_bufs: list[VirtualBuffer], dtype:
 
 
 def _columns(names: list[str], dims: list, rank_bufs: list[VirtualBuffer],
-             dtype: torch.dtype) -> Mapping[str, Entry] | None:
+             dtype: torch.dtype) -> EntryTable | None:
     """What :func:`_loop` returns, or None where it would raise or the sums could leave int64.
     A parameter whose slice on some rank crosses from one flat group into the next, or that a rank
     holds none of, gets its segments from :meth:`VirtualBuffer.pieces` as in the loop."""
