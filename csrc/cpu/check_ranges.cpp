@@ -26,6 +26,7 @@
 #include <mutex>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -37,16 +38,20 @@ namespace {
 
 using cpu::cast_piece;
 using cpu::pread_all;
-using cpu::check_file_range;
-using cpu::checked_fd;
 using cpu::reader_threads;
 using cpu::run_workers;
+using cpu::Source;
 
 // A row of `segments`: (tensor, side, source, source offset, tensor offset, length), in elements.
 constexpr int kCols = 6;
 // Elements per item: 256 KiB of fp32 per side, so both sides and the bounce buffer stay in L2.
 constexpr int64_t kItemElems = 1 << 16;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+// The most chunks a call may ask for: 2^36 rows of counts are 2.75 TB, past any real checkpoint.
+constexpr int64_t kMaxChunks = int64_t{1} << 36;
+
+// Chunks of a tensor of `n` elements (one, empty, for an empty tensor), without overflow.
+int64_t chunks_of(int64_t n, int64_t chunk) { return std::max<int64_t>(1, n / chunk + (n % chunk != 0)); }
 
 bool supported(at::ScalarType t) {
   switch (t) {
@@ -57,14 +62,6 @@ bool supported(at::ScalarType t) {
       return false;
   }
 }
-
-struct Source {
-  const char* mem;  // read when fd < 0
-  int fd;
-  int64_t file_off;
-  int64_t itemsize;
-  at::ScalarType dtype;
-};
 
 struct Piece {
   int64_t src, src_off, dst_off, len;
@@ -175,12 +172,31 @@ class Checks {
     pieces_[1] = std::move(pieces[1]);
     out_size_ = static_cast<int64_t>(c10::elementSize(dtype));
     for (size_t t = 0; t < numels_.size(); ++t) {
-      // Items never straddle a chunk, so each item's figures belong to one chunk.
-      for (int64_t lo = 0; lo < numels_[t]; lo += std::min(kItemElems, chunk_ - lo % chunk_)) {
-        items_.push_back({static_cast<int64_t>(t), lo, std::min({kItemElems, chunk_ - lo % chunk_, numels_[t] - lo})});
+      // Items cover what some row of either side covers: elsewhere both sides are zeros, which
+      // add nothing, so the work follows the bytes read, not what `numels` claims. Items never
+      // straddle a chunk, so each item's figures belong to one chunk.
+      for (const auto& [lo, hi] : covered(pieces_[0][t], pieces_[1][t])) {
+        for (int64_t x = lo; x < hi; x += items_.back().n) {
+          items_.push_back({static_cast<int64_t>(t), x, std::min({kItemElems, chunk_ - x % chunk_, hi - x})});
+        }
       }
     }
     parts_.resize(items_.size());
+  }
+
+  // The union of two sides' rows (each sorted by tensor offset, without overlaps) as [lo, hi) spans.
+  static std::vector<std::pair<int64_t, int64_t>> covered(const std::vector<Piece>& a, const std::vector<Piece>& b) {
+    std::vector<std::pair<int64_t, int64_t>> spans;
+    size_t i = 0, j = 0;
+    while (i < a.size() || j < b.size()) {
+      const Piece& p = j == b.size() || (i < a.size() && a[i].dst_off <= b[j].dst_off) ? a[i++] : b[j++];
+      if (!spans.empty() && p.dst_off <= spans.back().second) {
+        spans.back().second = std::max(spans.back().second, p.dst_off + p.len);
+      } else {
+        spans.emplace_back(p.dst_off, p.dst_off + p.len);
+      }
+    }
+    return spans;
   }
 
   std::tuple<at::Tensor, at::Tensor> run() {
@@ -253,7 +269,7 @@ class Checks {
     std::vector<int64_t> first;
     for (int64_t n : numels_) {
       first.push_back(nchunks);
-      nchunks += std::max<int64_t>(1, (n + chunk_ - 1) / chunk_);
+      nchunks += chunks_of(n, chunk_);
     }
     at::Tensor counts = at::zeros({nchunks, 5}, at::kLong);
     at::Tensor maxima = at::zeros({nchunks, 2}, at::kDouble);
@@ -296,25 +312,11 @@ class Checks {
 
 std::vector<Source> make_sources(const std::vector<at::Tensor>& sources, c10::IntArrayRef fds,
                                  const at::Tensor& offsets, at::ScalarType dtype, bool compare) {
-  const auto n = static_cast<int64_t>(sources.size());
-  TORCH_CHECK(static_cast<int64_t>(fds.size()) == n, "check_ranges: `source_fds` must hold one entry per source (",
-              n, "), got ", fds.size());
-  TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
-                  offsets.size(0) == n && offsets.is_contiguous(),
-              "check_ranges: `source_offsets` must be a contiguous CPU int64 tensor of shape [", n, "]");
-  const int64_t* off = offsets.const_data_ptr<int64_t>();
-  std::vector<Source> out;
-  for (int64_t i = 0; i < n; ++i) {
-    const auto& s = sources[i];
-    TORCH_CHECK(s.device().is_cpu() && (fds[i] >= 0 || s.is_contiguous()), "check_ranges: `sources[", i,
-                "]` must be a CPU tensor, contiguous unless it is read from its file");
-    TORCH_CHECK(fds[i] < 0 || off[i] >= 0, "check_ranges: `source_offsets[", i, "]` is negative");
-    TORCH_CHECK(supported(s.scalar_type()) && (!compare || supported(dtype)), "check_ranges: `sources[", i,
-                "]` is ", s.scalar_type(), " and the checked dtype ", dtype,
+  auto out = cpu::make_sources("check_ranges", sources, fds, offsets, /*strided_files=*/true);
+  for (size_t i = 0; i < sources.size(); ++i) {
+    TORCH_CHECK(supported(sources[i].scalar_type()) && (!compare || supported(dtype)), "check_ranges: `sources[", i,
+                "]` is ", sources[i].scalar_type(), " and the checked dtype ", dtype,
                 "; only float64/32/16, bfloat16, integers and bool are checked");
-    if (fds[i] >= 0) check_file_range(off[i], s.numel() * static_cast<int64_t>(s.element_size()), "check_ranges", i);
-    out.push_back({static_cast<const char*>(s.const_data_ptr()), checked_fd(fds[i], "check_ranges", i), off[i],
-                   static_cast<int64_t>(s.element_size()), s.scalar_type()});
   }
   return out;
 }
@@ -325,7 +327,7 @@ void make_pieces(const at::Tensor& segments, const std::vector<at::Tensor>& sour
   TORCH_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
                   segments.size(1) == kCols && segments.is_contiguous(),
               "check_ranges: `segments` must be a contiguous CPU int64 tensor of shape [N, 6], got ",
-              segments.scalar_type(), " ", segments.sizes());
+              segments.scalar_type(), " ", segments.sizes(), " on ", segments.device());
   const auto ntensors = static_cast<int64_t>(numels.size());
   for (int side = 0; side < 2; ++side) pieces[side].assign(numels.size(), {});
   const int64_t* seg = segments.const_data_ptr<int64_t>();
@@ -347,8 +349,8 @@ void make_pieces(const at::Tensor& segments, const std::vector<at::Tensor>& sour
       auto& rows = pieces[side][t];
       std::sort(rows.begin(), rows.end(), [](const Piece& a, const Piece& b) { return a.dst_off < b.dst_off; });
       for (size_t j = 1; j < rows.size(); ++j) {
-        TORCH_CHECK(rows[j].dst_off >= rows[j - 1].dst_off + rows[j - 1].len, "check_ranges: rows of tensor ", t,
-                    " side ", side, " overlap at element ", rows[j].dst_off);
+        TORCH_CHECK(rows[j].dst_off >= rows[j - 1].dst_off + rows[j - 1].len, "check_ranges: `segments`: rows of tensor ",
+                    t, " side ", side, " overlap at element ", rows[j].dst_off);
       }
     }
   }
@@ -362,10 +364,18 @@ std::tuple<at::Tensor, at::Tensor> check_ranges_cpu(const std::vector<at::Tensor
   TORCH_CHECK(chunk > 0, "check_ranges: `chunk` must be positive, got ", chunk);
   TORCH_CHECK(numels.device().is_cpu() && numels.scalar_type() == at::kLong && numels.dim() == 1 &&
                   numels.is_contiguous(),
-              "check_ranges: `numels` must be a contiguous CPU int64 tensor of shape [T]");
+              "check_ranges: `numels` must be a contiguous CPU int64 tensor of shape [T], got ", numels.scalar_type(),
+              " ", numels.sizes(), " on ", numels.device());
   const int64_t* nptr = numels.const_data_ptr<int64_t>();
   std::vector<int64_t> sizes(nptr, nptr + numels.size(0));
-  for (size_t t = 0; t < sizes.size(); ++t) TORCH_CHECK(sizes[t] >= 0, "check_ranges: `numels[", t, "]` is negative");
+  int64_t nchunks = 0;
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    TORCH_CHECK(sizes[t] >= 0, "check_ranges: `numels[", t, "]` is negative");
+    const int64_t more = chunks_of(sizes[t], chunk);
+    TORCH_CHECK(more <= kMaxChunks - nchunks, "check_ranges: `numels` and `chunk` = ", chunk, " make more than ", kMaxChunks,
+                " chunks (at `numels[", t, "]` = ", sizes[t], ")");
+    nchunks += more;
+  }
   auto srcs = make_sources(sources, source_fds, source_offsets, dtype, compare);
   std::vector<std::vector<Piece>> pieces[2];
   make_pieces(segments, sources, sizes, compare, pieces);

@@ -1,11 +1,16 @@
-// What the CPU kernels that read checkpoint files share: pread of a whole range, I/O errors the
-// Python side turns back into OSError, and how many reader threads a batch gets.
+// What the CPU kernels that read checkpoint files share: their sources and the checks of their
+// arguments, pread of a whole range, I/O errors the Python side turns back into OSError, and how
+// many reader threads a batch gets.
 #pragma once
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <ATen/core/Tensor.h>
+
 #include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -42,8 +48,12 @@ inline void pread_all(int fd, char* dst, int64_t nbytes, int64_t offset) {
 
 // `readers` <= 0 means torch's intra-op thread count. More readers than cores keeps several
 // requests in flight on a cold read; warm, the extra threads mostly wait their turn for a core.
+// At most kMaxReaders, whatever is asked: a thread per item of a large batch would only exhaust
+// the process's threads and memory.
+constexpr int64_t kMaxReaders = 1024;
+
 inline int reader_threads(size_t items, int64_t readers) {
-  const int64_t n = readers > 0 ? readers : at::get_num_threads();
+  const int64_t n = std::min(readers > 0 ? readers : at::get_num_threads(), kMaxReaders);
   return static_cast<int>(std::min<size_t>(static_cast<size_t>(n), std::max<size_t>(items, 1)));
 }
 
@@ -70,15 +80,88 @@ void run_workers(int nthreads, Work&& work) {
   work();
 }
 
-// A file descriptor as the kernels pass it to pread, and a read that stays within int64.
-inline int checked_fd(int64_t fd, const char* op, int64_t i) {
-  TORCH_CHECK(fd <= INT_MAX, op, ": file descriptor ", fd, " of source ", i, " is not an fd");
-  return static_cast<int>(fd);
+// An argument as messages name it: `name` or `name[index]`.
+struct Arg {
+  const char* name;
+  int64_t index = -1;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const Arg& a) {
+  os << '`' << a.name;
+  if (a.index >= 0) os << '[' << a.index << ']';
+  return os << '`';
 }
 
-inline void check_file_range(int64_t offset, int64_t nbytes, const char* op, int64_t i) {
-  TORCH_CHECK(offset >= 0 && nbytes >= 0 && offset <= std::numeric_limits<int64_t>::max() - nbytes, op,
-              ": source ", i, " reads ", nbytes, " bytes at file offset ", offset, ", past any file");
+// A file descriptor the kernels pread from (or pwrite to): open, not a directory, and open in
+// that direction, so a wrong one is refused by name before any byte moves. Returns the file's
+// size for a regular file, -1 for anything else (a device, a pipe).
+inline int64_t check_fd(int64_t fd, bool write, const char* op, Arg arg) {
+  TORCH_CHECK(fd >= 0 && fd <= INT_MAX, op, ": ", arg, " = ", fd, " is not an fd");
+  struct stat st;
+  // Tagged "[errno N]" as a failed read or write is, so that the Python side raises the OSError
+  // (EBADF, EISDIR) the call would have met, naming the argument.
+  TORCH_CHECK(::fstat(static_cast<int>(fd), &st) == 0, "zerofast: ", op, ": ", arg, " = ", fd,
+              " is not an open file descriptor [errno ", EBADF, "]");
+  TORCH_CHECK(!S_ISDIR(st.st_mode), "zerofast: ", op, ": ", arg, " = ", fd, " is a directory, not a file [errno ",
+              EISDIR, "]");
+  const int mode = ::fcntl(static_cast<int>(fd), F_GETFL) & O_ACCMODE;
+  TORCH_CHECK(write ? mode == O_WRONLY || mode == O_RDWR : mode == O_RDONLY || mode == O_RDWR, "zerofast: ", op,
+              ": ", arg, " = ", fd, " is not open for ", write ? "writing" : "reading", " [errno ", EBADF, "]");
+  return S_ISREG(st.st_mode) ? static_cast<int64_t>(st.st_size) : -1;
+}
+
+// A source of the batched readers (read_cast, check_ranges): the tensor's bytes in memory, or
+// the same bytes at `file_off` of file `fd`.
+struct Source {
+  const char* mem;  // the tensor's data: read when there is no file to read from
+  int fd;           // -1: copy from `mem`
+  int64_t file_off;
+  int64_t itemsize;
+  at::ScalarType dtype;
+};
+
+// The sources of one call, every argument checked before a byte is read. A source read from a
+// regular file must lie within it: a file cut short since the loader checked it is EIO, as a
+// failed read is. `strided_files`: a source read from its file may be any CPU tensor of its dtype
+// and length (check_ranges' stand-ins); otherwise every source is a contiguous CPU tensor.
+inline std::vector<Source> make_sources(const char* op, const std::vector<at::Tensor>& sources, c10::IntArrayRef fds,
+                                        const at::Tensor& offsets, bool strided_files) {
+  const auto n = static_cast<int64_t>(sources.size());
+  TORCH_CHECK(static_cast<int64_t>(fds.size()) == n, op, ": `source_fds` must hold one entry per source (", n,
+              "), got ", fds.size());
+  TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                  offsets.size(0) == n && offsets.is_contiguous(),
+              op, ": `source_offsets` must be a contiguous CPU int64 tensor of shape [", n, "], got ",
+              offsets.scalar_type(), " ", offsets.sizes(), " on ", offsets.device());
+  const int64_t* off = offsets.const_data_ptr<int64_t>();
+  std::vector<Source> out;
+  out.reserve(static_cast<size_t>(n));
+  int64_t last_fd = -1, last_size = -1;  // sources of one file come together: one fstat for them all
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& s = sources[i];
+    const bool file = fds[i] >= 0;
+    TORCH_CHECK(s.device().is_cpu() && (s.is_contiguous() || (strided_files && file)), op, ": `sources[", i, "]` must be ",
+                strided_files ? "a CPU tensor, contiguous unless it is read from its file" : "a contiguous CPU tensor",
+                ", got a ", s.is_contiguous() ? "contiguous" : "non-contiguous", " one on ", s.device());
+    const auto itemsize = static_cast<int64_t>(s.element_size());
+    if (file) {
+      TORCH_CHECK(s.numel() <= std::numeric_limits<int64_t>::max() / itemsize, op, ": `sources[", i, "]` has ",
+                  s.numel(), " elements, more bytes than any file holds");
+      const int64_t nbytes = s.numel() * itemsize;
+      TORCH_CHECK(off[i] >= 0 && off[i] <= std::numeric_limits<int64_t>::max() - nbytes, op, ": `source_offsets[", i,
+                  "]` = ", off[i], ": source ", i, " reads ", nbytes, " bytes there, past any file");
+      if (fds[i] != last_fd) {
+        last_size = check_fd(fds[i], false, op, {"source_fds", i});
+        last_fd = fds[i];
+      }
+      TORCH_CHECK(last_size < 0 || off[i] + nbytes <= last_size, "zerofast: ", op, ": `sources[", i,
+                  "]` is read from bytes [", off[i], ", ", off[i] + nbytes, ") of the file of `source_fds[", i,
+                  "]`, which ends at byte ", last_size, ": it was truncated after it was opened [errno ", EIO, "]");
+    }
+    out.push_back({static_cast<const char*>(s.const_data_ptr()), file ? static_cast<int>(fds[i]) : -1,
+                   file ? off[i] : 0, itemsize, s.scalar_type()});
+  }
+  return out;
 }
 
 }  // namespace zerofast::cpu

@@ -64,6 +64,9 @@ constexpr int64_t kGrainElements = 1 << 18;
 
 void gather_cast_cpu(const std::vector<at::Tensor>& sources, const at::Tensor& segments, const at::Tensor& out,
                      bool stream_sources) {
+  // The dispatcher sends CPU tensors here, but a caller can pick the kernel itself (redispatch):
+  // a tensor of another device has no host bytes to read or write.
+  TORCH_CHECK(out.device().is_cpu(), "gather_cast: `out` is on ", out.device(), "; the CPU kernel writes to host memory only");
   check_gather_cast_args(sources, segments, out);
   const int64_t nseg = segments.size(0);
   if (nseg == 0) return;

@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -39,22 +40,13 @@ namespace {
 using cpu::cast_piece;
 using cpu::io_error;
 using cpu::pread_all;
-using cpu::check_file_range;
-using cpu::checked_fd;
 using cpu::reader_threads;
 using cpu::run_workers;
+using cpu::Source;
 
 // One row of `segments`: (out index, source index, source offset, output offset, length), in
 // elements of the source and of the output.
 constexpr int kRow = 5;
-
-struct Source {
-  const char* mem;  // the tensor's data: read when there is no file to read from
-  int fd;           // -1: copy from `mem`
-  int64_t file_off;
-  int64_t itemsize;
-  at::ScalarType dtype;
-};
 
 struct Dest {
   char* mem;        // null when writing to a file
@@ -318,30 +310,6 @@ void check_castable(at::ScalarType from, at::ScalarType to, int64_t src, int64_t
               "; only float64/float32/float16/bfloat16 are cast, other dtypes must match");
 }
 
-std::vector<Source> make_sources(const std::vector<at::Tensor>& sources, c10::IntArrayRef fds,
-                                 const at::Tensor& file_offsets) {
-  const auto n = static_cast<int64_t>(sources.size());
-  TORCH_CHECK(static_cast<int64_t>(fds.size()) == n, "read_cast: `source_fds` must hold one entry per source (",
-              n, "), got ", fds.size());
-  TORCH_CHECK(file_offsets.device().is_cpu() && file_offsets.scalar_type() == at::kLong && file_offsets.dim() == 1 &&
-                  file_offsets.size(0) == n && file_offsets.is_contiguous(),
-              "read_cast: `source_offsets` must be a contiguous CPU int64 tensor of shape [", n, "], got ",
-              file_offsets.scalar_type(), " ", file_offsets.sizes());
-  const int64_t* off = file_offsets.const_data_ptr<int64_t>();
-  std::vector<Source> out;
-  out.reserve(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const auto& s = sources[i];
-    TORCH_CHECK(s.device().is_cpu() && s.is_contiguous(), "read_cast: `sources[", i,
-                "]` must be a contiguous CPU tensor");
-    TORCH_CHECK(fds[i] < 0 || off[i] >= 0, "read_cast: `source_offsets[", i, "]` is negative");
-    if (fds[i] >= 0) check_file_range(off[i], s.numel() * static_cast<int64_t>(s.element_size()), "read_cast", i);
-    out.push_back({static_cast<const char*>(s.const_data_ptr()), checked_fd(fds[i], "read_cast", i), off[i],
-                   static_cast<int64_t>(s.element_size()), s.scalar_type()});
-  }
-  return out;
-}
-
 // Every row is checked before any byte moves, so a bad plan fails without touching an output.
 const int64_t* check_rows(const at::Tensor& segments, const std::vector<at::Tensor>& sources,
                           const std::vector<int64_t>& out_numel, const std::vector<at::ScalarType>& out_dtype) {
@@ -384,12 +352,14 @@ void read_cast_cpu(const std::vector<at::Tensor>& sources, c10::IntArrayRef sour
   std::vector<at::ScalarType> dtypes;
   for (size_t i = 0; i < outs.size(); ++i) {
     const auto& o = outs[i];
-    TORCH_CHECK(o.device().is_cpu() && o.is_contiguous(), "read_cast: `outs[", i, "]` must be a contiguous CPU tensor");
+    TORCH_CHECK(o.device().is_cpu() && o.is_contiguous(), "read_cast: `outs[", i,
+                "]` must be a contiguous CPU tensor, got a ", o.is_contiguous() ? "contiguous" : "non-contiguous",
+                " one on ", o.device());
     dests.push_back({static_cast<char*>(o.data_ptr()), 0, static_cast<int64_t>(o.element_size()), o.scalar_type()});
     numel.push_back(o.numel());
     dtypes.push_back(o.scalar_type());
   }
-  auto srcs = make_sources(sources, source_fds, source_offsets);
+  auto srcs = cpu::make_sources("read_cast", sources, source_fds, source_offsets, /*strided_files=*/false);
   const int64_t* seg = check_rows(segments, sources, numel, dtypes);
   advise_huge(outs, hugepages);
   Batch(std::move(srcs), std::move(dests), seg, segments.size(0), -1, readers, false).run();
@@ -410,8 +380,12 @@ std::vector<at::Tensor> read_cast_new_cpu(const std::vector<at::Tensor>& sources
   for (size_t i = 0; i < ranks.size(); ++i) {
     TORCH_CHECK(ranks[i] >= 0 && ranks[i] <= ndims - pos, "read_cast_new: `ranks[", i, "]` = ", ranks[i],
                 " reaches past the end of `dims`");
+    int64_t bytes = static_cast<int64_t>(c10::elementSize(dtype));
     for (int64_t k = pos; k < pos + ranks[i]; ++k) {
-      TORCH_CHECK(dims[k] >= 0, "read_cast_new: output ", i, " has a negative size");
+      TORCH_CHECK(dims[k] >= 0, "read_cast_new: `dims[", k, "]` = ", dims[k], ": output ", i, " has a negative size");
+      TORCH_CHECK(dims[k] == 0 || bytes <= std::numeric_limits<int64_t>::max() / dims[k], "read_cast_new: `dims[",
+                  pos, ":", pos + ranks[i], "]`: output ", i, " has more bytes than int64 counts");
+      bytes *= dims[k] == 0 ? 1 : dims[k];
     }
     outs.push_back(at::empty(dims.slice(pos, ranks[i]), options));
     pos += ranks[i];
@@ -425,12 +399,13 @@ void read_cast_to_file_cpu(const std::vector<at::Tensor>& sources, c10::IntArray
                            const at::Tensor& source_offsets, const at::Tensor& segments, int64_t out_fd,
                            const at::Tensor& out_offsets, const at::Tensor& out_numels, at::ScalarType out_dtype,
                            int64_t readers, bool copy_file_range) {
-  TORCH_CHECK(out_fd >= 0 && out_fd <= INT_MAX, "read_cast_to_file: `out_fd` must be an open file descriptor, got ", out_fd);
+  cpu::check_fd(out_fd, /*write=*/true, "read_cast_to_file", {"out_fd"});
   for (const auto* t : {&out_offsets, &out_numels}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous() &&
                     t->size(0) == out_offsets.size(0),
                 "read_cast_to_file: `out_offsets` and `out_numels` must be contiguous CPU int64 tensors of one "
-                "length, got ", out_offsets.sizes(), " and ", out_numels.sizes());
+                "length, got ", out_offsets.scalar_type(), " ", out_offsets.sizes(), " on ", out_offsets.device(),
+                " and ", out_numels.scalar_type(), " ", out_numels.sizes(), " on ", out_numels.device());
   }
   const int64_t* off = out_offsets.const_data_ptr<int64_t>();
   const int64_t* cnt = out_numels.const_data_ptr<int64_t>();
@@ -438,11 +413,14 @@ void read_cast_to_file_cpu(const std::vector<at::Tensor>& sources, c10::IntArray
   std::vector<Dest> dests;
   std::vector<int64_t> numel;
   for (int64_t i = 0; i < out_offsets.size(0); ++i) {
-    TORCH_CHECK(off[i] >= 0 && cnt[i] >= 0, "read_cast_to_file: output ", i, " has a negative offset or numel");
+    TORCH_CHECK(off[i] >= 0 && cnt[i] >= 0, "read_cast_to_file: `out_offsets[", i, "]` = ", off[i], " or `out_numels[",
+                i, "]` = ", cnt[i], " is negative");
+    TORCH_CHECK(cnt[i] <= (std::numeric_limits<int64_t>::max() - off[i]) / itemsize, "read_cast_to_file: `out_offsets[",
+                i, "]` = ", off[i], " and `out_numels[", i, "]` = ", cnt[i], " end past any file");
     dests.push_back({nullptr, off[i], itemsize, out_dtype});
     numel.push_back(cnt[i]);
   }
-  auto srcs = make_sources(sources, source_fds, source_offsets);
+  auto srcs = cpu::make_sources("read_cast", sources, source_fds, source_offsets, /*strided_files=*/false);
   const int64_t* seg = check_rows(segments, sources, numel, std::vector<at::ScalarType>(numel.size(), out_dtype));
   Batch(std::move(srcs), std::move(dests), seg, segments.size(0), static_cast<int>(out_fd), readers,
         copy_file_range).run();
