@@ -206,6 +206,11 @@ def _read_int(path: str) -> int | None:
         return None
 
 
+class SettingsError(ZeroFastError, ValueError):
+    """An environment setting (``ZEROFAST_*``) holds a value zerofast cannot use. A ValueError
+    too, as these were before they had a type of their own."""
+
+
 class DeviceError(ZeroFastError, RuntimeError):
     """The requested device cannot run zerofast: an unknown device type, or no CUDA GPU visible."""
 

@@ -15,6 +15,7 @@ README's "Settings" table lists the same variables.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from .errors import NativeExtensionError
+from .errors import NativeExtensionError, SettingsError
 
 NATIVE_ENV = "ZEROFAST_NATIVE"
 CACHE_DIR_ENV = "ZEROFAST_CACHE_DIR"
@@ -96,12 +97,14 @@ class Settings:
         return NATIVE_MODES[raw]
 
     def dist_timeout_s(self) -> float:
+        """ZEROFAST_DIST_TIMEOUT in seconds; a :class:`SettingsError` (a ValueError) for anything
+        but a positive, finite number, which the CLI prints as one line."""
         try:
             value = float(self.dist_timeout)
         except ValueError:
             value = -1
-        if not value > 0:
-            raise ValueError(f"{DIST_TIMEOUT_ENV} must be a positive number of seconds, got {self.dist_timeout!r}")
+        if not 0 < value < math.inf:
+            raise SettingsError(f"{DIST_TIMEOUT_ENV} must be a positive number of seconds, got {self.dist_timeout!r}")
         return value
 
 

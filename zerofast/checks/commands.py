@@ -1,6 +1,7 @@
 """The ``zerofast verify`` and ``zerofast diff`` commands, added to the ``zerofast`` parser by
 :mod:`zerofast.cli`. Each prints one line per finding (or change) and a summary, or ``--json``;
-``verify`` exits 1 unless the report is clean."""
+``verify`` exits 1 unless the report is clean; ``diff`` exits 0 whatever it finds, or with
+``--exit-code`` 1 when A and B differ, as ``git diff --exit-code`` does."""
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,14 @@ def add_verify_commands(sub, common) -> None:
     d = sub.add_parser("diff", parents=[common], help="compare two checkpoints or exports, tensor by tensor",
                        description="List tensors only in A or only in B, dtype and shape changes, and for changed "
                                    "tensors the max abs and relative difference and the fraction of elements "
-                                   "changed, largest change first. --tag applies to both sides.")
+                                   "changed, largest change first. --tag applies to both sides. Exit 0, or with "
+                                   "--exit-code 1 when they differ; 1 on an error either way.")
     d.add_argument("a", metavar="A", help="a checkpoint (root or tag folder) or an export folder")
     d.add_argument("b", metavar="B", help="another one")
     d.add_argument("--optimizer", action="store_true", help="compare the per-element optimizer states too")
     d.add_argument("--json", action="store_true", help="print the result as JSON")
+    d.add_argument("--exit-code", action="store_true",
+                   help="exit 1 when A and B differ (as git diff --exit-code), 0 when they are identical")
     d.set_defaults(run=_diff)
 
 
@@ -45,4 +49,4 @@ def _diff(args: argparse.Namespace) -> int:
     result = diff(args.a, args.b, optimizer=args.optimizer, tag_a=args.tag, tag_b=args.tag,
                   follow_symlinks=args.follow_symlinks)
     print(json.dumps(result.to_dict(), indent=2) if args.json else "\n".join(result.lines()))
-    return 0
+    return 1 if args.exit_code and not result.identical else 0

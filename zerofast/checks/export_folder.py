@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,14 +20,12 @@ import torch
 
 from .. import dtypes
 from ..hf import trainer as hf
-from ..hf.formats import FORMATS, TIED_KEY
+from ..hf.formats import FORMATS, TIED_KEY, safetensors
 from ..hf.run import OPTIMIZER_NAMES
 from .report import Report
 from .ranges import Located
 from .tensors import BATCH_BYTES, Chunk, Meta, ahead, cuts
 
-_CODES = {code: dtype for dtype, code in dtypes.SAFETENSORS_CODES.items()}
-_HEADER_LIMIT = 100 << 20  # safetensors' own bound on the header
 CONFIG = "config.json"
 
 
@@ -90,8 +87,9 @@ class ExportFolder:
         try:
             doc = json.loads(index.read_text())
             weight_map, metadata = dict(doc["weight_map"]), dict(doc.get("metadata") or {})
-        except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
-            self.report.add("index", index.name, f"expected JSON with a 'weight_map', could not read it ({e})")
+        except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError) as e:
+            self.report.add("index", index.name, f"expected JSON with a 'weight_map', could not read it "
+                            f"({type(e).__name__}: {str(e)[:200]})")
             return
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():
@@ -129,38 +127,19 @@ class ExportFolder:
                 self.where[name], self.metas[name] = found
 
     def _safetensors(self, path: Path):
-        size = path.stat().st_size
+        """The file's tensors as its header places them; every problem of the header is reported
+        (:func:`~zerofast.hf.formats.safetensors.read_header`, report-and-go-on), and tensors past
+        the end of a truncated file are left out and remembered in ``cut``."""
         try:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                if n > min(size - 8, _HEADER_LIMIT):
-                    raise ValueError(f"a header of {n:,} bytes in a file of {size:,}")
-                head = json.loads(f.read(n))
-        except (struct.error, ValueError, OSError) as e:
-            self.report.add("files", path.name, f"expected a safetensors file, could not read its header ({e})")
+            head = safetensors.read_header(path, self.report.add)
+        except OSError as e:
+            self.report.add("files", path.name, f"expected a safetensors file, could not read it ({e.strerror})")
             return None
-        start, out, end = 8 + n, {}, 0
-        metadata = head.pop("__metadata__", None) or {}
-        for name, info in head.items():
-            try:
-                dtype, shape, (lo, hi) = _CODES[info["dtype"]], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                self.report.add("files", path.name, f"header entry {name!r} is not a safetensors tensor entry")
-                continue
-            meta = Meta(name, shape, dtype, "stored")
-            if hi - lo != meta.nbytes:
-                self.report.add("files", name, f"{path.name}'s header gives it {hi - lo} bytes, its shape and dtype "
-                                f"need {meta.nbytes}")
-                continue
-            end = max(end, hi)
-            if start + hi <= size:
-                out[name] = (_Where(path, start + lo, name), meta)
-            else:
-                self.cut.add(name)
-        if start + end > size:
-            self.report.add("truncated", path.name, f"the file has {size:,} bytes, its header needs {start + end:,}: "
-                            f"{len(head) - len(out)} tensors are cut off", size=size, expected=start + end)
-        return out, metadata if isinstance(metadata, dict) else {}
+        if head is None:
+            return None
+        self.cut.update(head.cut)
+        return {name: (_Where(path, head.start + e.begin, name), Meta(name, e.shape, e.dtype, "stored"))
+                for name, e in head.entries.items()}, head.metadata
 
     def _torch(self, path: Path):
         try:

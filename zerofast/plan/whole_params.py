@@ -15,8 +15,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import torch
-
+from ..errors import InconsistentCheckpointError
 from ..load import LoadedCheckpoint
 from .model import Entry, FlatGroups, SourceTable
 
@@ -24,9 +23,14 @@ from .model import Entry, FlatGroups, SourceTable
 def param_spans(ckpt: LoadedCheckpoint, g: int) -> list[tuple[str, tuple, int, int]]:
     """(name, shape, start, numel) of each parameter of flat group ``g`` in the group's flat
     order, alignment padding included in the offsets."""
+    shapes = ckpt.meta.param_shapes
+    if shapes is None or g >= len(shapes):
+        found = "None" if shapes is None else f"{len(shapes)} groups"
+        raise InconsistentCheckpointError(f"expected 'param_shapes' to hold flat group {g} (a ZeRO stage 1-3 "
+                                          f"checkpoint records one per fp32 group), found {found}", ckpt.meta.path)
     pads = ckpt.optim_states[0].param_alignment_paddings
     out, offset = [], 0
-    for i, (name, shape) in enumerate(ckpt.meta.param_shapes[g].items()):
+    for i, (name, shape) in enumerate(shapes[g].items()):
         n = math.prod(shape)
         out.append((name, tuple(shape), offset, n))
         offset += n + (int(pads[g][i]) if pads and g < len(pads) and i < len(pads[g]) else 0)
@@ -45,6 +49,7 @@ def whole_groups(ckpt: LoadedCheckpoint, flats: FlatGroups, masters: FlatGroups,
         return set()
     out = set()
     for g in groups:
+        _check_held(ckpt, flats, masters, g)
         size = masters[0][g][1].numel()
         spans = param_spans(ckpt, g)
         whole = [sum(s[3] for s in touching(spans, r * size, (r + 1) * size)) for r in range(len(flats))]
@@ -58,6 +63,7 @@ def whole_groups(ckpt: LoadedCheckpoint, flats: FlatGroups, masters: FlatGroups,
 def entries(ckpt: LoadedCheckpoint, table: SourceTable, flats: FlatGroups, masters: FlatGroups,
             g: int) -> dict[str, Entry]:
     """``{param: entry}`` of flat group ``g``, each read whole from the first rank that holds it."""
+    _check_held(ckpt, flats, masters, g)
     size = masters[0][g][1].numel()
     spans = param_spans(ckpt, g)
     out: dict[str, Entry] = {}
@@ -71,5 +77,14 @@ def entries(ckpt: LoadedCheckpoint, table: SourceTable, flats: FlatGroups, maste
     return out
 
 
-def dtype_of(flats: FlatGroups, g: int) -> torch.dtype:
-    return flats[0][g][1].dtype
+def _check_held(ckpt: LoadedCheckpoint, flats: FlatGroups, masters: FlatGroups, g: int) -> None:
+    """Every rank holds flat group ``g``, in ``flats`` and in ``masters``: a damaged rank file
+    can lose one, which is then named, with the file, instead of indexed."""
+    for o, flat, master in zip(ckpt.optim_states, flats, masters):
+        held = min(len(flat), len(master))
+        if g >= held:
+            raise InconsistentCheckpointError(f"expected flat group {g} in this rank's optimizer state, found "
+                                              f"{held} groups", o.path)
+    if len(flats) != len(ckpt.optim_states) or len(masters) != len(ckpt.optim_states):
+        raise InconsistentCheckpointError(f"expected the state of {len(ckpt.optim_states)} ranks, found "
+                                          f"{min(len(flats), len(masters))}", ckpt.meta.path)

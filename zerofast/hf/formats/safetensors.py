@@ -6,14 +6,15 @@ window (``windows.WINDOW_BYTES``) at a time. The data is written once, and memor
 the model size. Each native call is sized to take about :data:`_CALL_SECONDS`, so that a signal
 (Ctrl-C, SIGTERM) is handled within a fraction of a second whatever the disk's speed.
 
-:func:`read` is the one safetensors reader of the package (``load_exported``, and a base model's
-weights for ``--merge-adapters``): the header checked against the file, the tensors memory-mapped,
-without the safetensors package.
+:func:`read_header` is the one safetensors header parser of the package, with two policies: raise
+(:func:`read`: ``load_exported``, and a base model's weights for ``--merge-adapters``, the tensors
+memory-mapped without the safetensors package) or report and go on (``zerofast verify``).
 """
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from itertools import chain
 from json.encoder import encode_basestring_ascii
 import mmap
@@ -21,13 +22,13 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import BinaryIO, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from ...dtypes import SAFETENSORS_CODES
-from ...errors import ExportError
+from ...errors import ExportError, short_repr
 from ...execute import Executor
 from ...output.transaction import writing
 from ...output.windows import reserve, write_windows
@@ -144,39 +145,164 @@ def _slices(placed: tuple[TensorPlan, int], base: int, pace: _Pace) -> Iterator[
         lo = hi
 
 
-def read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """The tensors of a safetensors file, memory-mapped copy-on-write, and its string metadata."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        try:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError(f"a header of {n} bytes in a file of {size}")
-            header = json.loads(f.read(n))
-            if not isinstance(header, dict):
-                raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
-        except (struct.error, ValueError, RecursionError) as e:
-            raise ExportError(f"expected a safetensors file, could not read its header ({e})", path) from None
-    metadata = header.pop("__metadata__", None)
-    return {key: _tensor(data, info, 8 + n, size, key, path) for key, info in header.items()}, (
-        metadata if isinstance(metadata, dict) else {})
+HEADER_LIMIT = 100_000_000  # the safetensors project's bound on the header (MAX_HEADER_SIZE)
 
 
-def _tensor(data, info, start: int, size: int, key: str, path: Path) -> torch.Tensor:
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors header: its bytes are ``[begin, end)`` of the data region."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass
+class Header:
+    """A safetensors file's header as :func:`read_header` found it."""
+
+    size: int  # of the file
+    start: int  # where the data region begins: 8 + the header's length
+    entries: dict[str, Entry]  # the well-formed entries whose bytes are in the file, in header order
+    metadata: dict[str, str]
+    cut: list[str] = field(default_factory=list)  # well-formed entries whose bytes run past the end
+
+
+class Problem(Protocol):
+    def __call__(self, check: str, name: str, message: str, **detail) -> None: ...
+
+
+def read_header(path: Path, problem: Problem | None = None, file: BinaryIO | None = None) -> Header | None:
+    """The header of the safetensors file at ``path``, checked as the safetensors project checks
+    it: a length prefix within the file and at most :data:`HEADER_LIMIT`; UTF-8 JSON holding an
+    object, no key twice; ``__metadata__`` an object of strings; each entry a known dtype, a shape
+    of non-negative integers and ``data_offsets`` ``[begin, end]`` of exactly its bytes; the
+    entries' bytes tiling the data region, without holes or overlaps, up to the end of the file
+    and nothing past it.
+
+    Two policies. Without ``problem`` (loading), the first problem raises an :class:`ExportError`
+    naming the file. With it (``verify``), each problem is passed to ``problem(check, name,
+    message, **detail)``, as ``Report.add`` takes it, and reading goes on: a malformed entry is
+    left out, one whose bytes lie past the end of a truncated file is listed in ``cut``, and None
+    is returned only where the header itself cannot be read. ``check`` is ``"files"``, or
+    ``"truncated"`` for a file shorter than its header says."""
+    if file is None:
+        with open(path, "rb") as f:
+            return read_header(path, problem, f)
+    path = Path(path)
+
+    def bad(message: str, check: str = "files", name: str | None = None, **detail) -> None:
+        if problem is None:
+            raise ExportError(message, path)
+        problem(check, name or path.name, message, **detail)
+
+    size = os.fstat(file.fileno()).st_size
+    prefix = file.read(8)
+    if len(prefix) < 8:
+        return bad(f"expected a safetensors file, it has only {size} bytes")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > min(size - 8, HEADER_LIMIT):
+        limit = "" if n <= HEADER_LIMIT else f", more than the {HEADER_LIMIT:,} safetensors allows"
+        return bad(f"expected a safetensors file, could not read its header (a header of {n:,} bytes in a file "
+                   f"of {size:,}{limit})")
     try:
-        dtype, shape, (lo, hi) = _DTYPES[info["dtype"]], [int(s) for s in info["shape"]], info["data_offsets"]
-        lo, hi = int(lo), int(hi)
-    except (KeyError, TypeError, ValueError):
-        raise ExportError(f"tensor {key!r} has a header entry safetensors does not define: {info!r}"[:300],
-                          path) from None
-    count = math.prod(shape)
-    if min(shape, default=0) < 0 or not 0 <= lo <= hi <= size - start or hi - lo != count * dtype.itemsize:
-        raise ExportError(f"tensor {key!r} claims bytes [{lo}, {hi}), which do not fit its shape {shape} "
-                          "inside the file", path)
+        head = json.loads(file.read(n).decode("utf-8"), object_pairs_hook=_unique)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return bad(f"expected a safetensors file, could not read its header ({type(e).__name__}: {str(e)[:200]})")
+    if not isinstance(head, dict):
+        return bad(f"expected a safetensors file, its header is a JSON {type(head).__name__}, not an object")
+    start = 8 + n
+    metadata = head.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    elif not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        bad(f"its header's __metadata__ is not an object of strings: {short_repr(metadata, 200)}")
+        metadata = {}
+    entries: dict[str, Entry] = {}
+    for name, info in head.items():
+        entry = _entry(name, info, bad)
+        if entry is not None:
+            entries[name] = entry
+    found = Header(size, start, {}, metadata)
+    end = _tile(entries, bad)
+    data = size - start
+    for name, entry in entries.items():
+        if entry.end <= data:
+            found.entries[name] = entry
+        else:
+            found.cut.append(name)
+    if end > data:
+        bad(f"the file has {size:,} bytes, its header needs {start + end:,}: {len(found.cut)} tensors are cut off",
+            "truncated", size=size, expected=start + end)
+    elif end < data:
+        bad(f"the file has {data - end:,} bytes past its last tensor's, which no tensor holds")
+    return found
+
+
+def _unique(pairs: list[tuple[str, object]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {short_repr(key, 100)} appears twice")
+        out[key] = value
+    return out
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _entry(name: str, info, bad) -> Entry | None:
+    """The header entry ``name``, or None after ``bad`` was told what is wrong with it."""
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        keys = sorted(map(str, info)) if isinstance(info, dict) else type(info).__name__
+        return bad(f"header entry {name!r} is not a safetensors tensor entry: expected the keys data_offsets, dtype "
+                   f"and shape, found {short_repr(keys, 200)}")
+    code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(code, str) or code not in _DTYPES:
+        return bad(f"header entry {name!r} has dtype {short_repr(code, 60)}, which safetensors does not define")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        return bad(f"header entry {name!r} has shape {short_repr(shape, 100)}, not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
+            and 0 <= offsets[0] <= offsets[1]):
+        return bad(f"header entry {name!r} has data_offsets {short_repr(offsets, 100)}, not [begin, end] with "
+                   "0 <= begin <= end")
+    dtype, (lo, hi) = _DTYPES[code], offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if hi - lo != nbytes:
+        return bad(f"tensor {name!r} claims bytes [{lo}, {hi}), which do not fit its shape {shape} of {code} "
+                   f"({nbytes:,} bytes)", name=name)
+    return Entry(dtype, tuple(shape), lo, hi)
+
+
+def _tile(entries: dict[str, Entry], bad) -> int:
+    """Where the entries' bytes end, after ``bad`` was told of each hole and overlap among them."""
+    end, last = 0, None
+    for name, e in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if e.begin > end:
+            bad(f"bytes [{end}, {e.begin}) of its data, before tensor {name!r}, belong to no tensor")
+        elif e.begin < end:
+            bad(f"tensor {name!r} claims bytes [{e.begin}, {e.end}), which overlap those of {last!r}")
+        if e.end >= end:
+            end, last = e.end, name
+    return end
+
+
+def read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors of a safetensors file, memory-mapped copy-on-write, and its string metadata;
+    an :class:`ExportError` naming the file for anything :func:`read_header` refuses."""
+    with open(path, "rb") as f:
+        head = read_header(path, file=f)
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return {name: _tensor(data, head.start, e) for name, e in head.entries.items()}, head.metadata
+
+
+def _tensor(data, start: int, e: Entry) -> torch.Tensor:
+    count = math.prod(e.shape)
     if not count:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype, count=count, offset=start + lo).reshape(shape)
+        return torch.empty(e.shape, dtype=e.dtype)
+    return torch.frombuffer(data, dtype=e.dtype, count=count, offset=start + e.begin).reshape(e.shape)
 
 
 def file_metadata(tied: dict[str, str], count: int) -> dict[str, str]:
