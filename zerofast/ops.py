@@ -1,9 +1,17 @@
-"""The only door to the native ops: ``torch.ops.zerofast.*``, or the reference when asked for.
+"""The rest of the package's door to the native core: the ops ``torch.ops.zerofast.*``, each
+through its wrapper here (or the reference when asked for), and :func:`native_module` for the
+core's plain functions (the rank-file readers of :mod:`zerofast.load`). Only :mod:`zerofast.native`
+(building, loading and checking the core: ``zerofast build``, ``zerofast doctor``) reaches the
+core without it.
 
 Each op has its wrapper here and, beside it, its fake (the meta kernel FakeTensor tracing,
-``torch.compile`` and ``opcheck`` use), registered at module scope as ``pytorch/extension-cpp``
-does. The kernels' knobs (reader threads, huge pages, copy_file_range) are op arguments, filled
-from :func:`zerofast.settings.settings` here, so an op is a function of its arguments.
+``torch.compile`` and ``opcheck`` use). A fake needs its op's schema, which exists only once the
+core is loaded, so the fakes are declared at module scope but registered when the core first
+loads (:func:`load_native`, also reached through :func:`native_module`), not at import as in
+``pytorch/extension-cpp``, whose import loads its library. Each wrapper asks for the core once
+per call (:func:`native_enabled`). The kernels' knobs (reader threads, huge pages,
+copy_file_range) are op arguments, filled from :func:`zerofast.settings.settings` here, so an op
+is a function of its arguments.
 
 The native core is found, or built for the running torch, on first use (:mod:`.native.loader`),
 so ``import zerofast`` never fails for lack of it. Where it cannot be built, the ops run on the
@@ -114,7 +122,6 @@ def gather_cast(sources: Sequence[torch.Tensor], segments: torch.Tensor, out: to
     if not native_enabled() or not has_kernels(out.device):
         reference.gather_cast(sources, segments, out)
         return
-    load_native()
     torch.ops.zerofast.gather_cast(list(sources), segments, out, stream_sources)
 
 
@@ -127,10 +134,9 @@ def _gather_cast_fake(sources, segments, out, stream_sources=False) -> None:
 def read_cast(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
               segments: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
     """See the schema in csrc/zerofast.cpp."""
-    if not native_enabled():
+    if not native_enabled():  # loads (or builds) the core once, and registers the fakes
         reference.read_cast(sources, source_fds, source_offsets, segments, outs)
         return
-    load_native()
     knobs = settings()
     with _os_errors():
         torch.ops.zerofast.read_cast(list(sources), list(source_fds), source_offsets, segments, list(outs),
@@ -146,9 +152,8 @@ def read_cast_new(sources: Sequence[torch.Tensor], source_fds: Sequence[int], so
                   segments: torch.Tensor, dims: Sequence[int], ranks: Sequence[int],
                   dtype: torch.dtype) -> list[torch.Tensor]:
     """See the schema in csrc/zerofast.cpp."""
-    if not native_enabled():
+    if not native_enabled():  # loads (or builds) the core once, and registers the fakes
         return reference.read_cast_new(sources, source_fds, source_offsets, segments, dims, ranks, dtype)
-    load_native()
     knobs = settings()
     with _os_errors():
         return torch.ops.zerofast.read_cast_new(list(sources), list(source_fds), source_offsets, segments,
@@ -169,11 +174,10 @@ def read_cast_to_file(sources: Sequence[torch.Tensor], source_fds: Sequence[int]
                       segments: torch.Tensor, out_fd: int, out_offsets: torch.Tensor, out_numels: torch.Tensor,
                       out_dtype: torch.dtype) -> None:
     """See the schema in csrc/zerofast.cpp. A failed read or write raises OSError, as Python's would."""
-    if not native_enabled():
+    if not native_enabled():  # loads (or builds) the core once, and registers the fakes
         reference.read_cast_to_file(sources, source_fds, source_offsets, segments, out_fd, out_offsets, out_numels,
                                     out_dtype)
         return
-    load_native()
     knobs = settings()
     with _os_errors():
         torch.ops.zerofast.read_cast_to_file(list(sources), list(source_fds), source_offsets, segments, out_fd,
@@ -191,9 +195,8 @@ def check_ranges(sources: Sequence[torch.Tensor], source_fds: Sequence[int], sou
                  segments: torch.Tensor, numels: torch.Tensor, dtype: torch.dtype, compare: bool,
                  chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """See the schema in csrc/zerofast.cpp: per chunk, ``(counts [C, 5], maxima [C, 2])``."""
-    if not native_enabled():
+    if not native_enabled():  # loads (or builds) the core once, and registers the fakes
         return reference.check_ranges(sources, source_fds, source_offsets, segments, numels, dtype, compare, chunk)
-    load_native()
     # Not reader_count: verify's compares are CPU work, and the floor of 16 readers was measured
     # on copies only; unset, this stays torch's thread count, as before.
     with _os_errors():

@@ -4,12 +4,20 @@
 - :mod:`.pickle_bounds`, :mod:`.unpickle`: the restricted C unpickler (allowlisted globals,
   bounded opcodes and storages);
 - :mod:`.stand_ins`: inert stand-ins for the DeepSpeed classes the pickles name;
+- :mod:`.reader`: which unpickler reads a rank file, the native one (csrc/load/) or :mod:`.unpickle`;
+- :mod:`.parallel`: many rank files read at once, on a small pool of threads;
+- :mod:`.rank_states`: ZeRO-3's per-rank model-states files, each repeated pickle read once;
 - :mod:`.records`: typed views of the model-states and optimizer files, and the checks every
-  layout shares (stage, world size, flat groups);
-- :mod:`.checkpoint`: the loaded checkpoint records a layout returns.
+  layout shares (stage, world size, flat groups); :mod:`.bulk_checks`: the same checks over a
+  whole collection at once;
+- :mod:`.checkpoint`: the loaded checkpoint records a layout returns;
+- :mod:`.dcp`, :mod:`.dcp_stand_ins`: a PyTorch Distributed Checkpoint folder (``.metadata``
+  and its chunk files), read as safely as a rank file.
 
-Which files a save has and how they fit together is each layout's business
-(:mod:`zerofast.layouts`); nothing here knows the kinds of save.
+Which files a DeepSpeed save has and how they fit together is each layout's business
+(:mod:`zerofast.layouts`): the DeepSpeed readers here know files, not kinds of save. DCP is
+the exception: its own format rather than a kind of ZeRO save, it is read whole by :mod:`.dcp`,
+which :mod:`zerofast.layouts.dcp` wraps.
 """
 from .checkpoint import LoadedCheckpoint, PartitionedCheckpoint, Partition, Stored
 from .reader import load_files

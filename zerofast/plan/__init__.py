@@ -7,7 +7,9 @@
 - :mod:`.builders`: the partition arithmetic (stage 0 matching, stages 1-2, stage 3, frozen);
 - :mod:`.build`: the state dict's plan: the module's classification and the dtype policy applied;
 - :mod:`.partitioned`: the same for saves split into partitions (MoE, pipeline, AutoTP);
-- :mod:`.optimizer`: the optimizer states' plan, placed like the masters.
+- :mod:`.optimizer`: the optimizer states' plan, placed like the masters; :mod:`.whole_params`:
+  states laid out over whole parameters (Muon's momentum at stages 1-2);
+- :mod:`.dcp`: the plan of a PyTorch DCP folder, each tensor put back together from its chunks.
 
 Which builders a save needs is its layout's call (:mod:`zerofast.layouts`).
 """

@@ -12,13 +12,13 @@ from collections.abc import Mapping
 
 import torch
 
-from .. import keys
 from ..dtypes import out_dtype_for
 from ..errors import InconsistentCheckpointError
 from ..load import LoadedCheckpoint
 from .builders.frozen import declared as frozen_entries
+from .builders.stage0 import module_entry
 from .columns import EntryTable, Layers, plan_tensors
-from .model import BUFFER, FROZEN, TRAINABLE, Entry, Plan, SourceTable, tensor_identity
+from .model import BUFFER, FROZEN, TRAINABLE, Plan, SourceTable, tensor_identity
 
 
 def build_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
@@ -34,9 +34,9 @@ def plain_plan(ckpt: LoadedCheckpoint, table: SourceTable, dtype: torch.dtype | 
     frozen = frozen_entries(ckpt, table)
     kinds, aliases, undeclared_frozen, buffers, absent = _classify_module(ckpt, trainable, frozen)
     for name in undeclared_frozen:
-        frozen[name] = _module_entry(ckpt, table, name)
+        frozen[name] = module_entry(ckpt, table, name)
     for name in buffers:
-        buffers[name] = _module_entry(ckpt, table, name)
+        buffers[name] = module_entry(ckpt, table, name)
     layers = Layers(((TRAINABLE, trainable), (FROZEN, EntryTable.of_entries(frozen)),
                      (BUFFER, EntryTable.of_entries(buffers))))
     return assemble(ckpt, layers, _order(kinds, layers.names, aliases, absent), aliases, dtype, exclude_frozen,
@@ -79,10 +79,6 @@ def frozen_excluded(ckpt: LoadedCheckpoint) -> bool:
     HF Trainer does for PEFT models). Stages 2-3 then record ``frozen_param_shapes`` as None
     instead of a (possibly empty) dict; stage 1 records None either way."""
     return ckpt.stage >= 2 and ckpt.meta.frozen_param_shapes is None
-
-
-def _module_entry(ckpt: LoadedCheckpoint, table: SourceTable, name: str) -> Entry:
-    return table.whole(str(ckpt.meta.path), f"{keys.MODULE}[{name!r}]", ckpt.meta.module[name])
 
 
 def _classify_module(ckpt: LoadedCheckpoint, trainable: dict, frozen: dict):

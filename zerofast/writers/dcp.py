@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import ExportError, UnplacedOptimizerStateError, UnsupportedCheckpointError
+from ..discover import DCP_METADATA as METADATA
 from ..execute import Executor
 from ..keys import PARAMS
 from ..output.transaction import checkpoint_inputs, os_error, output_dir
@@ -34,7 +35,6 @@ from ..plan.optimizer import available_keys, scalar_states
 from .dcp_storage import storage_writer
 
 MODEL, OPTIM = "model", "optim"  # the top-level keys of the DCP tutorial's app state
-METADATA = ".metadata"
 COMMAND = "to-dcp"  # what the output folder's marker records
 
 

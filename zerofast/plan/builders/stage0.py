@@ -38,7 +38,7 @@ def trainable(ckpt: LoadedCheckpoint, table: SourceTable, exclude_frozen: bool) 
         # Plain fp32 training keeps no masters: the module holds the trained values.
         if exclude_frozen:
             _require_no_frozen(ckpt, opt, len(params))
-        return {name: _module_entry(table, ckpt, name) for name in params}
+        return {name: module_entry(ckpt, table, name) for name in params}
     model_dtype = next(iter(params.values())).dtype if params else torch.float32
     slots = _slots(ckpt, table, opt, params, model_dtype)
     return _assign(ckpt, table, slots, params, model_dtype)
@@ -72,7 +72,9 @@ def _module_parameters(ckpt: LoadedCheckpoint) -> dict[str, torch.Tensor]:
     return out
 
 
-def _module_entry(table: SourceTable, ckpt: LoadedCheckpoint, name: str) -> Entry:
+def module_entry(ckpt: LoadedCheckpoint, table: SourceTable, name: str) -> Entry:
+    """The module dict's tensor ``name``, whole, as it is stored: the one such helper, also for
+    the frozen weights and buffers :mod:`zerofast.plan.build` classifies."""
     return table.whole(str(ckpt.meta.path), f"{keys.MODULE}[{name!r}]", ckpt.meta.module[name])
 
 
