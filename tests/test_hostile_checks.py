@@ -170,7 +170,8 @@ def test_diff_exit_code(tmp_path):
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", ""])
-def test_a_bad_dist_timeout_is_a_typed_error_the_cli_prints_in_one_line(value, monkeypatch, capsys):
+def test_a_bad_dist_timeout_is_a_zerofast_error(value):
+    """A ZeroFastError, which cli.main prints as one line (a bare ValueError escaped it)."""
     with pytest.raises(SettingsError, match="ZEROFAST_DIST_TIMEOUT must be a positive number"):
         Settings(dist_timeout=value).dist_timeout_s()
     assert issubclass(SettingsError, ValueError) and issubclass(SettingsError, zerofast.ZeroFastError)
