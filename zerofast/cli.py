@@ -17,11 +17,10 @@ import signal
 import sys
 import traceback
 import warnings
-from collections import Counter
 from typing import Sequence
 
 from .cli_args import Later, Version, common_options, dtype_arg, positive, size_arg
-from .cli_report import offloaded_suffix, optimizer_lines
+from .cli_report import model_dtype, optimizer_lines, parallelism_line, training_dtype
 from .cli_dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines
 from .errors import ZeroFastError, short_repr, some
 from .native.commands import add_native_commands
@@ -342,8 +341,8 @@ def describe(ckpt_dir, tag: str | None = None, follow_symlinks: bool | None = No
         "layout": ckpt.layout.name, "universal": ckpt.layout.name == "universal",
         "world_size": plan.world_size, "deepspeed_version": _text_or_none(ckpt.ds_version),
         "global_steps": _int_or_none(ckpt.meta.raw.get(keys.GLOBAL_STEPS)),
-        "training_dtype": _training_dtype(ckpt.meta.raw.get(keys.DS_CONFIG)),
-        "model_dtype": _model_dtype(ckpt.meta),
+        "training_dtype": training_dtype(ckpt.meta.raw.get(keys.DS_CONFIG)),
+        "model_dtype": model_dtype(ckpt.meta),
         "parallelism": ckpt.parallelism,
         "tensors": tensors, "tied": dict(plan.aliases), "output_bytes": output,
         "frozen_excluded": plan.frozen_excluded, "absent_frozen": list(plan.absent_frozen),
@@ -362,52 +361,6 @@ def _int_or_none(value) -> int | None:
     return value if type(value) is int and abs(value) < 2 ** 63 else None
 
 
-def _parallelism_line(p: dict) -> str:
-    """``data-parallel: dp 4`` / ``mixture-of-experts: dp 4, ep 2; experts per layer ...`` / ..."""
-    degrees = ", ".join(f"{k} {p[k]}" for k in ("pp", "dp", "ep", "tp") if k in p)
-    line = f"{p.get('family', 'data-parallel')}: {degrees}"
-    if p.get("experts_per_layer"):
-        line += "; experts per layer: " + ", ".join(f"{k} {n}" for k, n in p["experts_per_layer"].items())
-    if p.get("stages"):
-        line += "; stages: " + ", ".join(f"{s}: layers {_ranges(layers)}" for s, layers in enumerate(p["stages"]))
-    if p.get("tied_layers"):
-        line += "; tied: " + ", ".join(f"{k} (layer {i})" for k, i in p["tied_layers"].items())
-    return line + offloaded_suffix(p)
-
-
-def _ranges(indices: list[int]) -> str:
-    if not indices:
-        return "-"
-    if indices == list(range(indices[0], indices[-1] + 1)):
-        return f"{indices[0]}-{indices[-1]}" if len(indices) > 1 else str(indices[0])
-    return ",".join(map(str, indices))
-
-
-def _training_dtype(config) -> str | None:
-    """What the DeepSpeed config trained in: its bf16/fp16 sections, else fp32."""
-    from . import dtypes
-
-    if not isinstance(config, dict):
-        return None
-    for key, label in dtypes.CONFIG_SECTIONS.items():
-        section = config.get(key)
-        if isinstance(section, dict) and section.get("enabled") is True:
-            return label
-    return "fp32"
-
-
-def _model_dtype(meta) -> str | None:
-    """The dtype the module's parameters were held in (stage 3 placeholders carry it too)."""
-    import torch
-
-    from . import dtypes
-
-    buffers = set(meta.buffer_names)
-    counts = Counter(dtypes.name(v.dtype) for k, v in meta.module.items()
-                     if k not in buffers and isinstance(v, torch.Tensor) and v.dtype.is_floating_point)
-    return counts.most_common(1)[0][0] if counts else None
-
-
 def _inspect(args: argparse.Namespace) -> int:
     report = describe(args.ckpt, tag=args.tag, follow_symlinks=args.follow_symlinks)
     if args.json:
@@ -423,7 +376,7 @@ def format_report(r: dict) -> str:
         f"tag           {r['tag']}" + (f"  (global step {r['global_steps']})" if r["global_steps"] is not None else ""),
         f"stage         ZeRO-{r['stage']}" + ("  (universal checkpoint, from ds_to_universal)" if r.get("universal") else ""),
         f"world size    {r['world_size']}",
-        f"parallelism   {_parallelism_line(r['parallelism'])}",
+        f"parallelism   {parallelism_line(r['parallelism'])}",
         f"deepspeed     {r['deepspeed_version'] or 'unknown'}",
         f"training      {r['training_dtype'] or 'unknown'} (model held in {r['model_dtype'] or 'unknown'})",
         "",

@@ -29,6 +29,7 @@ from ..pipeline import Prepared
 from ..dtypes import out_dtype_for
 from ..plan import FROZEN, TRAINABLE, Plan, TensorPlan
 from .formats import safetensors
+from .held_dtype import training_dtype
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -352,67 +353,6 @@ def _base_tensors(prepared: Prepared, base_model, config: dict, folder: Path, so
 
 
 # ---------------------------------------------------------------------------------------------
-# Which base a merge gets: the dtype the run held the module in
-
-_MIXED_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def training_dtype(prepared: Prepared) -> torch.dtype:
-    """The dtype the run held the frozen base in, from what the model-states file records.
-
-    What it relies on: the DeepSpeed config the file records (``ds_config``, as the engine ran it;
-    the Trainer has filled in its "auto" values by then). ``fp16.enabled`` -> float16,
-    ``bf16.enabled`` (``bfloat16`` where there is no ``bf16`` section, as DeepSpeed reads it) ->
-    bfloat16: in those modes DeepSpeed holds the base in that dtype (it casts the module's
-    parameters; at ZeRO-3, zero.Init builds them so). Frozen parameters the file still holds
-    (a tied name) must agree. Not the trainable ones: at ZeRO-3 a LoRA adapter added after
-    zero.Init stays float32 under bf16. With neither mode, DeepSpeed keeps the dtypes the model
-    was loaded in, which the file records only through the parameters it holds: float32 when
-    they are all float32. Anything else is an ExportError naming the file."""
-    meta = prepared.checkpoint.meta
-    path = meta.path
-
-    def unknown(why: str) -> ExportError:
-        return ExportError(f"base_dtype='as-trained' (--base-dtype as-trained) needs the dtype the run held the base "
-                           f"model in, and this file does not settle it: {why}; pass base_dtype='as-stored' "
-                           "(--base-dtype as-stored) to merge onto the base as stored", path)
-
-    config = meta.raw.get(keys.DS_CONFIG)
-    if not isinstance(config, dict):
-        raise unknown("it records no DeepSpeed config (ds_config)")
-    sections = {"fp16": config.get("fp16"),
-                "bf16": config["bf16"] if config.get("bf16") is not None else config.get("bfloat16")}
-    enabled = []
-    for label, section in sections.items():
-        if section is None:
-            continue
-        if not isinstance(section, dict):
-            raise unknown(f"ds_config's {label} section is {short_repr(section, 40)}, not a dict")
-        flag = section.get("enabled", False)
-        if not isinstance(flag, bool):
-            raise unknown(f"ds_config's {label} 'enabled' is {short_repr(flag, 40)}, not true or false")
-        if flag:
-            enabled.append(label)
-    if len(enabled) > 1:
-        raise unknown("ds_config enables both fp16 and bf16")
-    buffers = set(meta.buffer_names)
-    trainable = {n for n, tp in prepared.plan.tensors.items() if tp.kind == TRAINABLE}
-    params = {k: v.dtype for k, v in meta.module.items()
-              if k not in buffers and isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
-    if enabled:
-        dtype = _MIXED_PRECISION[enabled[0]]
-        frozen = {d for k, d in params.items() if k not in trainable}
-        if frozen - {dtype}:
-            raise unknown(f"ds_config trains in {enabled[0]}, but the frozen parameters it holds are "
-                          f"{', '.join(sorted(map(dtypes.name, frozen)))}")
-        return dtype
-    held = set(params.values())
-    if held - {torch.float32}:
-        raise unknown("ds_config enables neither fp16 nor bf16, so DeepSpeed kept the dtypes the model was loaded "
-                      f"in, and the module parameters it holds are {', '.join(sorted(map(dtypes.name, held)))}")
-    return torch.float32
-
-
 def _buffer_names(prepared: Prepared, base: dict[str, TensorPlan], held: torch.dtype | None) -> set[str]:
     """The base tensors that are the module's buffers, which DeepSpeed does not cast (unless the
     config sets ``data_types.buffer_dtype``, which as-trained does not follow: refused)."""
