@@ -53,7 +53,7 @@ cuda-check: venv
 	ZEROFAST_REQUIRE_CUDA_CHECK=1 $(PY) -m pytest -q -rs -p no:cacheprovider tests/test_cuda_build.py
 
 demo: build
-	$(PY) -m zerofast.demo
+	$(PY) -m zerofast.testing.demo
 
 bench: venv build
 	$(PY) benchmarks/run.py

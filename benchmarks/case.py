@@ -172,7 +172,7 @@ def floor(ckpt, out):
     """One plain copy of every byte the consolidation must read, into fresh buffers."""
     import torch
 
-    from zerofast.pipeline import prepare
+    from zerofast.execute.prepare import prepare
 
     prepared = prepare(ckpt)  # metadata only: the sources stay memory-mapped
     t0 = time.perf_counter()
@@ -187,7 +187,7 @@ def dict_floor(ckpt, out):
     the names and shapes come from a file this process writes, so no plan is ever in the child."""
     import subprocess
 
-    from zerofast.pipeline import prepare
+    from zerofast.execute.prepare import prepare
 
     tensors = prepare(ckpt).plan.tensors
     spec = {"names": list(tensors), "shapes": [list(tp.shape) for tp in tensors.values()],
@@ -204,7 +204,7 @@ def dict_floor(ckpt, out):
 def _dict_floor_child(ckpt, out):
     import torch
 
-    from zerofast import ops
+    from zerofast.native import ops
 
     ops.load_native()  # as zf_eager has it: the core's code and libraries are part of the floor
     spec = json.loads((out / "spec.json").read_text())
@@ -237,7 +237,7 @@ def disk_write(ckpt, out):
     files like the shards, no sync (the export does not sync either)."""
     import subprocess
 
-    from zerofast.pipeline import prepare
+    from zerofast.execute.prepare import prepare
 
     total = sum(tp.nbytes for tp in prepare(ckpt).plan.tensors.values())
     t0 = time.perf_counter()

@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 import zerofast  # noqa: E402
 from benchmarks import gpu_fresh  # noqa: E402
-from zerofast import ops  # noqa: E402
+from zerofast.native import ops  # noqa: E402
 
 ALL = ["read", "copy", "pinned", "pageable", "cpu_fp32", "cuda_fp32", "cuda_bf16", "lazy", "load_into",
        "export_cpu", "export_cuda", "deepspeed"]
@@ -120,7 +120,7 @@ def read_floor(files: list[Path], repeat: int) -> list[float]:
 
 def master_sources(ckpt: Path) -> list[torch.Tensor]:
     """The fp32 flat master partitions of the save, memory-mapped (what reconstruct reads)."""
-    from zerofast.pipeline import prepare
+    from zerofast.execute.prepare import prepare
 
     return [s for s in prepare(ckpt).sources if s.dtype == torch.float32]
 

@@ -378,7 +378,7 @@ def compare_main(args) -> int:
     import torch
 
     import zerofast
-    from zerofast import ops
+    from zerofast.native import ops
 
     ckpt = compare_save(args.root)
     built = list(ops.built_devices())

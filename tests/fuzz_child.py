@@ -126,7 +126,7 @@ def main(pristine: str, work: str, seed: int, cases: int, report: str) -> None:
         else:
             new = rng.choice(VALUES)()
             container[key] = new
-            what = f"[{key!r}] = {type(new).__name__} {zerofast.errors.short_repr(new, 60)}"
+            what = f"[{key!r}] = {type(new).__name__} {zerofast.base.errors.short_repr(new, 60)}"
         op = rng.choice(OPERATIONS)
         label = f"case {case}: {name} {what}, {op}"
         print(label, flush=True)

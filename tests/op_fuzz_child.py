@@ -12,7 +12,7 @@ descriptors, and so on. The kernel of ``device`` is called through the dispatche
 meets the kernel's own checks rather than the dispatcher's choice of kernel.
 
 What each case must give:
-- a valid call: the result of the pure-torch reference (zerofast/reference.py), bit for bit;
+- a valid call: the result of the pure-torch reference (zerofast/native/reference.py), bit for bit;
 - a damaged one: a RuntimeError whose message names the damaged argument.
 
 Anything else is a failure, written to the report; a crash ends the child, and the case it died
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from zerofast import ops, reference
+from zerofast.native import ops, reference
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int64, torch.int32]

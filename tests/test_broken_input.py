@@ -346,7 +346,7 @@ def test_param_shape_that_is_not_a_shape(ckpt, shape):
     rewrite(tag_dir / MODEL, lambda o: o["param_shapes"][0].__setitem__("embed.weight", shape))
     _raises(zerofast.InconsistentCheckpointError, tag_dir / MODEL,
             r"^expected a shape \(at most 64 non-negative ints, product below 2\*\*63\) for 'embed.weight', found "
-            rf"{re.escape(zerofast.errors.short_repr(shape))}$", root)
+            rf"{re.escape(zerofast.base.errors.short_repr(shape))}$", root)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofast import ops, reference
+from zerofast.native import ops, reference
 from zerofast.checks.tensors import Difference
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

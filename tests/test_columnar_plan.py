@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
-from zerofast.errors import InconsistentCheckpointError
+from zerofast.base.errors import InconsistentCheckpointError
 from zerofast.layouts import discover, load_checkpoint
 from zerofast.load.bulk_checks import all_shapes
 from zerofast.load import records

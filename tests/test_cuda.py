@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import zerofast
-from zerofast import ops, reference
-from zerofast.errors import DeviceError, NativeExtensionError
+from zerofast.native import ops, reference
+from zerofast.base.errors import DeviceError, NativeExtensionError
 from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
 from zerofast.hf import export
 from tests.helpers import assert_bitwise_equal

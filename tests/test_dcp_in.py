@@ -72,7 +72,7 @@ def test_export_equals_dcp_to_torch_save(folder, tmp_path, dtype, flag):
 
 
 def test_inspect_names_the_format(folder, capsys):
-    from zerofast.cli_dcp import DCP_FORMAT
+    from zerofast.cli.dcp import DCP_FORMAT
     from zerofast.layouts.dcp import FORMAT
 
     assert DCP_FORMAT == FORMAT  # spelled twice so that the parser imports no torch

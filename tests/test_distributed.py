@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from zerofast.cli import _as_one_rank, main
 from zerofast.output.team import Team, share
-from zerofast.errors import ExportError
+from zerofast.base.errors import ExportError
 from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
 from zerofast.hf import export
 from zerofast.output.transaction import MARKER

@@ -24,9 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zerofast
-from zerofast import pipeline
+import zerofast.execute.prepare as pipeline
 from zerofast.output import windows
-from zerofast.errors import ExportError, OutputExistsError
+from zerofast.base.errors import ExportError, OutputExistsError
 from zerofast.execute import Executor
 from zerofast.execute.read_batch import BatchReader
 from zerofast.hf import export, load_exported

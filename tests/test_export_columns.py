@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
-from zerofast.dtypes import SAFETENSORS_CODES
-from zerofast.errors import ExportError
+from zerofast.base.dtypes import SAFETENSORS_CODES
+from zerofast.base.errors import ExportError
 from zerofast.hf.formats import safetensors as sf
-from zerofast.pipeline import prepare
+from zerofast.execute.prepare import prepare
 from zerofast.plan.columns import Placed, PlanTensors
 from zerofast.plan.model import TensorPlan
 
@@ -154,7 +154,7 @@ def test_batched_write_of_placed_equals_pairs(tmp_path, layout):
 
 def test_a_zerofast_error_keeps_its_cause_through_the_many_file_reader(tmp_path, monkeypatch):
     """load_files passes zerofast's own errors on as they are, those that are builtin errors too."""
-    from zerofast.errors import MappingLimitError
+    from zerofast.base.errors import MappingLimitError
     from zerofast.load import reader
 
     files = [tmp_path / f"f{i}.pt" for i in range(3)]

@@ -29,7 +29,7 @@ import torch
 
 import zerofast
 from zerofast.cli import main
-from zerofast.errors import ExportError
+from zerofast.base.errors import ExportError
 from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
 from zerofast.hf import export, load_exported
 from zerofast.output.transaction import MARKER

@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import assert_bitwise_equal
 from zerofast.hf import trainer as hf
-from zerofast.errors import AmbiguousTagError, ExportError
+from zerofast.base.errors import AmbiguousTagError, ExportError
 
 
 @pytest.mark.parametrize("key,want", [

@@ -15,9 +15,9 @@ import torch
 
 import zerofast
 from zerofast import cli
-from zerofast.errors import ExportError, InconsistentCheckpointError, SettingsError
+from zerofast.base.errors import ExportError, InconsistentCheckpointError, SettingsError
 from zerofast.hf.formats import safetensors as sf
-from zerofast.settings import Settings
+from zerofast.base.settings import Settings
 
 
 def _shard(path: Path, header, data: bytes = b"", raw: bytes | None = None) -> Path:

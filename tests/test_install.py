@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerofast.settings import settings
+from zerofast.base.settings import settings
 from tests.helpers import assert_bitwise_equal, expected_value, real_root, real_truth
 pytestmark = [pytest.mark.install, pytest.mark.deepspeed, pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,

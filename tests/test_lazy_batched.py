@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import zerofast
-from zerofast import ops
+from zerofast.native import ops
 import zerofast.execute.executor as executor_module
 from zerofast.execute import Executor
-from zerofast.pipeline import prepare
+from zerofast.execute.prepare import prepare
 from zerofast.plan.columns import PlanTensors
 
 from tests.conftest import HAVE_DEEPSPEED

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import zerofast
-from zerofast import ops
+from zerofast.native import ops
 from zerofast.execute.read_batch import BatchReader
 
 from tests.conftest import needs_deepspeed

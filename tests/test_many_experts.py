@@ -29,11 +29,11 @@ import zerofast.load.archive as archive
 import zerofast.load.parallel as parallel
 import zerofast.load.reader as reader_module
 import zerofast.load.unpickle as unpickle
-from zerofast.errors import ZeroFastError
+from zerofast.base.errors import ZeroFastError
 from zerofast.layouts import discover
 from zerofast.load.reader import load_file, load_files, native_core
 from zerofast.execute import Executor
-from zerofast.pipeline import prepare
+from zerofast.execute.prepare import prepare
 from zerofast.plan.model import SourceTable, TensorPlan
 
 from tests.conftest import HAVE_DEEPSPEED, needs_nvme

@@ -16,8 +16,8 @@ import zerofast
 from tests.conftest import needs_deepspeed, needs_nvme
 from tests.dsgen.catalog import ensure_checkpoint
 from tests.dsgen.dcp import ensure_dcp
-from zerofast import errors
-from zerofast.errors import MappingLimitError, mapping_refused
+from zerofast.base import errors
+from zerofast.base.errors import MappingLimitError, mapping_refused
 from zerofast.load import archive, unpickle
 
 pytestmark = needs_deepspeed

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import zerofast
-from zerofast import ops
-from zerofast.errors import NativeExtensionError
+from zerofast.native import ops
+from zerofast.base.errors import NativeExtensionError
 from zerofast.native import cache, cudaplan, loader
 from zerofast.native.cache import Unavailable
-from zerofast.settings import settings
+from zerofast.base.settings import settings
 from tests.helpers import assert_bitwise_equal, expected_value, real_root, real_truth
 from tests.test_cli import needs_deepspeed
 

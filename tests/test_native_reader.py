@@ -31,7 +31,7 @@ import torch
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
 from tests.planting import load, save
-from zerofast.errors import ZeroFastError
+from zerofast.base.errors import ZeroFastError
 from zerofast.load import reader, records
 from zerofast.load.archive import index_archive
 from zerofast.load.stand_ins import DeepSpeedRecord

@@ -20,7 +20,7 @@ import torch
 from tests.planting import FRAGMENT_ADDRESS, Build, Call, Global, load, save
 from tests.test_native_reader import CORE, LAYOUTS, Tally, _rank_files, _verdict, compare, needs_core
 from tests.test_native_zip import _reference
-from zerofast.errors import CorruptCheckpointError
+from zerofast.base.errors import CorruptCheckpointError
 from zerofast.load import reader
 from zerofast.load.archive import index_archive
 from zerofast.load.stand_ins import DeepSpeedRecord

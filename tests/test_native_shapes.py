@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerofast import ops
-from zerofast.errors import InconsistentCheckpointError
+from zerofast.native import ops
+from zerofast.base.errors import InconsistentCheckpointError
 from zerofast.load import records
 
 CORE = ops.native_module()

@@ -19,8 +19,8 @@ from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
 from tests.planting import member, patch_central_directory
 from tests.test_native_reader import same_tree
-from zerofast import ops
-from zerofast.errors import CorruptCheckpointError, ZeroFastError
+from zerofast.native import ops
+from zerofast.base.errors import CorruptCheckpointError, ZeroFastError
 from zerofast.load import archive
 from zerofast.load.archive import index_archive, index_archives
 from zerofast.load.reader import load_file, load_files, native_core

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import zerofast
-from zerofast import keys as K
+from zerofast.base import keys as K
 from zerofast.cli import main
 from zerofast.layouts import discover, load_checkpoint
 from zerofast.load import load_file

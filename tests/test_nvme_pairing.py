@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from zerofast.errors import InconsistentCheckpointError
+from zerofast.base.errors import InconsistentCheckpointError
 from zerofast.layouts import nvme
 
 ALIGN = 1024

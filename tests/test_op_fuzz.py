@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.planting import REPO_ROOT
-from zerofast import ops
+from zerofast.native import ops
 
 CASES = int(os.environ.get("ZEROFAST_OP_FUZZ_CASES", "2400"))
 SEED = int(os.environ.get("ZEROFAST_OP_FUZZ_SEED", "0"))

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zerofast
-from zerofast import ops, reference
-from zerofast.errors import DeviceError
+from zerofast.native import ops, reference
+from zerofast.base.errors import DeviceError
 from tests.helpers import assert_bitwise_equal
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

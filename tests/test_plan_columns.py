@@ -24,7 +24,7 @@ from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
 from zerofast.plan.columns import EntryTable, Layers, PlanTensors, plan_tensors, segment_rows
 from zerofast.plan.model import SegmentTable, TableSegments, TensorPlan
-from zerofast.pipeline import prepare
+from zerofast.execute.prepare import prepare
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 NAMES = [f"p{i}" for i in range(12)]
@@ -243,7 +243,7 @@ def test_calls_cut_a_group_into_whole_tensors_of_about_call_rows(counts, limit):
 @needs_deepspeed
 @pytest.mark.parametrize("layout", ["s3_bf16_w2_frozen_tied", "s1_fp32_w3"])
 def test_reading_in_many_calls_equals_reading_in_one(layout, monkeypatch):
-    from zerofast import ops
+    from zerofast.native import ops
     from zerofast.execute import read_batch
 
     prepared = prepare(ensure_checkpoint(layout))
@@ -269,7 +269,7 @@ def test_reading_in_many_calls_equals_reading_in_one(layout, monkeypatch):
 @pytest.mark.parametrize("layout", ["s3_bf16_w2_frozen_tied", "s1_fp32_w3"])
 def test_reading_into_and_writing_in_many_calls_equal_one(layout, monkeypatch, tmp_path):
     """load_into's read_into and the export's write, cut into 3-row calls, against one call."""
-    from zerofast import ops
+    from zerofast.native import ops
     from zerofast.execute import read_batch
 
     prepared = prepare(ensure_checkpoint(layout))

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import assert_bitwise_equal
 from tests.test_ops import FLOATS, _source
-from zerofast import ops, reference
+from zerofast.native import ops, reference
 
 DTYPES = FLOATS + [torch.int64]
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import zerofast
-from zerofast import devices, ops
+from zerofast import devices
+from zerofast.native import ops
 from zerofast.devices.stand_in import StandInError, StandInStreams
 from zerofast.execute import ring as ring_module
-from zerofast.pipeline import prepare
+from zerofast.execute.prepare import prepare
 from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize
 
 from tests.conftest import HAVE_DEEPSPEED

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from zerofast.settings import FOLLOW_SYMLINKS_ENV, read_once, settings
+from zerofast.base.settings import FOLLOW_SYMLINKS_ENV, read_once, settings
 
 
 def test_a_reading_holds_inside_the_call_and_the_next_call_reads_again(monkeypatch):
@@ -47,7 +47,7 @@ def test_an_error_inside_the_call_lets_the_reading_go(monkeypatch):
 def test_reader_threads_default_to_the_intra_op_count_but_at_least_the_minimum(monkeypatch):
     import torch
 
-    from zerofast.settings import DEFAULT_MIN_READERS, READERS_ENV, reader_count
+    from zerofast.base.settings import DEFAULT_MIN_READERS, READERS_ENV, reader_count
 
     monkeypatch.delenv(READERS_ENV, raising=False)
     threads = torch.get_num_threads()

@@ -134,7 +134,7 @@ def test_no_branching_on_the_kind_of_save_outside_the_layouts():
 
 # Each layer, and the layers it may import. Lower layers never import higher ones.
 LAYERS = [
-    ("base", {"zerofast.errors", "zerofast.settings", "zerofast.dtypes", "zerofast.keys"}),
+    ("base", {"zerofast.base"}),
     ("discover", {"zerofast.discover"}),
     ("load", {"zerofast.load"}),
     ("plan", {"zerofast.plan"}),
@@ -160,8 +160,8 @@ def test_the_input_layers_import_downward_only():
             theirs = _layer(target)
             if theirs is not None and theirs > mine:
                 found.append(f"{m} ({LAYERS[mine][0]}) imports {target} ({LAYERS[theirs][0]})")
-            if theirs is None and mine <= 3 and not target.startswith(("zerofast.devices", "zerofast.ops",
-                                                                         "zerofast.reference")):
+            if theirs is None and mine <= 3 and not target.startswith(("zerofast.devices", "zerofast.native.ops",
+                                                                         "zerofast.native.reference")):
                 found.append(f"{m} ({LAYERS[mine][0]}) imports {target}, a layer above the plan")
     assert not found, "\n".join(found)
 
@@ -208,7 +208,7 @@ PLAN_FORM_DOORS = {("zerofast.plan.columns", "columns_of")}
 # asked of anything else (a pickle's records) it is not about the plan.
 PLAN_MATERIAL = re.compile(r"tensors|entries|entry|plan|tps|cols|parts|layer|trainable|frozen|buffers|placed")
 # The modules that hold plans and entries; elsewhere a dict is a record read from a file.
-PLAN_MODULES = ("zerofast.plan", "zerofast.execute", "zerofast.output", "zerofast.pipeline", "zerofast.results",
+PLAN_MODULES = ("zerofast.plan", "zerofast.execute", "zerofast.output", "zerofast.execute.prepare", "zerofast.results",
                 "zerofast.load_into")
 
 
@@ -253,3 +253,22 @@ def test_the_form_check_sees_each_way_of_asking():
     code = ("def f(x, tensors):\n    if type(x) is PlanTensors: pass\n    if isinstance(x, (EntryTable, list)): pass\n"
             "    if type(tensors) is not dict: pass\n    if isinstance(x, int): pass\n    if isinstance(x, dict): pass\n")
     assert [line for line, _, _ in _form_tests(ast.parse(code))] == [2, 3, 4]
+
+
+# The top level shows what is public: the package's own files, the one public module, and the
+# packages (each a step of the pipeline or a part beside it, named in zerofast/__init__.py).
+TOP_LEVEL_FILES = {"__init__.py", "__main__.py", "compat.py"}
+
+
+def test_the_top_level_holds_only_the_public_entry_points_and_the_packages():
+    files = {p.name for p in PACKAGE.glob("*.py")}
+    assert files == TOP_LEVEL_FILES, f"move {sorted(files - TOP_LEVEL_FILES)} into a package"
+    packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    doc = (PACKAGE / "__init__.py").read_text()
+    assert all(f"``{name}``" in doc for name in packages), "zerofast/__init__.py names each package"
+
+
+def test_every_subcommand_lives_in_the_cli_package():
+    found = [m for m, path in MODULES.items() if not m.startswith("zerofast.cli")
+             and re.search(r"\.add_parser\(|add_subparsers\(", path.read_text())]
+    assert not found, f"commands defined outside zerofast.cli: {found}"

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zerofast import ops
-from zerofast.errors import DeviceError, NativeExtensionError
+from zerofast.native import ops
+from zerofast.base.errors import DeviceError, NativeExtensionError
 from zerofast.native import cache, cudaplan, loader, proof, toolchain
-from zerofast.settings import settings
+from zerofast.base.settings import settings
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM_GXX = "/usr/bin/g++"
@@ -300,7 +300,7 @@ def test_the_switch_says_no_cuda_kernels_even_under_force_cuda(monkeypatch):
 
 
 def test_cuda_settings_are_read_as_torchs_builder_reads_them():
-    from zerofast.settings import from_environment
+    from zerofast.base.settings import from_environment
 
     assert from_environment({}).cuda_kernels is True and from_environment({}).cuda_home is None
     assert from_environment({"ZEROFAST_CUDA_KERNELS": "0"}).cuda_kernels is False

@@ -21,7 +21,7 @@ import zerofast
 from tests.conftest import needs_deepspeed
 from tests.helpers import real_root
 from tests.planting import LOSS_SCALER, Build, Global, copy_checkpoint, save, zero3_model_name
-from zerofast.errors import CorruptCheckpointError, UnsafeCheckpointError
+from zerofast.base.errors import CorruptCheckpointError, UnsafeCheckpointError
 from zerofast.load import reader
 from zerofast.load.reader import Template, TwinDeclined, load_archive, load_like, native_core, read_errors
 from zerofast.load.parallel import read_ahead

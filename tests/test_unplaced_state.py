@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zerofast
-from zerofast import keys as K
+from zerofast.base import keys as K
 from zerofast.cli import main
 from zerofast.writers.reshard import reshard
 

@@ -15,7 +15,7 @@ import torch
 import zerofast
 import zerofast.discover as discover_module
 from zerofast.cli import human_bytes, main
-from zerofast.errors import CheckpointNotFoundError, DeviceError, ExportError, OutputExistsError
+from zerofast.base.errors import CheckpointNotFoundError, DeviceError, ExportError, OutputExistsError
 from zerofast.hf.shards import parse_size
 from zerofast.output.transaction import MARKER
 from zerofast.writers.reshard import write_resharded

@@ -2,7 +2,12 @@
 
 The package tree is the pipeline: ``discover`` -> ``load`` -> ``plan`` -> ``execute`` -> ``results``
 (in memory), ``hf`` (Hugging Face weight folders) or ``writers`` (DeepSpeed checkpoints), the last
-two through ``output`` (the output-folder transaction and the team protocol).
+two through ``output`` (the output-folder transaction and the team protocol). Beside it: ``base``
+(errors, settings, dtypes, checkpoint keys: what every layer speaks), ``native`` (the compiled
+core, its ops and their pure-torch reference), ``devices``, ``layouts`` (one module per kind of
+save), ``checks`` (verify and diff), ``cli`` (every command) and ``api`` (the entry points that are
+not a step of their own); ``testing`` holds the checkpoint synthesizer and the demo, for users'
+own tests. Everything public is named here, in ``__all__``; ``compat`` is the one public module.
 
 The public names load their modules on first use (PEP 562): ``import zerofast`` costs only the
 errors module, and torch is imported by the first call that needs it, so a CLI that fails on its
@@ -11,11 +16,9 @@ arguments, or a script that only catches zerofast's exceptions, does not pay for
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from .base.errors import (
     AmbiguousTagError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -40,10 +43,10 @@ from .errors import (
 if TYPE_CHECKING:
     from . import compat
     from .hf import ExportResult, export, load_exported
-    from .load_into import IncompatibleKeys, load_into
-    from .names import sequential_names
-    from .optimizer_states import optimizer_state
-    from .reconstruct import reconstruct
+    from .api.load_into import IncompatibleKeys, load_into
+    from .api.names import sequential_names
+    from .api.optimizer_states import optimizer_state
+    from .api.reconstruct import reconstruct
     from .results import LazyStateDict, TensorMeta
     from .checks import Diff, Report, diff, verify
     from .writers.reshard import reshard
@@ -52,16 +55,16 @@ if TYPE_CHECKING:
 
 # public name -> the module that defines it
 _LAZY = {
-    "reconstruct": ".reconstruct",
+    "reconstruct": ".api.reconstruct",
     "export": ".hf",
     "load_exported": ".hf",
     "ExportResult": ".hf",
     "LazyStateDict": ".results",
     "TensorMeta": ".results",
-    "load_into": ".load_into",
-    "IncompatibleKeys": ".load_into",
-    "optimizer_state": ".optimizer_states",
-    "sequential_names": ".names",
+    "load_into": ".api.load_into",
+    "IncompatibleKeys": ".api.load_into",
+    "optimizer_state": ".api.optimizer_states",
+    "sequential_names": ".api.names",
     "reshard": ".writers.reshard",
     "to_universal": ".writers.universal",
     "universal_module_state": ".writers.universal",
@@ -94,21 +97,6 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(_LAZY[name], __name__), name)
     globals()[name] = value
     return value
-
-
-class _Package(types.ModuleType):
-    """Keeps ``zerofast.reconstruct``, ``zerofast.export`` and ``zerofast.load_into`` the
-    functions: importing the submodules of the same names (``from zerofast.reconstruct import
-    ...``) would otherwise set the package attribute to the module, as the eager imports used to
-    overwrite it."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f".{name}":
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __dir__() -> list[str]:

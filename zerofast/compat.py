@@ -15,11 +15,11 @@ from collections import OrderedDict
 
 import torch
 
-from . import dtypes
+from .base import dtypes
 from .hf import ExportResult, Progress, export
 from .results import LazyStateDict
-from .load_into import load_into
-from .reconstruct import reconstruct
+from .api.load_into import load_into
+from .api.reconstruct import reconstruct
 
 _NO_LIMIT = 1 << 62  # max_shard_size=None: one file, as DeepSpeed writes then
 

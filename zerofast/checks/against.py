@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ZeroFastError
+from ..base.errors import ZeroFastError
 from ..hf import trainer as hf
 from ..hf.run import OPTIMIZER_JSON
-from ..pipeline import Prepared, plan_checkpoint, prepare
-from .. import keys as K
-from ..dtypes import out_dtype_for
+from ..execute.prepare import Prepared, plan_checkpoint, prepare
+from ..base import keys as K
+from ..base.dtypes import out_dtype_for
 from ..plan import FROZEN, Plan
 from ..plan.optimizer import available_keys, scalar_states
 from .checkpoint import open_checkpoint

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import keys as K
-from ..errors import ZeroFastError
+from ..base import keys as K
+from ..base.errors import ZeroFastError
 from ..layouts import discover, load_checkpoint
 from ..load import LoadedCheckpoint
-from ..pipeline import Prepared
+from ..execute.prepare import Prepared
 from ..plan import TRAINABLE, Plan, SourceTable, TensorPlan, build_optimizer_plan, build_plan
 from ..plan.optimizer import available_keys, checked_states, scalar_states
 from .report import Report

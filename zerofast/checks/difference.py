@@ -13,8 +13,8 @@ import time
 from contextlib import ExitStack, contextmanager
 from typing import Iterator, Sequence
 
-from ..errors import ExportError
-from ..pipeline import plan_checkpoint, prepare
+from ..base.errors import ExportError
+from ..execute.prepare import plan_checkpoint, prepare
 from ..plan.optimizer import available_keys
 from .export_folder import ExportFolder, is_export
 from .ranges import Located, merged

@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .. import dtypes
+from ..base import dtypes
 from ..hf import trainer as hf
 from ..hf.formats import FORMATS, TIED_KEY, safetensors
 from ..hf.run import OPTIMIZER_NAMES

@@ -1,4 +1,4 @@
-"""The checks run natively: whole batches of tensors through ``zerofast.ops.check_ranges``.
+"""The checks run natively: whole batches of tensors through ``zerofast.native.ops.check_ranges``.
 
 A source that can say where its tensors' elements sit (:class:`Located`: the op's sources, file
 descriptors and rows) is checked without materializing anything: the op's reader threads pread
@@ -14,7 +14,7 @@ from typing import ContextManager, Iterator, Protocol, Sequence
 
 import torch
 
-from .. import ops
+from ..native import ops
 
 CHUNK = 1 << 22  # elements per chunk, as ``tensors.cuts``
 # Source elements per native call: the op holds a few hundred KiB per reader thread whatever the

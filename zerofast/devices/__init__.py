@@ -14,7 +14,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from ..errors import DeviceError
+from ..base.errors import DeviceError
 from . import cuda
 from .streams import Streams
 

@@ -1,4 +1,4 @@
-"""Step 4: the executor runs plans through the native ops (``zerofast.ops``).
+"""Step 4: the executor runs plans through the native ops (``zerofast.native.ops``).
 
 - :mod:`.executor`: one tensor plan into fresh or given memory, on the CPU or a GPU (whose
   results come back through its :mod:`zerofast.devices` entry);

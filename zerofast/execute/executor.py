@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 import numpy as np
 import torch
 
-from .. import ops
+from ..native import ops
 from ..devices import device_of
 from ..plan.columns import PlanTensors
 from ..plan.model import SegmentTable, TensorPlan

@@ -18,7 +18,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .. import ops
+from ..native import ops
 from ..load.archive import file_identity
 from ..load.unpickle import file_location
 from ..plan.columns import Placed, PlanTensors

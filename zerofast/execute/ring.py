@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from .. import ops
+from ..native import ops
 from ..devices.streams import Streams
 from ..plan.columns import segment_rows
 from ..plan.model import TensorPlan

@@ -16,8 +16,8 @@ import os
 import torch
 
 from ..devices import device_of
-from ..errors import ExportError
-from ..ops import resolve_device
+from ..base.errors import ExportError
+from ..native.ops import resolve_device
 from ..output.team import joined, signals_raise
 from .run import ExportResult
 from .run import export as export_files

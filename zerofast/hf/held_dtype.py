@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import dtypes, keys
-from ..errors import ExportError, short_repr
-from ..pipeline import Prepared
+from ..base import dtypes, keys
+from ..base.errors import ExportError, short_repr
+from ..execute.prepare import Prepared
 from ..plan import TRAINABLE
 
 _MIXED_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}

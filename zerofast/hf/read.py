@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ExportError, ZeroFastError, few, first_line, short_repr
+from ..base.errors import ExportError, ZeroFastError, few, first_line, short_repr
 from .formats import FORMATS, TIED_KEY, WeightFormat
 
 

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from .. import dtypes
-from ..errors import ExportError
+from ..base import dtypes
+from ..base.errors import ExportError
 from ..execute import Executor
 from ..load import LoadedCheckpoint
 from ..load.reader import collector_paused
-from ..ops import resolve_device
-from ..pipeline import Prepared, plan_checkpoint, prepare
+from ..native.ops import resolve_device
+from ..execute.prepare import Prepared, plan_checkpoint, prepare
 from ..plan.optimizer import available_keys, scalar_states
 from ..output.team import ALONE
 from ..output.windows import Progress, counter

@@ -22,11 +22,11 @@ from typing import Callable
 
 import torch
 
-from .. import dtypes, keys
-from ..errors import ExportError, PeftExportWarning, UnsupportedCheckpointError, short_repr
+from ..base import dtypes, keys
+from ..base.errors import ExportError, PeftExportWarning, UnsupportedCheckpointError, short_repr
 from ..execute import Executor
-from ..pipeline import Prepared
-from ..dtypes import out_dtype_for
+from ..execute.prepare import Prepared
+from ..base.dtypes import out_dtype_for
 from ..plan import FROZEN, TRAINABLE, Plan, TensorPlan
 from .formats import safetensors
 from .held_dtype import training_dtype

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from ..discover import CheckpointFiles, Found, check_all_inside, locate
-from ..errors import UnsupportedCheckpointError
+from ..base.errors import UnsupportedCheckpointError
 from ..load import LoadedCheckpoint
 from . import autotp, dcp, moe, nvme, pipeline, universal, zero
 from .base import Layout

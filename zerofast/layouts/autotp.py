@@ -27,9 +27,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import keys as K
+from ..base import keys as K
 from ..discover import CheckpointFiles, Found, other_model_parallel_rank, ranked
-from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
+from ..base.errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                       InconsistentCheckpointError, UnsupportedCheckpointError, short_repr, some)
 from ..load import LoadedCheckpoint, PartitionedCheckpoint, Stored, load_file
 from ..load.records import check_flat_groups, read_model_states, read_optim_states, settle_stage

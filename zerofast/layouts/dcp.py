@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..discover import CheckpointFiles, Found
-from ..errors import UnsupportedCheckpointError
+from ..base.errors import UnsupportedCheckpointError
 from ..load import LoadedCheckpoint
 from ..load.dcp import METADATA, DcpRecords, read_dcp
 from ..plan.dcp import build_dcp_plan, model_tensors

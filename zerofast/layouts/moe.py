@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from .. import keys as K
+from ..base import keys as K
 from ..discover import MODEL_FILE_STAGE012, OPTIM, CheckpointFiles, Found, ranked
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
+from ..base.errors import CorruptCheckpointError, IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
 from ..load import LoadedCheckpoint, PartitionedCheckpoint, Partition, Stored, load_file, load_files
 from ..load.checkpoint import check_partitions, merged_meta
 from ..load.records import (expect_dict, expect_int, expect_list, expect_mapping, read_model_states, read_optim_states,

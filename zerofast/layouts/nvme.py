@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from .. import keys as K
+from ..base import keys as K
 from ..discover import CheckpointFiles, Found, plain_files
-from ..errors import (IncompleteCheckpointError, InconsistentCheckpointError, UnplacedOptimizerStateError,
+from ..base.errors import (IncompleteCheckpointError, InconsistentCheckpointError, UnplacedOptimizerStateError,
                       UnsupportedCheckpointError)
 from ..load import LoadedCheckpoint, OptimStates
 from ..load.unpickle import map_file

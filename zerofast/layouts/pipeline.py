@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .. import keys as K
+from ..base import keys as K
 from ..discover import CheckpointFiles, Found, ranked
-from ..errors import IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
+from ..base.errors import IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
 from ..load import PartitionedCheckpoint, Partition, Stored, load_file
 from ..load.checkpoint import check_partitions, merged_meta
 from ..load.records import expect_dict, expect_mapping, read_model_states, read_optim_states, settle_stage

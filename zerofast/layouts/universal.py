@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from .. import keys as K
+from ..base import keys as K
 from ..discover import CheckpointFiles, Found, other_model_parallel_rank, plain_files, zero3_model_file_name
-from ..errors import (CorruptCheckpointError, IncompleteCheckpointError, InconsistentCheckpointError,
+from ..base.errors import (CorruptCheckpointError, IncompleteCheckpointError, InconsistentCheckpointError,
                       MissingOptimizerStateError, UnsupportedCheckpointError, some)
 from ..load import LoadedCheckpoint, OptimStates, load_file
 from ..load.records import (agree_with_config, check_parallelism, expect_dict, expect_int, no_stray_model_files,

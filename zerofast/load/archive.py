@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from .. import ops
-from ..errors import CorruptCheckpointError, NativeExtensionError, first_line, mapping_limit_error, mapping_refused
+from ..native import ops
+from ..base.errors import CorruptCheckpointError, NativeExtensionError, first_line, mapping_limit_error, mapping_refused
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., file name length, extra field length
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from .. import keys as K
+from ..base import keys as K
 from ..discover import CheckpointFiles
-from ..errors import InconsistentCheckpointError
+from ..base.errors import InconsistentCheckpointError
 from .records import ModelStates, OptimStates, check_flat_groups
 
 

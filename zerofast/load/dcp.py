@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..discover import DCP_METADATA
-from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, InconsistentCheckpointError,
+from ..base.errors import (CheckpointNotFoundError, CorruptCheckpointError, InconsistentCheckpointError,
                       UnsafeCheckpointError, UnsupportedCheckpointError, ZeroFastError, first_line, short_repr)
 from .dcp_stand_ins import DCP_ALLOWED, DcpRecord
 from .pickle_bounds import BoundsExceeded

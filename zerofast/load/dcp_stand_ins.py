@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..errors import short_repr
+from ..base.errors import short_repr
 from .stand_ins import Frozen, RefusedState
 
 _DCP = "torch.distributed.checkpoint"

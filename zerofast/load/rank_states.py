@@ -15,7 +15,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .. import keys as K
+from ..base import keys as K
 from .archive import index_archive
 from .parallel import read_ahead, read_all
 from .reader import Template, Twin, TwinDeclined, load_file, load_like, native_core, read_errors

@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-from .. import ops
-from ..errors import (CorruptCheckpointError, NativeExtensionError, UnsafeCheckpointError, ZeroFastError,
+from ..native import ops
+from ..base.errors import (CorruptCheckpointError, NativeExtensionError, UnsafeCheckpointError, ZeroFastError,
                       first_line, mapping_limit_error, mapping_refused)
 from .archive import ArchiveIndex, index_archive, index_archives
 from .pickle_bounds import BoundsExceeded

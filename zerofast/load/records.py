@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from ..discover import CheckpointFiles, optim_file_name, zero3_model_file_name
-from .. import keys as K
-from .. import ops
-from ..errors import (
+from ..base import keys as K
+from ..native import ops
+from ..base.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     InconsistentCheckpointError,

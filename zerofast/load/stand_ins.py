@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..errors import short_repr
+from ..base.errors import short_repr
 
 
 class RefusedState(Exception):

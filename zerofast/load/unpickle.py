@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from .archive import ArchiveIndex, file_identity, index_archive
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError, mapping_limit_error, mapping_refused, short_repr
+from ..base.errors import CorruptCheckpointError, UnsafeCheckpointError, mapping_limit_error, mapping_refused, short_repr
 from .pickle_bounds import BoundsExceeded, check_pickle
 from .stand_ins import STAND_INS, DeepSpeedRecord, Frozen
 

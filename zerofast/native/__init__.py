@@ -1,5 +1,5 @@
 """zerofast's native core: built against the running torch on first use, cached, loaded.
-The variables that steer it are read with every other setting, in :mod:`zerofast.settings`.
+The variables that steer it are read with every other setting, in :mod:`zerofast.base.settings`.
 
 - :mod:`.cache`: where a core lives and what it is built from, found without importing torch;
 - :mod:`.loader`: find, build (under a lock, in a child process) and load it, or say why not;

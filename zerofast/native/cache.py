@@ -23,7 +23,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from ..settings import Settings
+from ..base.settings import Settings
 
 EXTENSION_NAME = "zerofast_C"  # the module name the core is compiled and imported as
 MANIFEST = "manifest.json"  # written last, so its presence means the core is complete

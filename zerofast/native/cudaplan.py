@@ -17,7 +17,7 @@ import shutil
 from functools import lru_cache
 from pathlib import Path
 
-from ..settings import Settings
+from ..base.settings import Settings
 
 # What CUDA torch builds for when neither TORCH_CUDA_ARCH_LIST nor a visible GPU says:
 # CUDA 13 dropped the GPUs before Turing (sm_75).

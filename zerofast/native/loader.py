@@ -28,11 +28,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
-from ..errors import NativeExtensionError, first_line
+from ..base.errors import NativeExtensionError, first_line
 from . import cache, cudaplan, proof, toolchain
 from .cache import Unavailable
 from .cudaplan import wanted_devices
-from ..settings import Settings, settings
+from ..base.settings import Settings, settings
 
 # Measured with benchmarks/startup.py (fresh processes, median of 5; see the README): an export
 # 3.4x slower on the reference, an eager reconstruct about as fast (0.7x) on 2 cores.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import first_line
+from ..base.errors import first_line
 from . import cache, toolchain
 
 # The op call and the message it must raise, whole. A core linking its own static libstdc++ cut

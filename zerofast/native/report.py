@@ -7,10 +7,10 @@ import os
 import platform
 import sys
 
-from ..errors import NativeExtensionError
+from ..base.errors import NativeExtensionError
 from . import cache, toolchain
 from .cache import Unavailable
-from ..settings import settings
+from ..base.settings import settings
 
 
 def version_lines(zerofast_version: str) -> list[str]:

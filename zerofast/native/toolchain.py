@@ -18,7 +18,7 @@ import struct
 from functools import lru_cache
 from typing import Iterator
 
-from ..settings import Settings, settings
+from ..base.settings import Settings, settings
 
 # The names tried on the PATH after CXX, each through every PATH entry that has it (a module
 # system's wrapper usually shadows the distribution's compiler of the same name).

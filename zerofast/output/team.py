@@ -42,10 +42,10 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ..errors import ExportError, ZeroFastError
+from ..base.errors import ExportError, ZeroFastError
 from .transaction import Folder, output_dir
 from ..devices import device_of
-from ..settings import DIST_TIMEOUT_ENV, settings
+from ..base.settings import DIST_TIMEOUT_ENV, settings
 
 
 def world_size() -> int:

@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..discover import CheckpointFiles, links_among, remote_url
-from ..errors import ExportError, OutputExistsError, ZeroFastError, some
+from ..base.errors import ExportError, OutputExistsError, ZeroFastError, some
 
 # Lists the files the last writer put in the folder. It sits under .cache/huggingface/, which
 # huggingface_hub's upload_folder never uploads (its default ignore patterns); older versions

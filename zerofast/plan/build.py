@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..dtypes import out_dtype_for
-from ..errors import InconsistentCheckpointError
+from ..base.dtypes import out_dtype_for
+from ..base.errors import InconsistentCheckpointError
 from ..load import LoadedCheckpoint
 from .builders.frozen import declared as frozen_entries
 from .builders.stage0 import module_entry

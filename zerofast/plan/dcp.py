@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ..dtypes import out_dtype_for
+from ..base.dtypes import out_dtype_for
 from ..load.dcp import ChunkReader, DcpRecords, DcpTensor
 from .columns import PlanTensors
 from .model import BUFFER, TRAINABLE, Plan, Segments, SourceTable, TensorPlan

@@ -19,9 +19,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import keys as K
-from ..dtypes import out_dtype_for
-from ..errors import (InconsistentCheckpointError, MissingOptimizerStateError, UnplacedOptimizerStateError,
+from ..base import keys as K
+from ..base.dtypes import out_dtype_for
+from ..base.errors import (InconsistentCheckpointError, MissingOptimizerStateError, UnplacedOptimizerStateError,
                       UnsupportedCheckpointError, short_repr)
 from ..load import LoadedCheckpoint, OptimStates
 from . import whole_params

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from ..errors import InconsistentCheckpointError, UnsupportedCheckpointError
+from ..base.errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..load import LoadedCheckpoint, PartitionedCheckpoint
 from ..load.checkpoint import narrow_group
 from .build import assemble

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ..errors import InconsistentCheckpointError
+from ..base.errors import InconsistentCheckpointError
 from ..load import LoadedCheckpoint
 from .model import Entry, FlatGroups, SourceTable
 

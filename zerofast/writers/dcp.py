@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from ..errors import ExportError, UnplacedOptimizerStateError, UnsupportedCheckpointError
+from ..base.errors import ExportError, UnplacedOptimizerStateError, UnsupportedCheckpointError
 from ..discover import DCP_METADATA as METADATA
 from ..execute import Executor
-from ..keys import PARAMS
+from ..base.keys import PARAMS
 from ..output.transaction import checkpoint_inputs, os_error, output_dir
-from ..pipeline import Prepared, plan_checkpoint, prepare
+from ..execute.prepare import Prepared, plan_checkpoint, prepare
 from ..plan.model import TensorPlan
 from ..plan.optimizer import available_keys, scalar_states
 from .dcp_storage import storage_writer

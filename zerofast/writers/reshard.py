@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import InconsistentCheckpointError, ReshardError, UnplacedOptimizerStateError, UnsupportedCheckpointError
+from ..base.errors import InconsistentCheckpointError, ReshardError, UnplacedOptimizerStateError, UnsupportedCheckpointError
 from ..layouts import discover, load_checkpoint
 from ..load import LoadedCheckpoint
 from ..output.team import ALONE
 from ..output.transaction import Folder, copy_file, local_folder, write_text
-from .. import keys
+from ..base import keys
 from ..plan import TensorPlan
 from ..plan.optimizer import group_states
 from . import ds_pickle, round_robin

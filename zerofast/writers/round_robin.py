@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from .. import keys
+from ..base import keys
 from ..load import LoadedCheckpoint
 
 

@@ -19,14 +19,14 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..discover import CheckpointFiles
-from ..errors import UnsupportedCheckpointError
+from ..base.errors import UnsupportedCheckpointError
 from ..execute import Executor
 from ..load import LoadedCheckpoint
 from ..load.stand_ins import DeepSpeedRecord
 from ..output.team import ALONE, Alone, Team
 from ..output.transaction import Folder, checkpoint_inputs
 from ..output.windows import Progress, counter
-from .. import keys
+from ..base import keys
 from ..plan import FROZEN, SourceTable, TensorPlan, build_plan
 from ..plan.builders import master_flat_groups
 from ..plan.model import tensor_identity

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch.serialization import skip_data
 
-from ..errors import ExportError
+from ..base.errors import ExportError
 from ..execute import Executor
 from ..output.transaction import torch_save, writing
 from ..output.windows import write_windows

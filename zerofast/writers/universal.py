@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import keys
-from ..errors import ExportError, UnplacedOptimizerStateError, UnsupportedCheckpointError
+from ..base import keys
+from ..base.errors import ExportError, UnplacedOptimizerStateError, UnsupportedCheckpointError
 from ..layouts import discover, load_checkpoint
 from ..load import ModelStates
 from ..load.records import read_model_states

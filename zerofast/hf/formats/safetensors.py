@@ -27,8 +27,8 @@ from typing import BinaryIO, Iterator, Protocol, Sequence
 import numpy as np
 import torch
 
-from ...dtypes import SAFETENSORS_CODES
-from ...errors import ExportError, short_repr
+from ...base.dtypes import SAFETENSORS_CODES
+from ...base.errors import ExportError, short_repr
 from ...execute import Executor
 from ...output.transaction import writing
 from ...output.windows import reserve, write_windows

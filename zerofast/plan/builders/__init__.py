@@ -11,8 +11,8 @@ Which of them a save needs, and over which files, is its layout's call (:mod:`ze
 """
 from __future__ import annotations
 
-from ... import keys
-from ...errors import InconsistentCheckpointError
+from ...base import keys
+from ...base.errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
 from ..columns import EntryTable
 from ..model import FlatGroups, SourceTable

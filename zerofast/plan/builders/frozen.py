@@ -9,9 +9,9 @@ import math
 
 import torch
 
-from ...errors import InconsistentCheckpointError
+from ...base.errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
-from ... import keys
+from ...base import keys
 from ..model import Entry, Segments, SourceTable, ceil_div, rank_share
 
 

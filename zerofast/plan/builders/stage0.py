@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import CorruptCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
+from ...base.errors import CorruptCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
 from ...load import LoadedCheckpoint
-from ... import keys
+from ...base import keys
 from ..model import Entry, SourceTable, tensor_identity
 
 

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from ...errors import InconsistentCheckpointError
+from ...base.errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
 from ..columns import EntryTable
 from ..model import Entry, FlatGroups, SegmentTable, SourceTable, VirtualBuffer

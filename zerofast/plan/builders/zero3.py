@@ -14,7 +14,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from ...errors import InconsistentCheckpointError
+from ...base.errors import InconsistentCheckpointError
 from ...load import LoadedCheckpoint
 from ..columns import EntryTable
 from ..model import Entry, FlatGroups, SegmentTable, SourceTable, VirtualBuffer, ceil_div, rank_share

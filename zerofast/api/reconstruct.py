@@ -6,9 +6,9 @@ import os
 
 import torch
 
-from . import ops
-from .results import state_dict_of
-from .pipeline import prepare
+from ..native import ops
+from ..results import state_dict_of
+from ..execute.prepare import prepare
 
 
 def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,

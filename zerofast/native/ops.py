@@ -10,7 +10,7 @@ core is loaded, so the fakes are declared at module scope but registered when th
 loads (:func:`load_native`, also reached through :func:`native_module`), not at import as in
 ``pytorch/extension-cpp``, whose import loads its library. Each wrapper asks for the core once
 per call (:func:`native_enabled`). The kernels' knobs (reader threads, huge pages,
-copy_file_range) are op arguments, filled from :func:`zerofast.settings.settings` here, so an op
+copy_file_range) are op arguments, filled from :func:`zerofast.base.settings.settings` here, so an op
 is a function of its arguments.
 
 The native core is found, or built for the running torch, on first use (:mod:`.native.loader`),
@@ -28,10 +28,10 @@ from typing import Sequence
 import torch
 
 from . import reference
-from .devices import device_of
-from .errors import DeviceError, NativeExtensionError
-from .native import loader
-from .settings import reader_count, settings
+from ..devices import device_of
+from ..base.errors import DeviceError, NativeExtensionError
+from . import loader
+from ..base.settings import reader_count, settings
 
 _loaded = False
 _FAKES_LOCK = threading.Lock()  # files are read on a pool's threads; fakes are registered once

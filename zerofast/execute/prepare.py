@@ -12,15 +12,15 @@ from typing import Sequence
 
 import torch
 
-from . import dtypes
-from .errors import FrozenWeightsAbsentWarning
-from .execute import Executor, view_ranges
-from .execute.read_batch import BatchReader, locate
-from .layouts import discover, load_checkpoint
-from .load import LoadedCheckpoint
-from .load.reader import collector_paused
-from .plan import Plan, SourceTable, build_optimizer_plan, build_plan
-from .settings import read_once
+from ..base import dtypes
+from ..base.errors import FrozenWeightsAbsentWarning
+from . import Executor, view_ranges
+from .read_batch import BatchReader, locate
+from ..layouts import discover, load_checkpoint
+from ..load import LoadedCheckpoint
+from ..load.reader import collector_paused
+from ..plan import Plan, SourceTable, build_optimizer_plan, build_plan
+from ..base.settings import read_once
 
 
 @dataclass

@@ -35,7 +35,7 @@ def add_verify_commands(sub, common) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from . import verify
+    from ..checks import verify
 
     report = verify(args.path, args.against, tag=args.tag, strict=args.strict, base_model=args.base_model,
                     follow_symlinks=args.follow_symlinks)
@@ -44,7 +44,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from . import diff
+    from ..checks import diff
 
     result = diff(args.a, args.b, optimizer=args.optimizer, tag_a=args.tag, tag_b=args.tag,
                   follow_symlinks=args.follow_symlinks)

@@ -52,7 +52,7 @@ def ranges(indices: list[int]) -> str:
 
 def training_dtype(config) -> str | None:
     """What the DeepSpeed config trained in: its bf16/fp16 sections, else fp32."""
-    from . import dtypes
+    from ..base import dtypes
 
     if not isinstance(config, dict):
         return None
@@ -68,7 +68,7 @@ def model_dtype(meta) -> str | None:
     """The dtype the module's parameters were held in (stage 3 placeholders carry it too)."""
     import torch
 
-    from . import dtypes
+    from ..base import dtypes
 
     buffers = set(meta.buffer_names)
     counts = Counter(dtypes.name(v.dtype) for k, v in meta.module.items()

@@ -17,15 +17,15 @@ from typing import NamedTuple
 
 import torch
 
-from . import dtypes
-from .devices import device_of
-from .errors import LoadIntoError
-from .execute.executor import STAGING_BYTES, in_runs
-from .pipeline import prepare
-from .load.reader import collector_paused, release_freed_heap
-from .dtypes import out_dtype_for
-from .plan import Plan, TensorPlan
-from .plan.columns import as_dict
+from ..base import dtypes
+from ..devices import device_of
+from ..base.errors import LoadIntoError
+from ..execute.executor import STAGING_BYTES, in_runs
+from ..execute.prepare import prepare
+from ..load.reader import collector_paused, release_freed_heap
+from ..base.dtypes import out_dtype_for
+from ..plan import Plan, TensorPlan
+from ..plan.columns import as_dict
 
 
 class IncompatibleKeys(NamedTuple):

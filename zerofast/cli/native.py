@@ -19,7 +19,7 @@ def add_native_commands(sub) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from . import loader
+    from ..native import loader
 
     loaded = loader.build(force=args.force)
     print(f"native core for torch {loaded.manifest.get('torch')} ({', '.join(loaded.module.built_devices())}): "
@@ -29,7 +29,7 @@ def _build(args: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     from .. import __version__
-    from .report import doctor_lines
+    from ..native.report import doctor_lines
 
     print("\n".join(doctor_lines(__version__)))
     return 0

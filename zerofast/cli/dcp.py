@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .cli_args import dtype_arg
+from .args import dtype_arg
 
 # What inspect's report calls the format; zerofast.layouts.dcp.FORMAT, spelled here too so that
 # building the parser imports no torch (tests/test_dcp_in.py checks that they agree).
@@ -31,7 +31,7 @@ def add_to_dcp(sub, common) -> None:
 
 
 def _to_dcp(args: argparse.Namespace) -> int:
-    from .writers.dcp import to_dcp
+    from ..writers.dcp import to_dcp
 
     start = time.perf_counter()
     result = to_dcp(args.ckpt, args.out, dtype=args.dtype, optimizer=args.optimizer, tag=args.tag,

@@ -51,8 +51,8 @@ class Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from . import __version__
-        from .native.report import version_lines
+        from .. import __version__
+        from ..native.report import version_lines
 
         print("\n".join(version_lines(__version__)))
         parser.exit()
@@ -73,8 +73,8 @@ def positive(what: str):
 
 
 def dtype_arg(text: str):
-    """An argparse type: the one dtype vocabulary (:func:`zerofast.dtypes.output_dtype`)."""
-    from . import dtypes
+    """An argparse type: the one dtype vocabulary (:func:`zerofast.base.dtypes.output_dtype`)."""
+    from ..base import dtypes
 
     try:
         return dtypes.output_dtype(text)
@@ -85,7 +85,7 @@ def dtype_arg(text: str):
 
 def size_arg(text: str) -> int:
     """An argparse type: bytes, or e.g. 500MB, 5G, 5GB, 4GiB."""
-    from .hf.shards import parse_size
+    from ..hf.shards import parse_size
 
     try:
         return parse_size(text)

@@ -5,7 +5,7 @@ the package reads ``os.environ`` for its own behaviour (the distributed team rea
 ``RANK``/``WORLD_SIZE``, which are the launcher's, not zerofast's). Nothing here imports torch,
 so ``zerofast --version`` can read it. The native
 kernels never read the environment either: their knobs are op arguments, filled from here by
-:mod:`zerofast.ops`, so an op is a function of its arguments.
+:mod:`zerofast.native.ops`, so an op is a function of its arguments.
 
 A public keyword (``follow_symlinks=``) wins over its variable. A variable changed while the
 process runs (a test's monkeypatch) is seen at the next public call: inside one

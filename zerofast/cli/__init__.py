@@ -2,7 +2,7 @@
 ``reshard`` it for another world size or write it ``to-universal``, ``verify`` it (or an output
 against it) and ``diff`` two of them.
 
-Errors about the input or the output folder (every :class:`~zerofast.errors.ZeroFastError`) are
+Errors about the input or the output folder (every :class:`~zerofast.base.errors.ZeroFastError`) are
 reported as one line on stderr with exit code 1; ``--debug`` adds the traceback.
 
 Parsing the arguments imports no torch (each command imports what it runs), so ``--help`` and
@@ -19,13 +19,13 @@ import traceback
 import warnings
 from typing import Sequence
 
-from .cli_args import Later, Version, common_options, dtype_arg, positive, size_arg
-from .cli_report import model_dtype, optimizer_lines, parallelism_line, training_dtype
-from .cli_dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines
-from .errors import ZeroFastError, short_repr, some
-from .native.commands import add_native_commands
-from .output.progress import ProgressBar, is_tty
-from .checks.commands import add_verify_commands
+from .args import Later, Version, common_options, dtype_arg, positive, size_arg
+from .report import model_dtype, optimizer_lines, parallelism_line, training_dtype
+from .dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines
+from ..base.errors import ZeroFastError, short_repr, some
+from .native import add_native_commands
+from ..output.progress import ProgressBar, is_tty
+from .checks import add_verify_commands
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    from .output import team as teams  # torch: only once a command runs
+    from ..output import team as teams  # torch: only once a command runs
 
     try:
         with warnings.catch_warnings(), teams.signals_raise():
@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="dtype of floating tensors, in any spelling (bf16, bfloat16, torch.bfloat16, any case); "
                          "'keep' keeps what the checkpoint holds (default: fp32)")
     # A metavar, so that building the parser does not list (import) the choices; the help does.
-    ex.add_argument("--format", choices=Later(".hf.formats", "FORMATS"), default="safetensors", metavar="FORMAT",
+    ex.add_argument("--format", choices=Later("..hf.formats", "FORMATS"), default="safetensors", metavar="FORMAT",
                     help="%(choices)s (default: safetensors)")
     ex.add_argument("--max-shard-size", type=size_arg, default="5GB", metavar="SIZE",
                     help="per-file limit: bytes, or e.g. 500MB, 5G, 5GB, 4GiB (default: 5GB)")
@@ -132,9 +132,9 @@ def _parser() -> argparse.ArgumentParser:
 # export
 
 def _export(args: argparse.Namespace) -> int:
-    from .hf import distributed, export
-    from .ops import resolve_device
-    from .output import team as teams
+    from ..hf import distributed, export
+    from ..native.ops import resolve_device
+    from ..output import team as teams
 
     if args.base_dtype and not args.merge_adapters:
         print("zerofast: error: --base-dtype chooses the base of --merge-adapters; pass that too", file=sys.stderr)
@@ -182,7 +182,7 @@ def _as_one_rank(argv: Sequence[str]) -> list[str]:
 
 
 def _rank_prefix() -> str:
-    from .output import team as teams
+    from ..output import team as teams
 
     return f"[rank {teams.rank()} of {teams.world_size()}] " if teams.launched() else ""
 
@@ -208,7 +208,7 @@ def _add_zero_to_fp32(sub) -> None:
 
 
 def _zero_to_fp32(args: argparse.Namespace) -> int:
-    from .compat import export_like_deepspeed
+    from ..compat import export_like_deepspeed
 
     bar = ProgressBar(enabled=is_tty(sys.stderr), desc="export")
     try:
@@ -258,7 +258,7 @@ def _add_resume(sub, common) -> None:
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    from .writers.reshard import write_resharded
+    from ..writers.reshard import write_resharded
 
     written = _shared(args, "reshard", write_resharded, args.ckpt, args.out, args.world_size, tag=args.tag,
                       overwrite=args.overwrite, keep_nvme=args.keep_nvme, follow_symlinks=args.follow_symlinks)
@@ -268,7 +268,7 @@ def _reshard(args: argparse.Namespace) -> int:
 
 
 def _to_universal(args: argparse.Namespace) -> int:
-    from .writers.universal import write_universal
+    from ..writers.universal import write_universal
 
     written = _shared(args, "to-universal", write_universal, args.ckpt, args.out, tag=args.tag,
                       overwrite=args.overwrite, follow_symlinks=args.follow_symlinks)
@@ -279,7 +279,7 @@ def _to_universal(args: argparse.Namespace) -> int:
 
 
 def _summary(written) -> str:
-    from .output import team as teams
+    from ..output import team as teams
 
     ranks = f" by {teams.world_size()} ranks" if teams.launched() else ""
     return (f"{written.files} files, {human_bytes(written.nbytes)} of tensors{ranks} in {written.seconds:.2f} s"
@@ -292,7 +292,7 @@ def _shared(args: argparse.Namespace, what: str, write, *positional, **options):
     leader, unless --quiet), else None."""
     import torch
 
-    from .output import team as teams
+    from ..output import team as teams
 
     if args.workers > 1:
         teams.launch_local(args.workers, _as_one_rank(args.argv))
@@ -314,10 +314,10 @@ def _shared(args: argparse.Namespace, what: str, write, *positional, **options):
 
 def describe(ckpt_dir, tag: str | None = None, follow_symlinks: bool | None = None) -> dict:
     """What ``inspect`` reports, as plain JSON-ready data. Reads metadata only, no tensor data."""
-    from . import dtypes, keys
-    from .dtypes import out_dtype_for
-    from .pipeline import prepare
-    from .plan import BUFFER, FROZEN, TRAINABLE
+    from ..base import dtypes, keys
+    from ..base.dtypes import out_dtype_for
+    from ..execute.prepare import prepare
+    from ..plan import BUFFER, FROZEN, TRAINABLE
 
     # warn_absent: the report says it instead
     prepared = prepare(ckpt_dir, None, tag=tag, warn_absent=False, follow_symlinks=follow_symlinks)
