@@ -30,7 +30,7 @@ if case == "ds":
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as run
 else:
     import zerofast
-    from zerofast import ops
+    from zerofast.native import ops
     ops.load_native() if ops.native_enabled() else None
     run = zerofast.reconstruct
 t, c = time.perf_counter(), time.process_time()

@@ -127,7 +127,7 @@ LOAD_NATIVE = r"""
 import json, sys, time
 import torch
 import zerofast
-from zerofast import ops
+from zerofast.native import ops
 t0 = time.perf_counter()
 ops.load_native()
 load_s = time.perf_counter() - t0

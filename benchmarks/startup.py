@@ -35,7 +35,7 @@ CASES = {
 }
 TIMED = """
 import sys, tempfile, time, zerofast
-from zerofast import ops
+from zerofast.native import ops
 ops.load_native() if sys.argv[3] == "1" else None  # loading the core is not what is timed
 t0 = time.perf_counter()
 {case}

@@ -51,7 +51,7 @@ def test_glibc_trim_is_found_here():
 def test_each_entry_point_trims_once_before_making_outputs(entry, monkeypatch):
     root = real_root("s3_bf16_w2_frozen_tied")
     # reconstruct and optimizer_state make their results through results.state_dict_of
-    where = "zerofast.load_into" if entry == "load_into" else "zerofast.results"
+    where = "zerofast.api.load_into" if entry == "load_into" else "zerofast.results"
     target = module_like(zerofast.reconstruct(root)) if entry == "load_into" else None
     events: list = []
     monkeypatch.setattr(importlib.import_module(where), "release_freed_heap", lambda n: events.append(n))
@@ -90,8 +90,8 @@ def test_the_collector_is_paused_for_the_whole_call_and_given_back_as_found(was_
     seen = []
     real_run_all = Executor.run_all
     monkeypatch.setattr(Executor, "run_all", lambda self, tps: seen.append(gc.isenabled()) or real_run_all(self, tps))
-    real_prepare = importlib.import_module("zerofast.reconstruct").prepare
-    monkeypatch.setattr(importlib.import_module("zerofast.reconstruct"), "prepare",
+    real_prepare = importlib.import_module("zerofast.api.reconstruct").prepare
+    monkeypatch.setattr(importlib.import_module("zerofast.api.reconstruct"), "prepare",
                         lambda *a, **k: seen.append(gc.isenabled()) or real_prepare(*a, **k))
     (gc.enable if was_enabled else gc.disable)()
     try:

@@ -16,7 +16,7 @@ from tests.dsgen.models import build_model
 from tests.helpers import assert_bitwise_equal
 from tests.helpers import real_root as _root, real_truth as _truth, stored_values as _stored
 
-load_into_module = importlib.import_module("zerofast.load_into")  # the package's load_into is the function
+load_into_module = importlib.import_module("zerofast.api.load_into")  # the package's load_into is the function
 SMALL = "s3_bf16_w2_frozen_tied"  # frozen bf16 weights, fp32 masters, ties, int and bool buffers
 
 

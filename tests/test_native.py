@@ -208,7 +208,7 @@ def test_a_process_waits_for_the_one_building_and_loads_its_core(tmp_path):
     tag = cache.core_tag(cache.sources_dir(), cache.torch_identity())
     core = tmp_path / "native" / tag / built.name
     core.parent.mkdir(parents=True)
-    code = "from zerofast import ops; print(ops.load_native().__file__)"
+    code = "from zerofast.native import ops; print(ops.load_native().__file__)"
     with open(core.with_name(core.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

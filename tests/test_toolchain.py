@@ -69,7 +69,7 @@ for name in ("is_available", "device_count", "get_device_capability", "init", "_
 def test_a_built_core_loads_and_runs_on_the_cpu_without_touching_cuda(built, tmp_path):
     done = _child(NO_CUDA + f"""
 import zerofast
-from zerofast import ops
+from zerofast.native import ops
 from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize
 
 ops.load_native()
@@ -129,7 +129,7 @@ def test_a_load_runs_at_most_the_compilers_version(built):
         started.append(list(args))
         init(self, args, *a, **k)
     subprocess.Popen.__init__ = record
-    from zerofast import ops
+    from zerofast.native import ops
     ops.load_native()
     print(started)
     """)
@@ -318,7 +318,7 @@ def test_an_unfit_nvcc_gives_the_cpu_core_with_one_line(nvcc, built, tmp_path):
     code = """
     import torch
     torch.version.cuda = "13.0"
-    from zerofast import ops
+    from zerofast.native import ops
     print(ops.built_devices())
     """
     env = dict(FORCE_CUDA="1", CUDA_HOME=str(home), ZEROFAST_CACHE_DIR=str(tmp_path / "cache"))
