@@ -263,3 +263,15 @@ def test_as_trained_leaves_the_module_buffers_as_stored(tmp_path):
                         base_dtype="as-trained")
     assert e.value.path == str(model_file)
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("name", BF16[:1])
+def test_verify_checks_an_as_trained_merge_against_the_base_it_names(name, tmp_path, capsys):
+    """verify --against computes the merge onto the base the export used: as-trained passes with
+    --base-dtype as-trained, and the default (as-stored) finds the rounding of the base."""
+    folder, _ = run(name)
+    _export(name, tmp_path / "trained", capsys, "--base-dtype", "as-trained")
+    common = ["verify", str(tmp_path / "trained"), "--against", str(ckpt(name)), "--base-model", str(folder / "base")]
+    assert main([*common, "--base-dtype", "as-trained"]) == 0
+    assert main(common) == 1
+    assert "FAIL" in capsys.readouterr().out

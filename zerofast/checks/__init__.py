@@ -22,7 +22,7 @@ from .report import Diff, Finding, Report, TensorChange
 
 def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, *, tag: str | None = None,
            strict: bool = False, base_model: str | os.PathLike | None = None,
-           follow_symlinks: bool | None = None) -> Report:
+           follow_symlinks: bool | None = None, base_dtype: str | None = None) -> Report:
     """Check ``path`` and return a :class:`Report` (``report.ok``, ``report.findings``).
 
     Without ``against``, ``path`` is a DeepSpeed checkpoint (root or tag folder, universal
@@ -31,7 +31,8 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, *,
     checked against themselves (index, lengths, aliases, config dtype). With ``against`` (the source
     checkpoint), ``path`` is an export, a reshard or a universal conversion of it, and every
     tensor must equal the source's. ``strict`` makes a checkpoint's NaN/Inf findings fatal; ``tag`` picks the
-    source's save; ``base_model`` is the base folder of a merged PEFT export; ``follow_symlinks``
+    source's save; ``base_model`` is the base folder of a merged PEFT export and ``base_dtype`` the base it
+    was merged onto (``"as-stored"``, the default, or ``"as-trained"``: ``export``'s keyword); ``follow_symlinks``
     follows links out of a checkpoint folder, as for :func:`zerofast.reconstruct`.
     """
     from .against import verify_against
@@ -40,7 +41,8 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, *,
 
     started = time.monotonic()
     if against is not None:
-        report = verify_against(path, against, tag=tag, base_model=base_model, follow_symlinks=follow_symlinks)
+        report = verify_against(path, against, tag=tag, base_model=base_model, follow_symlinks=follow_symlinks,
+                                base_dtype=base_dtype)
     elif is_export(path):
         report = Report(str(path), None, "export")
         folder = ExportFolder(path, report)

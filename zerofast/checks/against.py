@@ -33,22 +33,23 @@ SAVED_STATE = (K.GLOBAL_STEPS, "lr_scheduler")  # model-states entries a resumed
 
 
 def verify_against(out: str | os.PathLike, ckpt: str | os.PathLike, *, tag: str | None = None,
-                   base_model: str | os.PathLike | None = None, follow_symlinks: bool | None = None) -> Report:
+                   base_model: str | os.PathLike | None = None, follow_symlinks: bool | None = None,
+                   base_dtype: str | None = None) -> Report:
     if is_export(out):
-        return _export_against(out, ckpt, tag, base_model, follow_symlinks)
+        return _export_against(out, ckpt, tag, base_model, follow_symlinks, base_dtype)
     return _checkpoint_against(out, ckpt, tag, follow_symlinks)
 
 
 # ---------------------------------------------------------------------------------------------
 # Export folders
 
-def _export_against(out, ckpt, tag, base_model, follow_symlinks) -> Report:
+def _export_against(out, ckpt, tag, base_model, follow_symlinks, base_dtype) -> Report:
     report = Report(str(out), str(ckpt), "export")
     folder = ExportFolder(out, report)
     folder.check_config()
     try:
         prepared = prepare(ckpt, None, tag=tag, warn_absent=False, follow_symlinks=follow_symlinks)
-        expected = _expected(prepared, folder, base_model)
+        expected = _expected(prepared, folder, base_model, base_dtype)
     except ZeroFastError as e:
         report.add("files", str(ckpt), " ".join(str(e).split()))
         return report
@@ -68,14 +69,15 @@ def dtypes_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _expected(prepared: Prepared, folder: ExportFolder, base_model) -> Prepared:
-    """What ``export`` wrote from this checkpoint: the plan as it is, the adapter's, or the merge."""
+def _expected(prepared: Prepared, folder: ExportFolder, base_model, base_dtype: str | None) -> Prepared:
+    """What ``export`` wrote from this checkpoint: the plan as it is, the adapter's, or the merge
+    (onto the base ``base_dtype`` names, as the export's own keyword: as stored by default)."""
     source = hf.trainer_folder(prepared)
     if folder.adapter:
         return dataclasses.replace(prepared, plan=hf.adapter_plan(prepared.plan, source))
     names = set(folder.order) | set(folder.aliases)
     if hf.is_peft(prepared.plan, source) and not any(n.startswith(hf.PEFT_PREFIX) for n in names):
-        return hf.merged_plan(prepared, None, base_model, source)[0]
+        return hf.merged_plan(prepared, None, base_model, source, base_dtype or hf.AS_STORED)[0]
     return prepared
 
 

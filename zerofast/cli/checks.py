@@ -18,6 +18,8 @@ def add_verify_commands(sub, common) -> None:
     v.add_argument("--against", metavar="CKPT", help="the checkpoint PATH was written from")
     v.add_argument("--strict", action="store_true", help="NaN/Inf in masters or moments are failures, not notes")
     v.add_argument("--base-model", metavar="DIR", help="the base model folder of a --merge-adapters export")
+    v.add_argument("--base-dtype", choices=("as-stored", "as-trained"), default=None,
+                   help="the base a --merge-adapters export was merged onto (its own --base-dtype; default as-stored)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.set_defaults(run=_verify)
     d = sub.add_parser("diff", parents=[common], help="compare two checkpoints or exports, tensor by tensor",
@@ -38,7 +40,7 @@ def _verify(args: argparse.Namespace) -> int:
     from ..checks import verify
 
     report = verify(args.path, args.against, tag=args.tag, strict=args.strict, base_model=args.base_model,
-                    follow_symlinks=args.follow_symlinks)
+                    follow_symlinks=args.follow_symlinks, base_dtype=args.base_dtype)
     print(json.dumps(report.to_dict(), indent=2) if args.json else "\n".join(report.lines()))
     return 0 if report.ok else 1
 
