@@ -84,12 +84,17 @@ def zf_lazy(ckpt, out):
 
 def _empty_model(ckpt):
     """A module with an uninitialized fp32 tensor for each of the checkpoint's (fp32 dict's) names."""
-    import torch
-
     import zerofast
 
+    return model_like(zerofast.reconstruct(ckpt, lazy=True), "cpu")
+
+
+def model_like(sd, device: str, dtype=None):
+    """A module with an uninitialized tensor (on ``device``) for each name of the lazy dict ``sd``;
+    floating ones in ``dtype`` when given."""
+    import torch
+
     root = torch.nn.Module()
-    sd = zerofast.reconstruct(ckpt, lazy=True)
     for name in sd:
         meta = sd.meta(name)
         *path, leaf = name.split(".")
@@ -98,7 +103,8 @@ def _empty_model(ckpt):
             if not hasattr(module, part):
                 module.add_module(part, torch.nn.Module())
             module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype),
+        want = dtype if dtype is not None and meta.dtype.is_floating_point else meta.dtype
+        module.register_parameter(leaf, torch.nn.Parameter(torch.empty(meta.shape, dtype=want, device=device),
                                                            requires_grad=False))
     return root
 

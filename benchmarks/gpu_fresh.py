@@ -31,6 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.case import model_like  # noqa: E402  (gpu_bench.py takes it from here too)
 
 DS_CASES = ("ds_eager", "ds_export")
 
@@ -205,9 +206,14 @@ def fresh_main(args) -> int:
                   flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return _finish(args, report, fresh_table)
+
+
+def _finish(args, report: dict, table) -> int:
+    """Mark the report complete, write its JSON, and print (and with --md write) its table."""
     report["complete"] = True
     _write(args.json, report)
-    text = fresh_table(report)
+    text = table(report)
     if args.md:
         args.md.write_text(text + "\n")
     print(text)
@@ -277,13 +283,7 @@ def sweep_main(args) -> int:
                       f"({info['master_bytes'] / s['seconds'] / 1e9:5.1f} GB/s)", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report["complete"] = True
-    _write(args.json, report)
-    text = sweep_table(report)
-    if args.md:
-        args.md.write_text(text + "\n")
-    print(text)
-    return 0
+    return _finish(args, report, sweep_table)
 
 
 def sweep_table(report: dict) -> str:
@@ -354,24 +354,6 @@ def _same(a: dict, b: dict) -> str | None:
     return None
 
 
-def model_like(sd, device: str, dtype=None):
-    """A module with an uninitialized tensor (on ``device``) for each name of the lazy dict ``sd``;
-    floating ones in ``dtype`` when given."""
-    import torch
-
-    root = torch.nn.Module()
-    for name in sd:
-        meta = sd.meta(name)
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        want = dtype if dtype is not None and meta.dtype.is_floating_point else meta.dtype
-        module.register_parameter(leaf, torch.nn.Parameter(torch.empty(meta.shape, dtype=want, device=device),
-                                                           requires_grad=False))
-    return root
 
 
 def compare_main(args) -> int:
