@@ -5,7 +5,6 @@ save DeepSpeed's own view of the weights as the ground truth. Everything is comp
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -25,24 +24,14 @@ pytest.importorskip("accelerate", reason="accelerate is needed for the HF Traine
 if not HAVE_DEEPSPEED:
     pytest.skip("DeepSpeed 0.19.8 is needed to make real checkpoints", allow_module_level=True)
 
-from tests.dsgen.hf_catalog import HF_RUNS, ensure_run  # noqa: E402
+from tests.dsgen.hf_catalog import HF_RUNS  # noqa: E402
+from tests.dsgen.hf_catalog import hf_checkpoint as ckpt, hf_run as run  # noqa: E402
 from zerofast.cli import main  # noqa: E402
 from zerofast.output.transaction import LEGACY_MARKER, MARKER  # noqa: E402
 
 FULL = [n for n, s in HF_RUNS.items() if not s["peft"]]
 PEFT = [n for n, s in HF_RUNS.items() if s["peft"]]
 IDS = torch.tensor([[5, 9, 17, 33, 4, 40, 21, 8]])
-
-
-@functools.lru_cache(maxsize=None)
-def run(name: str) -> tuple[Path, dict]:
-    out = ensure_run(name)
-    return out, torch.load(out / "ground_truth.pt", weights_only=True)
-
-
-def ckpt(name: str) -> Path:
-    out, truth = run(name)
-    return out / truth["checkpoint"]
 
 
 def _quiet_reconstruct(*args, **kwargs):

@@ -9,7 +9,6 @@ cached ones of tests/test_hf_trainer.py (tests/dsgen/hf_catalog.py).
 """
 from __future__ import annotations
 
-import functools
 import shutil
 import warnings
 from pathlib import Path
@@ -27,24 +26,14 @@ pytest.importorskip("accelerate", reason="accelerate is needed for the HF Traine
 if not HAVE_DEEPSPEED:
     pytest.skip("DeepSpeed 0.19.8 is needed to make real checkpoints", allow_module_level=True)
 
-from tests.dsgen.hf_catalog import HF_RUNS, ensure_run  # noqa: E402
+from tests.dsgen.hf_catalog import HF_RUNS  # noqa: E402
+from tests.dsgen.hf_catalog import hf_checkpoint as ckpt, hf_run as run  # noqa: E402
 from tests.planting import copy_checkpoint, rewrite  # noqa: E402
 from zerofast.cli import main  # noqa: E402
 from zerofast.hf.trainer import MergeBase  # noqa: E402
 
 PEFT = [n for n, s in HF_RUNS.items() if s["peft"]]
 BF16 = [n for n in PEFT if HF_RUNS[n]["dtype"] == "bf16"]
-
-
-@functools.lru_cache(maxsize=None)
-def run(name: str) -> tuple[Path, dict]:
-    out = ensure_run(name)
-    return out, torch.load(out / "ground_truth.pt", weights_only=True)
-
-
-def ckpt(name: str) -> Path:
-    out, truth = run(name)
-    return out / truth["checkpoint"]
 
 
 def _reference(name: str, base_weights: dict | None) -> dict:

@@ -9,6 +9,7 @@ transformers and peft versions).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -96,3 +97,18 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@functools.lru_cache(maxsize=None)
+def hf_run(name: str) -> tuple[Path, dict]:
+    """Run ``name``'s folder (made on first use) and its ground truth."""
+    import torch
+
+    out = ensure_run(name)
+    return out, torch.load(out / "ground_truth.pt", weights_only=True)
+
+
+def hf_checkpoint(name: str) -> Path:
+    """The Trainer checkpoint folder (``checkpoint-N``) of run ``name``."""
+    out, truth = hf_run(name)
+    return out / truth["checkpoint"]
