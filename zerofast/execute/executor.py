@@ -88,20 +88,19 @@ class Executor:
 
     def run_into(self, tps: Sequence[TensorPlan], outs: Sequence[torch.Tensor]) -> None:
         """Each of ``tps`` into the tensor of ``outs`` beside it, as :meth:`run` with ``out``:
-        contiguous CPU ``outs`` in one batched read."""
-        if self.reader is not None and all(o.device.type == "cpu" and o.is_contiguous() for o in outs):
+        contiguous CPU ``outs`` in one batched read, contiguous device ``outs`` through the ring."""
+        on_host = self.reader is not None and all(o.device.type == "cpu" and o.is_contiguous() for o in outs)
+        if not (on_host or self._on_ring(outs)):
             for tp, out in zip(tps, outs):
-                self._check_out(tp, out)  # its numel and dtype: no flat view needed to ask
-            self.reader.read_into(PlanTensors.of(tps), outs)
-            return
-        if self._on_ring(outs):
-            for tp, out in zip(tps, outs):
-                self._check_out(tp, out)
-            with device_of(self.device).scope(self.device):
-                self.ring().read_into(tps, outs)
+                self.run(tp, out)
             return
         for tp, out in zip(tps, outs):
-            self.run(tp, out)
+            self._check_out(tp, out)  # its numel and dtype: no flat view needed to ask
+        if on_host:
+            self.reader.read_into(PlanTensors.of(tps), outs)
+            return
+        with device_of(self.device).scope(self.device):
+            self.ring().read_into(tps, outs)
 
     def run(self, tp: TensorPlan, out: torch.Tensor | None = None) -> torch.Tensor:
         """Write ``tp`` into ``out`` (a fresh tensor when None) and return it in its shape."""
