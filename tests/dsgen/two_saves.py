@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,13 +46,19 @@ def two_saves_path(stage: int = 2) -> Path:
 
 
 def ensure_two_saves(stage: int = 2) -> Path:
-    from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, _free_port, build_cached
+    from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, _free_port, build_cached, worth_retrying
 
     def build(tmp: Path) -> None:
         env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(SPECS[stage]["world_size"]),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(HERE), str(stage), str(tmp)]
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        for _attempt in range(3):  # a rank killed by a signal in torch's runtime: run again, as catalog does
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                   str(SPECS[stage]["world_size"]), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+                   str(HERE), str(stage), str(tmp)]
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+            if proc.returncode == 0 or not worth_retrying(proc.stderr + proc.stdout):
+                break
+            for child in tmp.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
         if proc.returncode != 0:
             raise RuntimeError(f"two_saves failed (rc={proc.returncode})\n{(proc.stdout + proc.stderr)[-4000:]}")
 
