@@ -14,12 +14,13 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, _free_port, build_cached, cache_dir
+from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, _free_port, build_cached, cache_dir, worth_retrying
 
 TRAIN = Path(__file__).resolve().with_name("hf_train.py")
 
@@ -64,15 +65,19 @@ def _train(spec: dict, outdir: Path) -> None:
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec["world_size"]),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(TRAIN), json.dumps(spec),
-           str(outdir)]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"Trainer run timed out after {TIMEOUT_S}s: {' '.join(cmd)}") from None
-    if proc.returncode != 0:
+    for _attempt in range(3):  # retried only where worth_retrying says so, as catalog's jobs are
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec["world_size"]),
+               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(TRAIN), json.dumps(spec),
+               str(outdir)]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"Trainer run timed out after {TIMEOUT_S}s: {' '.join(cmd)}") from None
         out = proc.stdout + proc.stderr
+        if proc.returncode == 0 or not worth_retrying(out):
+            break
+        shutil.rmtree(outdir, ignore_errors=True)
+    if proc.returncode != 0:
         rank_lines = [ln for ln in out.splitlines() if ln.startswith("[rank")]
         raise RuntimeError(f"Trainer run failed (rc={proc.returncode}): {' '.join(cmd)}\n"
                            + "\n".join(rank_lines[-60:]) + f"\n--- output tail ---\n{out[-4000:]}")

@@ -33,6 +33,8 @@ NATIVE_MODES = {"auto": "auto", "": "auto", "1": "required", "0": "off"}
 FOLLOW_SYMLINKS_ENV = "ZEROFAST_FOLLOW_SYMLINKS"
 READERS_ENV = "ZEROFAST_READERS"
 HUGEPAGES_ENV = "ZEROFAST_HUGEPAGES"
+NODES_HOLE_ENV = "ZEROFAST_NODES_HOLE_BYTES"
+NODES_CHUNK_ENV = "ZEROFAST_NODES_CHUNK_BYTES"
 COPY_FILE_RANGE_ENV = "ZEROFAST_COPY_FILE_RANGE"
 CUDA_KERNELS_ENV = "ZEROFAST_CUDA_KERNELS"
 DIST_TIMEOUT_ENV = "ZEROFAST_DIST_TIMEOUT"
@@ -85,6 +87,12 @@ class Settings:
     # ZEROFAST_DIST_TIMEOUT: seconds a rank of a shared export waits for the slowest (default
     # 1800), as written; dist_timeout_s() checks it where it is used.
     dist_timeout: str = str(DEFAULT_DIST_TIMEOUT_S)
+    # ZEROFAST_NODES_HOLE_BYTES: for a save spread over the nodes' disks (zerofast.output.nodes),
+    # storages of at least this many bytes are moved per output file; smaller ones go to every
+    # rank with the file's pickle (default 64 KiB, at least 256 bytes; the tests set 256 to move nearly every storage).
+    nodes_hole_bytes: int = 64 << 10
+    # ZEROFAST_NODES_CHUNK_BYTES: the bytes of one message between the nodes (default 64 MiB).
+    nodes_chunk_bytes: int = 64 << 20
 
     @cached_property  # read on every native op: strip and lower once per reading
     def mode(self) -> str:
@@ -135,6 +143,8 @@ def from_environment(env: Mapping[str, str]) -> Settings:
         hugepages=env.get(HUGEPAGES_ENV, "0") == "1",
         copy_file_range=env.get(COPY_FILE_RANGE_ENV, "1") != "0",
         dist_timeout=env.get(DIST_TIMEOUT_ENV, str(DEFAULT_DIST_TIMEOUT_S)),
+        nodes_hole_bytes=_count(env.get(NODES_HOLE_ENV)) or 64 << 10,
+        nodes_chunk_bytes=_count(env.get(NODES_CHUNK_ENV)) or 64 << 20,
     )
 
 
@@ -147,7 +157,7 @@ def _count(value: str | None) -> int:
 
 _VARIABLES = (NATIVE_ENV, CACHE_DIR_ENV, "XDG_CACHE_HOME", "HOME", "CXX", "FORCE_CUDA", "TORCH_CUDA_ARCH_LIST",
               CUDA_KERNELS_ENV, "CUDA_HOME", "CUDA_PATH", FOLLOW_SYMLINKS_ENV, READERS_ENV, HUGEPAGES_ENV,
-              COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV)
+              COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV, NODES_HOLE_ENV, NODES_CHUNK_ENV)
 _cache: tuple[tuple, Settings] | None = None
 # The reading that stands while a public call runs (read_once), and how many such calls are in
 # flight; a plain global, not thread-local, so that the call's reader threads see it too.

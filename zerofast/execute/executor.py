@@ -86,6 +86,11 @@ class Executor:
             return self.reader.read(tensors)
         return self.run_all(list(tensors.values()))
 
+    def file_ranges(self, tps: PlanTensors) -> dict[str, list[tuple[int, int]]]:
+        """Which bytes of which files running ``tps`` reads (:meth:`BatchReader.file_ranges`);
+        nothing for an executor without a file reader."""
+        return self._files.file_ranges(tps) if self._files is not None else {}
+
     def run_into(self, tps: Sequence[TensorPlan], outs: Sequence[torch.Tensor]) -> None:
         """Each of ``tps`` into the tensor of ``outs`` beside it, as :meth:`run` with ``out``:
         contiguous CPU ``outs`` in one batched read, contiguous device ``outs`` through the ring."""

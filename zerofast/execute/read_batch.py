@@ -72,6 +72,23 @@ class BatchReader:
                     # contiguous: written by element index
                     ops.read_cast(self.sources, fds, offsets, table, outs[lo:hi])
 
+    def file_ranges(self, tps: PlanTensors) -> dict[str, list[tuple[int, int]]]:
+        """The bytes of the files that ``tps`` read, by file: (byte offset, length) per segment
+        row whose source is a view of its file (sources read from memory are left out)."""
+        rows = tps.table.rows
+        out: dict[str, list[tuple[int, int]]] = {}
+        if not len(rows):
+            return out
+        for src in np.unique(rows[:, 0]).tolist():
+            where = self.locations[src]
+            if where is None:
+                continue
+            size = self.sources[src].element_size()
+            mine = rows[rows[:, 0] == src]
+            starts = (where[0] + mine[:, 1] * size).tolist()
+            out.setdefault(self.files[src], []).extend(zip(starts, (mine[:, 3] * size).tolist()))
+        return out
+
     def write(self, fd: int, placed: Placed | Sequence[tuple[TensorPlan, int]]) -> None:
         """Each tensor of ``placed`` at its byte offset (a :class:`~zerofast.plan.columns.Placed`;
         ``(plan, offset)`` pairs, a sliced tensor's, become one here) into file ``fd``, a call

@@ -141,6 +141,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     if base_dtype is not None and not merge_adapters:
         raise ValueError("base_dtype chooses the base of merge_adapters: it needs merge_adapters=True")
     base_dtype = trainer.AS_STORED if base_dtype is None else base_dtype
+    ckpt_dir, tag, follow_symlinks = team.checkpoint(ckpt_dir, tag, follow_symlinks, out)
     with team.step("reading the checkpoint", out):
         prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen or adapter,
                            warn_absent=not merge_adapters, follow_symlinks=follow_symlinks)
@@ -210,6 +211,11 @@ class _Write:
 
     def write(self, tmp: Path, advance: Callable[[int], None]) -> None:
         self.fmt.write(tmp / self.file.name, self.file, self.metadata, self.executor, advance)
+
+    def reads(self) -> dict[str, list[tuple[int, int]]]:
+        """The bytes of the checkpoint's files this file is made of (a team spread over the nodes
+        moves those to the writer)."""
+        return self.executor.file_ranges(self.file.tensors)
 
 
 def _data_writes(files: Sequence[ShardFile], tied: dict[str, str], fmt: WeightFormat, executor: Executor,

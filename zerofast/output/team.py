@@ -5,6 +5,9 @@ Every writer of files (:func:`zerofast.export`, :func:`zerofast.reshard`,
 file, or a :class:`Team`, the ranks of a torch.distributed job (torchrun, or ``--workers``) that
 share the files out. A writer calls it in this order:
 
+0. ``ckpt_dir, tag, follow = team.checkpoint(ckpt_dir, tag, follow_symlinks, out)``: the save as
+   this rank reads it: itself, or where the ranks' folders hold different files (rank files on
+   the nodes' local disks), a view of it whose missing bytes the team moves (:mod:`.nodes`).
 1. ``with team.step("reading the checkpoint", out):`` each rank reads the checkpoint and plans
    every file for itself (metadata only), so no plan is sent between ranks.
 2. ``with team.output_dir(out, overwrite, ...) as folder:`` the leader opens the output folder's
@@ -17,6 +20,10 @@ share the files out. A writer calls it in this order:
    folder.
 5. ``with team.step("committing", out): if team.leader: ...`` the leader writes what depends on
    every file (indexes, ``latest``) and commits the transaction.
+6. ``team.close()`` (:func:`joined` does it): the view of step 0 is removed.
+
+With the save spread over the nodes, the leader writes every file, and ``share`` gives the
+others one item whose ``write`` serves the leader's requests for their files' bytes instead.
 
 Each step ends with an agreement (an all_gather of every rank's outcome): if any rank failed,
 every rank raises, so nothing is committed unless every file was written, and the leader's
@@ -43,6 +50,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..base.errors import ExportError, ZeroFastError
+from ..discover import locate
+from . import nodes
 from .transaction import Folder, output_dir
 from ..devices import device_of
 from ..base.settings import DIST_TIMEOUT_ENV, settings
@@ -90,8 +99,14 @@ class Alone:
     def output_dir(self, out: Path, overwrite: bool, **transaction) -> contextlib.AbstractContextManager[Folder]:
         return output_dir(out, overwrite, **transaction)
 
+    def checkpoint(self, ckpt_dir, tag: str | None, follow_symlinks: bool | None, where: Path):
+        return ckpt_dir, tag, follow_symlinks
+
     def share(self, writes: list, tag: str, where: Path) -> list:
         return writes
+
+    def close(self) -> None:
+        pass
 
 
 ALONE = Alone()
@@ -122,11 +137,40 @@ class Team:
     RuntimeError when a rank is lost or the timeout passes.
     """
 
-    def __init__(self, rank: int, size: int, gather: Callable[[object], list]):
+    def __init__(self, rank: int, size: int, gather: Callable[[object], list],
+                 wire: Callable[[], nodes.Wire] | None = None):
         self.rank = rank
         self.size = size
         self._gather_objects = gather
+        self._wire = wire  # makes the byte transfers between ranks, for a save spread over the nodes
+        self.nodes: nodes.NodeFiles | None = None  # that save's view, once step 0 found one
         self.failing = False  # this rank is already on its way out: a SIGTERM must not cut the cleanup
+
+    def checkpoint(self, ckpt_dir, tag: str | None, follow_symlinks: bool | None, where: Path):
+        """Step 0: ``(ckpt_dir, tag, follow_symlinks)`` to read: as given where every rank lists the
+        same files, else this rank's view of the save the nodes hold between them."""
+        with self.step("listing the checkpoint", where):
+            found = locate(ckpt_dir, tag, follow_symlinks)
+            mine = nodes.listing(found)
+        listings = self._gather(mine, "listing the checkpoint", where)
+        if nodes.same_files(listings):
+            return ckpt_dir, tag, follow_symlinks
+        with self.step("comparing the nodes' files", where):
+            if self._wire is None:
+                raise ExportError("the ranks see different files, and this team cannot move bytes between them", where)
+            self.nodes = nodes.build(found, listings, self.rank, follow_symlinks)
+        with self.step("reading the checkpoint from the nodes", where):
+            try:
+                self.nodes.exchange(self._wire())
+            except RuntimeError as e:
+                raise self._lost(e, "reading the checkpoint from the nodes", where) from None
+        # the view's links lead to this node's own files, checked against the setting above
+        return self.nodes.root, self.nodes.tag, True
+
+    def close(self) -> None:
+        if self.nodes is not None:
+            self.nodes.close()
+            self.nodes = None
 
     @property
     def leader(self) -> bool:
@@ -143,19 +187,39 @@ class Team:
         if odd:
             raise ExportError(f"rank {odd[0]} of {self.size} planned another export than rank 0 (another tag, or "
                               "other files): every rank must see the same checkpoint", where)
+        if self.nodes is not None:
+            return self._share_from_nodes(writes, where)
         owners = share([w.nbytes for w in writes], self.size)
         return [w for w, owner in zip(writes, owners) if owner == self.rank]
+
+    def _share_from_nodes(self, writes: list, where: Path) -> list:
+        """The leader writes every file, fed by the others: per file where each says what it reads
+        (``reads()``), else every byte its stubs lack, moved before any file is written."""
+        view = self.nodes
+        if all(hasattr(w, "reads") for w in writes):
+            if self.leader:
+                return [nodes.Fed(view, i, w) for i, w in enumerate(writes)]
+            return [nodes.Serving(view, writes)]
+        with self.step("moving the bytes of the other nodes' files", where):
+            needed = view.all_holes(0)
+            view.receive(needed) if self.leader else view.send(needed, 0)
+        return writes if self.leader else []
 
     @contextlib.contextmanager
     def step(self, what: str, where: Path) -> Iterator[None]:
         """Run the body on every rank, then agree: if any rank failed, every rank raises."""
         try:
             yield
+            self._end_service(what, where)
         except Exception as e:
             self.failing = True
+            with contextlib.suppress(ExportError, RuntimeError):
+                self._end_service(what, where)
+            if self.nodes is not None and isinstance(e, ZeroFastError):
+                e = self.nodes.explain(e)
             with contextlib.suppress(ExportError):  # our own error says more than a lost peer
                 self._gather(_describe(e), what, where)
-            raise
+            raise e
         except BaseException:
             # Interrupted or stopped: leave at once; the others see the connection close.
             self.failing = True
@@ -167,15 +231,25 @@ class Team:
             more = f" (and {len(failed) - 1} other ranks)" if len(failed) > 1 else ""
             raise ExportError(f"rank {r} of {self.size}{more} failed while {what}: {message}", where)
 
-    def _gather(self, mine: str | None, what: str, where: Path) -> list:
+    def _end_service(self, what: str, where: Path) -> None:
+        """The leader lets the others out of their service before a step's agreement."""
+        if self.nodes is not None and self.nodes.serving:
+            try:
+                self.nodes.stop(0)
+            except RuntimeError as e:
+                raise self._lost(e, what, where) from None
+
+    def _gather(self, mine: object, what: str, where: Path) -> list:
         """Every rank's ``mine``, in rank order."""
         try:
             return self._gather_objects(mine)
         except RuntimeError as e:  # gloo/NCCL errors, timeouts included, derive from it
-            self.failing = True
-            raise ExportError(f"lost contact with the other ranks while {what} (one crashed, was killed, or "
-                              f"outlasted the timeout, {DIST_TIMEOUT_ENV}; see its output): {_backend_reason(e)}",
-                              where) from None
+            raise self._lost(e, what, where) from None
+
+    def _lost(self, e: RuntimeError, what: str, where: Path) -> ExportError:
+        self.failing = True
+        return ExportError(f"lost contact with the other ranks while {what} (one crashed, was killed, or outlasted "
+                           f"the timeout, {DIST_TIMEOUT_ENV}; see its output): {_backend_reason(e)}", where)
 
     @contextlib.contextmanager
     def output_dir(self, out: Path, overwrite: bool, **transaction) -> Iterator[Folder]:
@@ -183,12 +257,14 @@ class Team:
         temporary folder and take no part in the commit."""
         with contextlib.ExitStack() as stack:
             folder = None
+            if self.nodes is not None:  # never write over the real save either
+                transaction["inputs"] = [*transaction.get("inputs", ()), self.nodes.real_tag_dir]
             with self.step("opening the output folder", out):
                 if self.leader:
                     folder = stack.enter_context(output_dir(out, overwrite, **transaction))
             tmp = Path(self._gather(str(folder.tmp) if self.leader else None, "opening the output folder", out)[0])
             with self.step("opening the output folder", out):
-                if not tmp.is_dir():
+                if self.nodes is None and not tmp.is_dir():  # spread over the nodes, the leader writes alone
                     raise ExportError(f"cannot see rank 0's temporary folder {tmp.name} here: every rank must "
                                       "write to the same folder, on a filesystem all the nodes share", out)
             yield folder if folder is not None else Folder.follower(out, tmp)
@@ -201,15 +277,25 @@ def joined(device: torch.device) -> Iterator[Team]:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        yield _team_of_default_group()
+        with _closing(_team_of_default_group()) as team:
+            yield team
         return
     entry = device_of(device)
     entry.select(device)
     dist.init_process_group(entry.backend, timeout=datetime.timedelta(seconds=timeout_s()))
     try:
-        yield _team_of_default_group()
+        with _closing(_team_of_default_group()) as team:
+            yield team
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _closing(team: Team) -> Iterator[Team]:
+    try:
+        yield team
+    finally:
+        team.close()
 
 
 def _team_of_default_group() -> Team:
@@ -220,7 +306,7 @@ def _team_of_default_group() -> Team:
         dist.all_gather_object(gathered, obj)
         return gathered
 
-    return Team(dist.get_rank(), dist.get_world_size(), gather)
+    return Team(dist.get_rank(), dist.get_world_size(), gather, nodes.DistWire)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ def write_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
     started = time.monotonic()
     team = team or ALONE
     out = local_folder(out_dir)
+    ckpt_dir, tag, follow_symlinks = team.checkpoint(ckpt_dir, tag, follow_symlinks, out)
     with team.step("reading the checkpoint", out):
         files = discover(ckpt_dir, tag, follow_symlinks=follow_symlinks)
         ckpt = load_checkpoint(files)
