@@ -139,6 +139,26 @@ def test_an_export_from_two_nodes_disks_is_the_single_process_export(tmp_path, n
 
 
 @needs_deepspeed
+@pytest.mark.parametrize("name", ["s3_bf16_w2_frozen_tied", "moe_s2_bf16_w2_ep2"])
+def test_with_output_on_every_node_the_nodes_folders_together_are_the_single_process_export(tmp_path, name):
+    root = ensure_checkpoint(name)
+    folders = _split(root, tmp_path)
+    export(root, tmp_path / "single", max_shard_size=SHARD, optimizer_states=True)
+    outs = [tmp_path / "node0" / "out", tmp_path / "node1" / "out"]
+    procs = _two_nodes("export", folders, outs, "--max-shard-size", SHARD, "--optimizer-states",
+                       "--output-on-every-node")
+    _assert_ok(procs)
+    trees = [{n: b for n, b in _tree(out).items() if not n.endswith(MARKER)} for out in outs]
+    assert not set(trees[0]) & set(trees[1])  # each file written once, on one node
+    assert any(n.startswith("model-") for n in trees[1]) and not any(n.endswith(".json") for n in trees[1])
+    want = {n: b for n, b in _tree(tmp_path / "single").items() if not n.endswith(MARKER)}
+    assert {**trees[0], **trees[1]} == want
+    for out, tree in zip(outs, trees):  # each node's folder is a committed output of its own files
+        assert sorted(json.loads((out / MARKER).read_text())["files"]) == sorted(tree)
+    assert not list((tmp_path / "tmp").glob("zerofast-nodes-*"))
+
+
+@needs_deepspeed
 @pytest.mark.parametrize("command", ["reshard", "to-universal"])
 def test_reshard_and_to_universal_from_two_nodes_disks_are_the_single_process_ones(tmp_path, command):
     root = ensure_checkpoint("s3_bf16_w2_frozen_tied")
@@ -202,3 +222,50 @@ def test_a_skeleton_rebuilds_a_sparse_stub_with_the_same_bytes_outside_its_holes
     (offset, length), = holes
     assert stub[:offset] == real[:offset] and stub[offset + length:] == real[offset + length:]
     assert stub[offset:offset + length] == bytes(length)
+
+
+class _FakeView:
+    """What a Round asks of a node view, recorded: no process group, one rank's side."""
+
+    def __init__(self, me: int):
+        self.me, self.trades, self.punched = me, [], []
+
+    def needed(self, reads, writer):
+        return {f"{writer}:{name}": [(0, 1)] for name in reads}
+
+    def trade(self, needs):
+        self.trades.append([w for w, _ in needs])
+        return next((n for w, n in needs if w == self.me), {})
+
+    def punch(self, got):
+        self.punched.append(sorted(got))
+
+
+class _FakeWrite:
+    def __init__(self, name: str, fail: bool = False):
+        self.name, self.fail, self.nbytes, self.written = name, fail, 1, False
+
+    def reads(self):
+        return [self.name]
+
+    def write(self, tmp, advance):
+        if self.fail:
+            raise OSError(f"disk full writing {self.name}")
+        self.written = True
+
+
+def test_every_rank_trades_in_every_round_and_a_failed_write_is_raised_in_the_last():
+    from zerofast.output import node_writes
+
+    bad, later = _FakeWrite("a", fail=True), _FakeWrite("c")
+    by_rank = [[bad, later], [_FakeWrite("b"), _FakeWrite("d"), _FakeWrite("e")]]
+    view = _FakeView(me=0)
+    rounds = node_writes.rounds(view, by_rank)
+    assert len(rounds) == 3 and [r.nbytes for r in rounds] == [1, 1, 0]  # the longest share's count
+    rounds[0].write(None, lambda n: None)  # the failure waits: the other rank still needs this one
+    rounds[1].write(None, lambda n: None)
+    with pytest.raises(OSError, match="disk full writing a"):
+        rounds[2].write(None, lambda n: None)
+    assert view.trades == [[0, 1], [0, 1], [1]]  # rank 0 took part in rank 1's third round too
+    assert not later.written  # nothing more is written once a write failed
+    assert view.punched == [["0:a"], ["0:c"], []]  # what it received is given back each round

@@ -11,6 +11,7 @@ Parsing the arguments imports no torch (each command imports what it runs), so `
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -98,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--workers", type=positive("workers"), default=1, metavar="N",
                     help="share the export among N processes on this machine (under torchrun, the ranks "
                          "share it without this)")
+    ex.add_argument("--output-on-every-node", action="store_true",
+                    help="under torchrun, with the rank files on the nodes' local disks: each node writes the "
+                         "files its ranks produced into OUT on its own disk (node 0 also the index and config "
+                         "files), for you to gather; without it node 0 writes them all")
     peft = ex.add_mutually_exclusive_group()
     peft.add_argument("--adapter", action="store_true",
                       help="PEFT checkpoint: write adapter_model.safetensors + adapter_config.json, which "
@@ -135,15 +140,17 @@ def _export(args: argparse.Namespace) -> int:
     from ..hf import distributed, export
     from ..native.ops import resolve_device
     from ..output import team as teams
+    from ..output import workers
 
     if args.base_dtype and not args.merge_adapters:
         print("zerofast: error: --base-dtype chooses the base of --merge-adapters; pass that too", file=sys.stderr)
         return 2
     resolve_device(args.device)  # here, so that --workers starts no ranks for a device that is not there
     if args.workers > 1:
-        teams.launch_local(args.workers, _as_one_rank(args.argv))
+        workers.launch_local(args.workers, _as_one_rank(args.argv))
         return 0
-    run = distributed.export if teams.launched() else export
+    run = functools.partial(distributed.export, output_on_every_node=args.output_on_every_node) \
+        if teams.launched() else export
     leader = teams.rank() == 0
     bar = ProgressBar(enabled=leader and not args.quiet and is_tty(sys.stderr), desc="export")
     try:
@@ -293,9 +300,10 @@ def _shared(args: argparse.Namespace, what: str, write, *positional, **options):
     import torch
 
     from ..output import team as teams
+    from ..output import workers
 
     if args.workers > 1:
-        teams.launch_local(args.workers, _as_one_rank(args.argv))
+        workers.launch_local(args.workers, _as_one_rank(args.argv))
         return None
     bar = ProgressBar(enabled=teams.rank() == 0 and not args.quiet and is_tty(sys.stderr), desc=what)
     try:

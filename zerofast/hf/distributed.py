@@ -38,13 +38,17 @@ def _local_device(device: str | torch.device) -> torch.device:
     return torch.device(device.type, local)
 
 
-def export(ckpt_dir, out_dir, *, device: str | torch.device = "cpu", **options) -> ExportResult:
+def export(ckpt_dir, out_dir, *, device: str | torch.device = "cpu", output_on_every_node: bool = False,
+           **options) -> ExportResult:
     """:func:`zerofast.export` shared among the ranks of a torch.distributed job; call it on every rank.
 
     Takes the same arguments and returns the same :class:`~zerofast.ExportResult` on every rank. It
     joins the job from torchrun's environment unless the default process group already exists.
-    ``device="cuda"`` gives each rank the GPU of its ``LOCAL_RANK``.
+    ``device="cuda"`` gives each rank the GPU of its ``LOCAL_RANK``. ``output_on_every_node``: where
+    the rank files lie on the nodes' local disks, each node writes the files its ranks produced
+    into ``out_dir`` on its own disk (node 0 also the index and the other files), instead of
+    node 0 writing them all; elsewhere it changes nothing.
     """
     device = resolve_device(_local_device(device))  # before NCCL needs the GPU
-    with joined(device) as team, signals_raise(team):
+    with joined(device, output_on_every_node) as team, signals_raise(team):
         return export_files(ckpt_dir, out_dir, device=device, team=team, **options)

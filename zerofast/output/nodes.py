@@ -182,6 +182,25 @@ class NodeFiles:
             raise ExportError(f"cannot write the bytes of another node's files into {self.root}: {failed}",
                               self.real_tag_dir)
 
+    def trade(self, needs: Sequence[tuple[int, Ranges]]) -> Ranges:
+        """Every rank at once, writer by writer in the order given: the writer receives its
+        ``needed``, the holders send theirs. Returns what this rank received, to punch once it is
+        written. A failure is raised after the last writer, so that no rank is left waiting."""
+        got: Ranges = {}
+        failed: ExportError | None = None
+        for writer, needed in needs:
+            try:
+                if writer == self.me:
+                    got = needed
+                    self.receive(needed)
+                elif any(self.holder[n] == self.me for n in needed):
+                    self.send(needed, writer)
+            except ExportError as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
+        return got
+
     def punch(self, needed: Ranges) -> None:
         """Give the bytes of ``needed`` back: the stubs hold one output file's sources at most."""
         for name, ranges in needed.items():
@@ -301,56 +320,6 @@ def _link_root_files(real_root: Path, root: Path, tag: str) -> None:
         for e in entries:
             if e.name != tag.split("/")[0] and e.is_file():
                 os.symlink(real_root / e.name, root / e.name)
-
-
-class DistWire:
-    """torch.distributed's transfers of host bytes: over the default group where it is gloo, else
-    over a gloo group made for them (NCCL moves only GPU tensors). Made on every rank at once."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self._dist = dist
-        self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        self._dist.broadcast(tensor, src, group=self._group)
-
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self._dist.send(tensor, dst, group=self._group)
-
-    def recv(self, tensor: torch.Tensor, src: int) -> None:
-        self._dist.recv(tensor, src, group=self._group)
-
-
-class Fed:
-    """The leader's write of a file whose bytes partly lie on other nodes: they are asked for
-    them first, and they are given back (punched out of the stubs) once the file is written."""
-
-    def __init__(self, view: NodeFiles, index: int, write) -> None:
-        self.view, self.index, self.inner = view, index, write
-        self.file, self.nbytes = write.file, write.nbytes
-
-    def write(self, tmp: Path, advance: Callable[[int], None]) -> None:
-        needed = self.view.needed(self.inner.reads(), 0)
-        try:
-            if needed:
-                self.view.request(self.index, needed)
-            self.inner.write(tmp, advance)
-        finally:
-            self.view.punch(needed)
-
-
-class Serving:
-    """Another rank's share: send the leader the bytes of each file it asks for, until it stops."""
-
-    nbytes = 0
-
-    def __init__(self, view: NodeFiles, writes: list) -> None:
-        self.view, self.writes = view, writes
-
-    def write(self, tmp: Path, advance: Callable[[int], None]) -> None:
-        self.view.serve(0, lambda i: self.view.needed(self.writes[i].reads(), 0))
 
 
 def _broadcast_bytes(wire: Wire, payload: bytes | None, src: int) -> bytes:

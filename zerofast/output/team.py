@@ -23,7 +23,10 @@ share the files out. A writer calls it in this order:
 6. ``team.close()`` (:func:`joined` does it): the view of step 0 is removed.
 
 With the save spread over the nodes, the leader writes every file, and ``share`` gives the
-others one item whose ``write`` serves the leader's requests for their files' bytes instead.
+others one item whose ``write`` serves the leader's requests for their files' bytes instead. With
+``every_node`` (``--output-on-every-node``), each node's first rank opens a transaction of its
+own in step 2 and commits its node's files after step 5; ``share`` gives every rank the same
+number of rounds, each of which moves the bytes of that round's files before writing them.
 
 Each step ends with an agreement (an all_gather of every rank's outcome): if any rank failed,
 every rank raises, so nothing is committed unless every file was written, and the leader's
@@ -39,11 +42,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
-import logging
 import os
 import re
 import signal
-import sys
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -51,7 +52,7 @@ import torch
 
 from ..base.errors import ExportError, ZeroFastError
 from ..discover import locate
-from . import nodes
+from . import node_writes, nodes
 from .transaction import Folder, output_dir
 from ..devices import device_of
 from ..base.settings import DIST_TIMEOUT_ENV, settings
@@ -138,12 +139,16 @@ class Team:
     """
 
     def __init__(self, rank: int, size: int, gather: Callable[[object], list],
-                 wire: Callable[[], nodes.Wire] | None = None):
+                 wire: Callable[[], nodes.Wire] | None = None, every_node: bool = False):
         self.rank = rank
         self.size = size
         self._gather_objects = gather
         self._wire = wire  # makes the byte transfers between ranks, for a save spread over the nodes
         self.nodes: nodes.NodeFiles | None = None  # that save's view, once step 0 found one
+        # With such a save: each node writes the files its ranks produced into its own output
+        # folder (--output-on-every-node), and which node wrote which file, once shared out.
+        self.every_node = every_node
+        self._written_on: dict[str, str] = {}
         self.failing = False  # this rank is already on its way out: a SIGTERM must not cut the cleanup
 
     def checkpoint(self, ckpt_dir, tag: str | None, follow_symlinks: bool | None, where: Path):
@@ -187,9 +192,11 @@ class Team:
         if odd:
             raise ExportError(f"rank {odd[0]} of {self.size} planned another export than rank 0 (another tag, or "
                               "other files): every rank must see the same checkpoint", where)
-        if self.nodes is not None:
+        if self.nodes is not None and not self.every_node:
             return self._share_from_nodes(writes, where)
         owners = share([w.nbytes for w in writes], self.size)
+        if self.nodes is not None:
+            return self._share_on_every_node(writes, owners, where)
         return [w for w, owner in zip(writes, owners) if owner == self.rank]
 
     def _share_from_nodes(self, writes: list, where: Path) -> list:
@@ -198,12 +205,23 @@ class Team:
         view = self.nodes
         if all(hasattr(w, "reads") for w in writes):
             if self.leader:
-                return [nodes.Fed(view, i, w) for i, w in enumerate(writes)]
-            return [nodes.Serving(view, writes)]
+                return [node_writes.Fed(view, i, w) for i, w in enumerate(writes)]
+            return [node_writes.Serving(view, writes)]
         with self.step("moving the bytes of the other nodes' files", where):
             needed = view.all_holes(0)
             view.receive(needed) if self.leader else view.send(needed, 0)
         return writes if self.leader else []
+
+    def _share_on_every_node(self, writes: list, owners: list[int], where: Path) -> list:
+        """Each rank writes its own share, on its own node: fed round by round where the writes
+        say what they read, else after every byte its stubs lack has been moved."""
+        view = self.nodes
+        self._written_on = {w.file.name: view.nodes[owner] for w, owner in zip(writes, owners)}
+        if all(hasattr(w, "reads") for w in writes):
+            return node_writes.rounds(view, [[w for w, o in zip(writes, owners) if o == r] for r in range(self.size)])
+        with self.step("moving the bytes of the other nodes' files", where):
+            view.trade([(r, view.all_holes(r)) for r in range(self.size)])
+        return [w for w, owner in zip(writes, owners) if owner == self.rank]
 
     @contextlib.contextmanager
     def step(self, what: str, where: Path) -> Iterator[None]:
@@ -255,6 +273,10 @@ class Team:
     def output_dir(self, out: Path, overwrite: bool, **transaction) -> Iterator[Folder]:
         """Rank 0's transaction (see :func:`.transaction.output_dir`); the others get its
         temporary folder and take no part in the commit."""
+        if self.nodes is not None and self.every_node:
+            with self._output_dir_on_every_node(out, overwrite, **transaction) as folder:
+                yield folder
+            return
         with contextlib.ExitStack() as stack:
             folder = None
             if self.nodes is not None:  # never write over the real save either
@@ -270,21 +292,49 @@ class Team:
             yield folder if folder is not None else Folder.follower(out, tmp)
 
 
+    @contextlib.contextmanager
+    def _output_dir_on_every_node(self, out: Path, overwrite: bool, **transaction) -> Iterator[Folder]:
+        """A transaction on each node, opened by its first rank: rank 0's commits the files
+        written on node 0 (the writer's commit, less the other nodes' files); the others commit
+        their node's files once rank 0 has committed."""
+        transaction["inputs"] = [*transaction.get("inputs", ()), self.nodes.real_tag_dir]
+        here = self.nodes.nodes[self.rank]
+        first = self.nodes.nodes.index(here)
+        with contextlib.ExitStack() as stack:
+            folder = None
+            with self.step("opening the output folder on every node", out):
+                if self.rank == first:
+                    folder = stack.enter_context(output_dir(out, overwrite, **transaction))
+            tmp = Path(self._gather(str(folder.tmp) if folder else None, "opening the output folder", out)[first])
+            with self.step("opening the output folder on every node", out):
+                if not tmp.is_dir():
+                    raise ExportError(f"cannot see the temporary folder {tmp.name} that rank {first} made on this node "
+                                      f"({here}): the ranks of a node must see the same output folder", out)
+            if folder is None:
+                yield Folder.follower(out, tmp)
+            else:
+                yield node_writes.OnThisNode(folder, lambda: {n for n, node in self._written_on.items() if node != here})
+            with self.step("committing on every node", out):
+                if folder is not None and not self.leader:
+                    folder.commit(sorted(n for n, node in self._written_on.items() if node == here))
+
+
 @contextlib.contextmanager
-def joined(device: torch.device) -> Iterator[Team]:
+def joined(device: torch.device, every_node: bool = False) -> Iterator[Team]:
     """A Team of this process's job: the default group if the caller set one up, else one joined
-    from the launcher's environment (gloo, or NCCL for a GPU run) and left at the end."""
+    from the launcher's environment (gloo, or NCCL for a GPU run) and left at the end.
+    ``every_node``: see :class:`Team`."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        with _closing(_team_of_default_group()) as team:
+        with _closing(_team_of_default_group(every_node)) as team:
             yield team
         return
     entry = device_of(device)
     entry.select(device)
     dist.init_process_group(entry.backend, timeout=datetime.timedelta(seconds=timeout_s()))
     try:
-        with _closing(_team_of_default_group()) as team:
+        with _closing(_team_of_default_group(every_node)) as team:
             yield team
     finally:
         dist.destroy_process_group()
@@ -298,7 +348,7 @@ def _closing(team: Team) -> Iterator[Team]:
         team.close()
 
 
-def _team_of_default_group() -> Team:
+def _team_of_default_group(every_node: bool) -> Team:
     import torch.distributed as dist
 
     def gather(obj: object) -> list:
@@ -306,7 +356,7 @@ def _team_of_default_group() -> Team:
         dist.all_gather_object(gathered, obj)
         return gathered
 
-    return Team(dist.get_rank(), dist.get_world_size(), gather, nodes.DistWire)
+    return Team(dist.get_rank(), dist.get_world_size(), gather, node_writes.DistWire, every_node)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,62 +393,3 @@ def signals_raise(team: "Team | Alone" = ALONE) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-# ---------------------------------------------------------------------------------------------
-# --workers: torchrun --standalone, run from this process.
-
-def launch_local(workers: int, argv: Sequence[str]) -> None:
-    """Run ``python -m zerofast *argv`` as ``workers`` ranks of one job on this machine, over
-    loopback, as ``torchrun --standalone --nproc-per-node workers`` would; raise if any rank fails."""
-    if launched():
-        raise ExportError("--workers starts ranks of its own; under torchrun, leave it out and set the ranks with "
-                          "--nproc-per-node")
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, run_id=f"zerofast-{os.getpid()}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
-                          max_restarts=0)
-    threads = str(max(1, (os.cpu_count() or 1) // workers))
-    with _environ(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads)), _quiet_launcher():
-        try:
-            elastic_launch(config, sys.executable)("-m", "zerofast", *argv)
-        except ChildFailedError as e:
-            exits = ", ".join(f"rank {r} {_exit(f.exitcode, f.signal_name())}" for r, f in sorted(e.failures.items()))
-            raise ExportError(f"the export on {workers} workers failed: {exits} (the ranks' errors are above)") from None
-        except SignalException as e:  # the launcher's own name for a signal; it stops the ranks first
-            signum = getattr(e, "sigval", signal.SIGINT)
-            raise (KeyboardInterrupt() if signum == signal.SIGINT else Stopped(signum)) from None
-
-
-def _exit(code: int, signal_name: str) -> str:
-    return f"exited with code {code}" if code >= 0 else f"was killed by {signal_name}"
-
-
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
-def _quiet_launcher() -> Iterator[None]:
-    """The launcher logs each rank's exit and a traceback of its own; the ranks' own one-line
-    errors, and ours, say what went wrong."""
-    log = logging.getLogger("torch.distributed.elastic")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
