@@ -43,8 +43,11 @@ DIST_TIMEOUT_ENV = "ZEROFAST_DIST_TIMEOUT"
 DEFAULT_DIST_TIMEOUT_S = 1800
 # A reader thread spends a cold read blocked in pread, so a small machine gains from more reads in
 # flight than it has cores: cold eager ZeRO-3 (503M, 2 cores, virtio disk) took 2.73 s with 2
-# readers and 1.50 s with 16; warm, the count made no difference (README, Performance).
+# readers and 1.50 s with 16. Warm, a read is a copy and threads beyond the cores only contend:
+# 0.46 s with 2 or 4 readers, 0.55 s with 16 (docs/performance.md). So the floor holds only for
+# a batch whose sampled pages are not all in the page cache (load.residency).
 DEFAULT_MIN_READERS = 16
+WARM_SHARE = 0.9  # the share of a batch's sampled pages in the page cache that makes it warm
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class Settings:
     # refused, see zerofast.discover.check_inside). The public follow_symlinks= keyword wins.
     follow_symlinks: bool = False
     # ZEROFAST_READERS: reader threads of the batched pread reader; 0 (default) is torch's
-    # intra-op thread count, but at least DEFAULT_MIN_READERS for copies (see reader_count).
+    # intra-op thread count, but at least DEFAULT_MIN_READERS for cold copies (see reader_count).
     readers: int = 0
     # ZEROFAST_HUGEPAGES=1: ask for transparent huge pages on the eager dict's outputs (default
     # off: with defrag=madvise a huge-page fault may compact memory synchronously, which cost
@@ -89,7 +92,8 @@ class Settings:
     dist_timeout: str = str(DEFAULT_DIST_TIMEOUT_S)
     # ZEROFAST_NODES_HOLE_BYTES: for a save spread over the nodes' disks (zerofast.output.nodes),
     # storages of at least this many bytes are moved per output file; smaller ones go to every
-    # rank with the file's pickle (default 64 KiB, at least 256 bytes; the tests set 256 to move nearly every storage).
+    # rank with the file's pickle (default 64 KiB, at least 256 bytes; the tests set 256 to move
+    # nearly every storage).
     nodes_hole_bytes: int = 64 << 10
     # ZEROFAST_NODES_CHUNK_BYTES: the bytes of one message between the nodes (default 64 MiB).
     nodes_chunk_bytes: int = 64 << 20
@@ -116,14 +120,19 @@ class Settings:
         return value
 
 
-def reader_count(s: Settings) -> int:
-    """The reader threads the batched ops get: ZEROFAST_READERS, else torch's intra-op thread
-    count but at least :data:`DEFAULT_MIN_READERS` (a batch of fewer pieces starts fewer)."""
+def reader_count(s: Settings, resident: float | None = None) -> int:
+    """The reader threads a batched op gets: ZEROFAST_READERS, else torch's intra-op thread
+    count, raised to :data:`DEFAULT_MIN_READERS` unless the batch is warm (``resident``: the
+    share of its pages in the page cache, at least :data:`WARM_SHARE`). A batch of fewer pieces
+    starts fewer."""
     if s.readers:
         return s.readers
     import torch  # here, not at the top: ``zerofast --version`` reads the settings without torch
 
-    return max(DEFAULT_MIN_READERS, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    if resident is not None and resident >= WARM_SHARE:
+        return threads
+    return max(DEFAULT_MIN_READERS, threads)
 
 
 def from_environment(env: Mapping[str, str]) -> Settings:

@@ -18,7 +18,9 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..base.settings import reader_count, settings
 from ..native import ops
+from ..load.residency import resident_share
 from ..load.archive import file_identity
 from ..load.unpickle import file_location
 from ..plan.columns import Placed, PlanTensors
@@ -42,19 +44,22 @@ class BatchReader:
         self.files = files
         self.sources = list(sources)
         self.locations = locations
+        self._resident: dict[frozenset[int], float | None] = {}  # see readers
 
     def read(self, tps: PlanTensors) -> list[torch.Tensor]:
         """Each of ``tps``, in their order, in fresh memory, in its shape: a call per output
         dtype and :data:`CALL_ROWS` segment rows, which makes the tensors too."""
         groups = _groups(tps)
         made: list[torch.Tensor | None] = [None] * len(tps)
-        with self.opened(sources_used(rows[:, 0] for *_, rows, _ in groups)) as (fds, offsets):
+        used = sources_used(rows[:, 0] for *_, rows, _ in groups)
+        readers = self.readers(used)
+        with self.opened(used) as (fds, offsets):
             for dtype, where, shapes, rows, counts in groups:
                 outs = []
                 for lo, hi, table in _calls(rows, counts):
                     part = shapes[lo:hi]
                     outs += ops.read_cast_new(self.sources, fds, offsets, table, list(chain.from_iterable(part)),
-                                              list(map(len, part)), dtype)
+                                              list(map(len, part)), dtype, readers)
                 if len(where) == len(tps):
                     return outs
                 for i, out in zip(where.tolist(), outs):
@@ -67,10 +72,12 @@ class BatchReader:
         writes keep what they held."""
         if len(tps):
             rows, counts = tps.table.rows, np.diff(tps.table.starts)
-            with self.opened(sources_used([rows[:, 0]])) as (fds, offsets):
+            used = sources_used([rows[:, 0]])
+            readers = self.readers(used)
+            with self.opened(used) as (fds, offsets):
                 for lo, hi, table in _calls(rows, counts):
                     # contiguous: written by element index
-                    ops.read_cast(self.sources, fds, offsets, table, outs[lo:hi])
+                    ops.read_cast(self.sources, fds, offsets, table, outs[lo:hi], readers)
 
     def file_ranges(self, tps: PlanTensors) -> dict[str, list[tuple[int, int]]]:
         """The bytes of the files that ``tps`` read, by file: (byte offset, length) per segment
@@ -95,12 +102,24 @@ class BatchReader:
         per output dtype and :data:`CALL_ROWS` segment rows."""
         placed = Placed.of(placed)
         groups, where_at, counts_of = _groups(placed.tensors), placed.offsets, placed.tensors.numels()
-        with self.opened(sources_used(rows[:, 0] for *_, rows, _ in groups)) as (fds, offsets):
+        used = sources_used(rows[:, 0] for *_, rows, _ in groups)
+        readers = self.readers(used)
+        with self.opened(used) as (fds, offsets):
             for dtype, where, _, rows, counts in groups:
                 # copies: counts_of may be the plan's cached column, which the op must not share
                 at, numels = torch.from_numpy(where_at[where]), torch.from_numpy(counts_of[where])
                 for lo, hi, table in _calls(rows, counts):
-                    ops.read_cast_to_file(self.sources, fds, offsets, table, fd, at[lo:hi], numels[lo:hi], dtype)
+                    ops.read_cast_to_file(self.sources, fds, offsets, table, fd, at[lo:hi], numels[lo:hi], dtype,
+                                          readers)
+
+    def readers(self, used: Iterable[int]) -> int:
+        """The reader threads for a batch over the sources ``used``: one a core where the page
+        cache holds them, more where the reads will wait on the disk (settings.reader_count).
+        Sampled once per set of sources: the lookups of a lazy mapping ask again and again."""
+        key = frozenset(used)
+        if key not in self._resident:
+            self._resident[key] = resident_share([self.sources[i] for i in sorted(key)])
+        return reader_count(settings(), self._resident[key])
 
     @contextmanager
     def opened(self, used: Iterable[int] | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:

@@ -11,6 +11,8 @@
   layout shares (stage, world size, flat groups); :mod:`.bulk_checks`: the same checks over a
   whole collection at once;
 - :mod:`.checkpoint`: the loaded checkpoint records a layout returns;
+- :mod:`.residency`: how much of a batch's sources the page cache holds (the batched reader's
+  thread count follows it);
 - :mod:`.dcp`, :mod:`.dcp_stand_ins`: a PyTorch Distributed Checkpoint folder (``.metadata``
   and its chunk files), read as safely as a rank file.
 

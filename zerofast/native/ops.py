@@ -132,15 +132,16 @@ def _gather_cast_fake(sources, segments, out, stream_sources=False) -> None:
 
 
 def read_cast(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
-              segments: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
-    """See the schema in csrc/zerofast.cpp."""
+              segments: torch.Tensor, outs: Sequence[torch.Tensor], readers: int | None = None) -> None:
+    """See the schema in csrc/zerofast.cpp. ``readers``: the reader threads (default:
+    :func:`~zerofast.base.settings.reader_count` for a batch of unknown residency)."""
     if not native_enabled():  # loads (or builds) the core once, and registers the fakes
         reference.read_cast(sources, source_fds, source_offsets, segments, outs)
         return
     knobs = settings()
     with _os_errors():
         torch.ops.zerofast.read_cast(list(sources), list(source_fds), source_offsets, segments, list(outs),
-                                     reader_count(knobs), knobs.hugepages)
+                                     readers or reader_count(knobs), knobs.hugepages)
 
 
 @_fake("read_cast")
@@ -150,14 +151,15 @@ def _read_cast_fake(sources, source_fds, source_offsets, segments, outs, readers
 
 def read_cast_new(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
                   segments: torch.Tensor, dims: Sequence[int], ranks: Sequence[int],
-                  dtype: torch.dtype) -> list[torch.Tensor]:
-    """See the schema in csrc/zerofast.cpp."""
+                  dtype: torch.dtype, readers: int | None = None) -> list[torch.Tensor]:
+    """See the schema in csrc/zerofast.cpp; ``readers`` as :func:`read_cast`'s."""
     if not native_enabled():  # loads (or builds) the core once, and registers the fakes
         return reference.read_cast_new(sources, source_fds, source_offsets, segments, dims, ranks, dtype)
     knobs = settings()
     with _os_errors():
         return torch.ops.zerofast.read_cast_new(list(sources), list(source_fds), source_offsets, segments,
-                                                list(dims), list(ranks), dtype, reader_count(knobs), knobs.hugepages)
+                                                list(dims), list(ranks), dtype, readers or reader_count(knobs),
+                                                knobs.hugepages)
 
 
 @_fake("read_cast_new")
@@ -172,8 +174,9 @@ def _read_cast_new_fake(sources, source_fds, source_offsets, segments, dims, ran
 
 def read_cast_to_file(sources: Sequence[torch.Tensor], source_fds: Sequence[int], source_offsets: torch.Tensor,
                       segments: torch.Tensor, out_fd: int, out_offsets: torch.Tensor, out_numels: torch.Tensor,
-                      out_dtype: torch.dtype) -> None:
-    """See the schema in csrc/zerofast.cpp. A failed read or write raises OSError, as Python's would."""
+                      out_dtype: torch.dtype, readers: int | None = None) -> None:
+    """See the schema in csrc/zerofast.cpp; ``readers`` as :func:`read_cast`'s. A failed read or
+    write raises OSError, as Python's would."""
     if not native_enabled():  # loads (or builds) the core once, and registers the fakes
         reference.read_cast_to_file(sources, source_fds, source_offsets, segments, out_fd, out_offsets, out_numels,
                                     out_dtype)
@@ -181,7 +184,7 @@ def read_cast_to_file(sources: Sequence[torch.Tensor], source_fds: Sequence[int]
     knobs = settings()
     with _os_errors():
         torch.ops.zerofast.read_cast_to_file(list(sources), list(source_fds), source_offsets, segments, out_fd,
-                                             out_offsets, out_numels, out_dtype, reader_count(knobs),
+                                             out_offsets, out_numels, out_dtype, readers or reader_count(knobs),
                                              knobs.copy_file_range)
 
 

@@ -313,10 +313,14 @@ class Team:
             if folder is None:
                 yield Folder.follower(out, tmp)
             else:
-                yield node_writes.OnThisNode(folder, lambda: {n for n, node in self._written_on.items() if node != here})
+                yield node_writes.OnThisNode(folder, lambda: self._written_on_node(here, False))
             with self.step("committing on every node", out):
                 if folder is not None and not self.leader:
-                    folder.commit(sorted(n for n, node in self._written_on.items() if node == here))
+                    folder.commit(sorted(self._written_on_node(here, True)))
+
+    def _written_on_node(self, node: str, on: bool) -> set[str]:
+        """The files written on ``node`` (``on``), or on every other node."""
+        return {n for n, where in self._written_on.items() if (where == node) == on}
 
 
 @contextlib.contextmanager
