@@ -22,11 +22,13 @@ _LIBC: list = []
 
 def _mincore():
     if not _LIBC:
+        prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte),
+                                     use_errno=True)
         try:
-            fn = ctypes.CDLL(None, use_errno=True).mincore
-            fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):  # no such call on this platform
+            # Looked up in the process's own symbols (ctypes.pythonapi's handle, open since ctypes
+            # was imported): no library is loaded, which reconstruct must not do (test_hostile).
+            fn = prototype(("mincore", ctypes.pythonapi))
+        except (AttributeError, OSError):  # no such call on this platform
             fn = None
         _LIBC.append(fn)
     return _LIBC[0]
