@@ -5,7 +5,8 @@
 // registering the ops, and so the loader can compare the torch it was compiled against with the
 // running one.
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #include <torch/library.h>
 
 #include <string>

@@ -153,6 +153,22 @@ def test_progress_lines_name_the_source(tmp_path):
     assert loader.progress_line(line) == "zerofast: [2/4] compiled cpu/read_cast.cpp"
     assert loader.progress_line("[4/4] c++ a.o b.o -shared -o zerofast_C.so") == "zerofast: [4/4] linked"
     assert loader.progress_line("Emitting ninja build file") is None
+    # The build child's own first line, and a unit path as torch's builder quotes it.
+    assert loader.progress_line("zerofast: compiling 2 units (a.cpp, b.cpp)\n") == "zerofast: compiling 2 units (a.cpp, b.cpp)"
+    quoted = "[1/3] c++ -MMD -c '/tmp/core/units/zerofast_cpu.cpp' -o zerofast_cpu.o"
+    assert loader.progress_line(quoted) == "zerofast: [1/3] compiled zerofast_cpu.cpp"
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cuda")])
+def test_units_include_every_source_once(tmp_path, devices):
+    src = cache.sources_dir()
+    units = cache.write_units(src, devices, tmp_path)
+    included = [line.split('"')[1] for u in units if u.parent == tmp_path for line in u.read_text().splitlines()]
+    included += [str(u.resolve()) for u in units if u.parent != tmp_path]  # CUDA files, compiled as they are
+    expected = sorted(str(p.resolve()) for p in cache.source_files(src, devices))
+    assert sorted(included) == expected and len(set(included)) == len(included)
+    assert {p.name for p in (src / "cpu").glob("*.cpp")} <= {Path(i).name for i in included}
+    assert [u.name for u in units][:2] == ["zerofast_python.cpp", "zerofast_cpu.cpp"]
 
 
 def _unavailable(monkeypatch, reason: str) -> None:

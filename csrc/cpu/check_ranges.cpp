@@ -67,7 +67,7 @@ struct Piece {
   int64_t src, src_off, dst_off, len;
 };
 
-struct Item {
+struct CheckItem {
   int64_t tensor, lo, n;
 };
 
@@ -219,7 +219,7 @@ class Checks {
     }
   }
 
-  void check(const Item& it, Part& r, std::vector<char>& in, std::vector<char>* out) {
+  void check(const CheckItem& it, Part& r, std::vector<char>& in, std::vector<char>* out) {
     for (int side = 0; side < (compare_ ? 2 : 1); ++side) {
       out[side].resize(static_cast<size_t>(kItemElems * out_size_));
       gather(it, side, r, in, out[side].data());
@@ -231,7 +231,7 @@ class Checks {
 
   // The item's elements of one side into `to` (zeros where no row covers them), cast to the
   // checked dtype when comparing; side 0's source elements counted on the way.
-  void gather(const Item& it, int side, Part& r, std::vector<char>& in, char* to) {
+  void gather(const CheckItem& it, int side, Part& r, std::vector<char>& in, char* to) {
     const auto& rows = pieces_[side][it.tensor];
     const int64_t hi = it.lo + it.n;
     // Rows are sorted by tensor offset and do not overlap: the first that ends past `lo`.
@@ -302,7 +302,7 @@ class Checks {
   at::ScalarType dtype_;
   bool compare_;
   int64_t chunk_, readers_, out_size_ = 0;
-  std::vector<Item> items_;
+  std::vector<CheckItem> items_;
   std::vector<Part> parts_;
   std::atomic<size_t> next_{0};
   std::atomic<bool> failed_{false};

@@ -58,19 +58,19 @@ struct Dest {
 // A piece of one segment small enough for one bounce buffer. Items are sorted by where they
 // read, so each file is read front to back whichever thread takes the next item.
 // 32 bytes: a ZeRO-3 batch of 200k small tensors over 4 ranks has 800k of them at once.
-struct Item {
+struct ReadItem {
   int64_t seg;
   int64_t skip;  // elements into the segment
   int64_t at;    // where it reads: a byte offset in its file, or its address in memory
   int32_t n;     // elements, at most kItemBytes (one byte each, at the least)
   int fd;        // its source's file, -1 for memory
 };
-static_assert(sizeof(Item) == 32, "Item is packed to 32 bytes");
+static_assert(sizeof(ReadItem) == 32, "ReadItem is packed to 32 bytes");
 
 // Source elements per item: 1 MiB of fp32. Below ATen's grain size (32768) per cast call, a
 // copy_ never starts its own threads inside a reader thread.
 constexpr int64_t kItemBytes = 1 << 20;
-static_assert(kItemBytes <= INT32_MAX, "an item's element count must fit Item::n");
+static_assert(kItemBytes <= INT32_MAX, "an item's element count must fit ReadItem::n");
 constexpr int64_t kCastElems = 32768;
 // An item joins a run of reads only when it is this small: larger ones are read straight into
 // their output, which saves the copy out of the bounce buffer.
@@ -143,14 +143,14 @@ class Batch {
     }
     // The keys sit in the items, not behind two lookups per comparison: a batch of 20k small
     // tensors spent a tenth of its native time sorting. Plans in file order need no sort at all.
-    const auto before = [](const Item& a, const Item& b) { return a.fd != b.fd ? a.fd < b.fd : a.at < b.at; };
+    const auto before = [](const ReadItem& a, const ReadItem& b) { return a.fd != b.fd ? a.fd < b.fd : a.at < b.at; };
     if (!std::is_sorted(items_.begin(), items_.end(), before)) std::sort(items_.begin(), items_.end(), before);
     group();
   }
 
   // Bytes an item moves when it can join a run, else -1: a plain copy (no cast) from a file into
   // memory, or from a file or memory into the output file.
-  int64_t run_bytes(const Item& it) const {
+  int64_t run_bytes(const ReadItem& it) const {
     const int64_t* r = row(it.seg);
     const Source& s = sources_[r[1]];
     const Dest& d = dests_[r[0]];
@@ -159,7 +159,7 @@ class Batch {
   }
 
   // Where an item lands in the output file.
-  int64_t file_at(const Item& it) const {
+  int64_t file_at(const ReadItem& it) const {
     const int64_t* r = row(it.seg);
     const Dest& d = dests_[r[0]];
     return d.file_off + (r[3] + it.skip) * d.itemsize;
@@ -176,7 +176,7 @@ class Batch {
     int fd = -1;
     bool open = false;  // the last item can be joined
     for (size_t i = 0; i < items_.size(); ++i) {
-      const Item& it = items_[i];
+      const ReadItem& it = items_[i];
       const int64_t n = run_bytes(it);
       const int64_t at_file = to_file ? file_at(it) : 0;
       const bool can = n >= 0 && (to_file || n <= kRunItemBytes);
@@ -197,8 +197,8 @@ class Batch {
 
   void move_run(size_t first, size_t last, std::vector<char>& in) {
     if (out_fd_ >= 0) {  // one stretch of the source onto one stretch of the file
-      const Item& a = items_[first];
-      const Item& z = items_[last - 1];
+      const ReadItem& a = items_[first];
+      const ReadItem& z = items_[last - 1];
       copy_to_file(a.fd, a.at, file_at(a), z.at + run_bytes(z) - a.at, in);
       return;
     }
@@ -232,7 +232,7 @@ class Batch {
     }
   }
 
-  void move(const Item& it, std::vector<char>& in, std::vector<char>& out) {
+  void move(const ReadItem& it, std::vector<char>& in, std::vector<char>& out) {
     const int64_t* r = row(it.seg);
     const Source& s = sources_[r[1]];
     const Dest& d = dests_[r[0]];
@@ -296,7 +296,7 @@ class Batch {
   int out_fd_;
   int64_t readers_ = 0;
   bool copy_file_range_ = false;
-  std::vector<Item> items_;
+  std::vector<ReadItem> items_;
   std::vector<size_t> runs_;  // where each run of items_ starts, then items_.size()
   std::atomic<size_t> next_{0};
   std::atomic<bool> failed_{false};

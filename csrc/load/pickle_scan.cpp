@@ -13,7 +13,7 @@
 namespace zerofast::load {
 namespace {
 
-constexpr int32_t kMaxDepth = 100;
+constexpr int32_t kMaxScanDepth = 100;
 constexpr int64_t kCap = int64_t(1) << 40;  // costs saturate here, as in the Python pass
 constexpr int32_t kScalar = 0;              // the one record all scalars share; never updated
 constexpr int32_t kEmptyTuple = 1;          // immutable, like the tuple: shared
@@ -131,7 +131,7 @@ class Scan {
   int32_t depth_of(Span rs) const {
     int32_t d = 0;
     for (int32_t r : rs) d = std::max(d, recs_[r].depth);
-    if (d + 1 > kMaxDepth) throw Declined("nesting");
+    if (d + 1 > kMaxScanDepth) throw Declined("nesting");
     return d + 1;
   }
   int32_t push_rec(const Rec& r) {
@@ -143,7 +143,7 @@ class Scan {
   int32_t tuple_of(Span rs) {
     int32_t d = 0;
     for (int32_t r : rs) d = std::max(d, recs_[r].depth);
-    if (d >= kMaxDepth) throw Declined("nesting");
+    if (d >= kMaxScanDepth) throw Declined("nesting");
     int64_t cost = sat(1, costs(rs));
     uint32_t at = uint32_t(items_.size());
     items_.insert(items_.end(), rs.begin(), rs.end());
@@ -177,7 +177,7 @@ class Scan {
       cost = sat(cost, recs_[r].cost);
       d = std::max(d, recs_[r].depth);
     }
-    if (d >= kMaxDepth) throw Declined("nesting");
+    if (d >= kMaxScanDepth) throw Declined("nesting");
     charge(total);
     return push_rec(rec(d + 1, cost, total));
   }

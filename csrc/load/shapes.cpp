@@ -10,7 +10,7 @@ namespace py = pybind11;
 namespace zerofast::load {
 namespace {
 
-constexpr Py_ssize_t kMaxDims = 64;
+constexpr Py_ssize_t kMaxShapeDims = 64;
 
 // `value` as records._shape returns it (a new reference to an exact tuple), or null where that
 // check would refuse it or this pass does not know the type (a subclass: Python decides).
@@ -18,7 +18,7 @@ PyObject* plain_shape(PyObject* value) {
   PyTypeObject* type = Py_TYPE(value);
   if (type != &PyTuple_Type && type != &PyList_Type && type != &THPSizeType) return nullptr;
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
-  if (n > kMaxDims) return nullptr;
+  if (n > kMaxShapeDims) return nullptr;
   PyObject** dims = PySequence_Fast_ITEMS(value);
   long long product = 1;
   for (Py_ssize_t i = 0; i < n; ++i) {

@@ -8,7 +8,7 @@
 // Python check decides and words the error.
 #pragma once
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 namespace zerofast::load {
 

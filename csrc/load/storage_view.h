@@ -1,7 +1,7 @@
 // A storage cut out of a file mapping's storage, as both readers of csrc/load/ make them.
 #pragma once
 
-#include <torch/extension.h>
+#include <c10/core/Storage.h>
 
 namespace zerofast::load {
 

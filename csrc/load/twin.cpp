@@ -16,6 +16,7 @@
 
 #include "opcodes.h"
 #include "pickle_scan.h"
+#include "py_own.h"
 #include "storage_view.h"
 #include "zip_directory.h"
 
@@ -25,7 +26,7 @@ namespace zerofast::load {
 namespace {
 
 // Deeper than the bounds pass lets any pickle nest (100): a tree this deep is not the reader's.
-constexpr int kMaxDepth = 200;
+constexpr int kMaxCopyDepth = 200;
 
 const uint8_t* file_bytes(const at::Tensor& file) {
   TORCH_CHECK(file.device().is_cpu() && file.scalar_type() == at::kByte && file.dim() == 1 && file.is_contiguous() &&
@@ -222,14 +223,6 @@ bool same_pickle(const py::bytes& a, const py::bytes& b) {
 }
 
 
-py::object own(PyObject* p, const char* what) {
-  if (!p) {
-    PyErr_Clear();
-    throw Declined(what);
-  }
-  return py::reinterpret_steal<py::object>(p);
-}
-
 // The template's tree again, each tensor cut from `to` where the template's is cut from `from`:
 // a whole tree, or parts of it in several calls, which share what they copied (one memo), so
 // that parts copied now and the rest copied later are one tree.
@@ -257,7 +250,7 @@ class Rebase {
 
   py::object copy(PyObject* o, int depth) {
     if (leaf(o)) return py::reinterpret_borrow<py::object>(o);
-    if (depth > kMaxDepth) throw Declined("nested too deeply");
+    if (depth > kMaxCopyDepth) throw Declined("nested too deeply");
     auto found = made_.find(o);
     if (found != made_.end()) {
       if (!found->second) throw Declined("a tuple that contains itself");

@@ -12,7 +12,7 @@
 // copy does not know declines, and the file is read in full.
 #pragma once
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 namespace zerofast::load {
 

@@ -19,6 +19,7 @@
 
 #include "opcodes.h"
 #include "pickle_scan.h"
+#include "py_own.h"
 #include "storage_view.h"
 #include "zip_directory.h"
 
@@ -29,7 +30,7 @@ namespace {
 
 constexpr int64_t kInt64Max = INT64_MAX;
 constexpr size_t kMaxDims = 64;
-constexpr int kMaxDepth = 3;  // native tuples inside native tuples, at most
+constexpr int kMaxTupleDepth = 3;  // native tuples inside native tuples, at most
 
 // The reference's objects, by identity, and its two callbacks (see native_reader.py).
 struct Hooks {
@@ -72,16 +73,6 @@ struct Val {
   static Val of_tuple(int32_t i) { Val v; v.tuple = i; return v; }
   static Val of_lazy(int32_t i) { Val v; v.lazy = i; return v; }
 };
-
-[[noreturn]] void decline_py(const char* what) {
-  PyErr_Clear();
-  throw Declined(what);
-}
-
-py::object own(PyObject* p, const char* what) {
-  if (!p) decline_py(what);
-  return py::reinterpret_steal<py::object>(p);
-}
 
 Val py_val(PyObject* p, const char* what) {
   if (!p) decline_py(what);
@@ -227,7 +218,7 @@ class Reader {
       const Tuple t = {tuples_[size_t(v.tuple)].first, tuples_[size_t(v.tuple)].count, false, 0, Val()};
       Val made = py_val(PyTuple_New(Py_ssize_t(t.count)), "tuple");
       for (size_t i = 0; i < t.count; ++i) {
-        PyObject* item = to_py(tuple_items_[t.first + i]);  // recurses at most kMaxDepth deep
+        PyObject* item = to_py(tuple_items_[t.first + i]);  // recurses at most kMaxTupleDepth deep
         Py_INCREF(item);
         PyTuple_SET_ITEM(made.obj, Py_ssize_t(i), item);
       }
@@ -245,7 +236,7 @@ class Reader {
     bool native = false;
     int depth = 0;
     for (size_t i = start; i < stack_.size(); ++i) {
-      if (!holds_storage(stack_[i]) && depth_of(stack_[i]) >= kMaxDepth) stack_[i] = borrowed(to_py(stack_[i]));
+      if (!holds_storage(stack_[i]) && depth_of(stack_[i]) >= kMaxTupleDepth) stack_[i] = borrowed(to_py(stack_[i]));
       native = native || holds_storage(stack_[i]);
       depth = std::max(depth, depth_of(stack_[i]));
     }

@@ -10,7 +10,7 @@
 // so verdicts and messages are the reference's by construction.
 #pragma once
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 namespace zerofast::load {
 

@@ -46,7 +46,9 @@ def _compile(tmp: Path, devices: tuple[str, ...]):
 
     # Escaped for the shell that ninja runs the compiler through.
     version = f'-DZEROFAST_TORCH_VERSION=\\"{torch.__version__}\\"'
-    return load(cache.EXTENSION_NAME, [str(p) for p in cache.source_files(cache.sources_dir(), devices)],
+    units = cache.write_units(cache.sources_dir(), devices, tmp / "units")
+    print(f"zerofast: compiling {len(units)} units ({', '.join(u.name for u in units)})", flush=True)
+    return load(cache.EXTENSION_NAME, [str(u) for u in units],
                 extra_cflags=[*cache.cxx_flags(torch.__version__), version], extra_cuda_cflags=cache.NVCC_FLAGS,
                 extra_ldflags=cache.LDFLAGS, build_directory=str(tmp), verbose=True, with_cuda="cuda" in devices)
 

@@ -37,9 +37,9 @@ from ..base.settings import Settings, settings
 # Measured with benchmarks/startup.py (fresh processes, median of 5; see the README): an export
 # 3.4x slower on the reference, an eager reconstruct about as fast (0.7x) on 2 cores.
 SLOWDOWN = "exports about 3x slower"
-# The first build compiles three C++ files (plus two CUDA ones with the CUDA kernels): 141 to
-# 306 s measured on 2 busy cores.
-BUILD_TIME = "a few minutes"
+# The first build of the CPU core compiles two translation units (cache.write_units): about 23 s
+# of CPU time for the longer one on this project's 2-core machines, so about half a minute there.
+BUILD_TIME = "about half a minute on 2 cores"
 
 
 class Loaded(NamedTuple):
@@ -397,6 +397,8 @@ _STEP = re.compile(r"^\[(\d+)/(\d+)\] (.*)")
 def progress_line(line: str) -> str | None:
     """``[2/4] c++ ... -c .../csrc/cpu/read_cast.cpp -o ...`` -> ``zerofast: [2/4] compiled cpu/read_cast.cpp``
     (ninja prints a step when it is done, its output not being a terminal)."""
+    if line.startswith("zerofast: "):  # the build child's own lines (what it compiles)
+        return line.rstrip("\n")
     m = _STEP.match(line)
     if not m:
         return None
@@ -406,6 +408,7 @@ def progress_line(line: str) -> str | None:
 
 
 def _short_source(path: str) -> str:
+    path = path.strip("'\"")  # torch's builder quotes the paths it writes into build.ninja
     parts = Path(path).parts
     return "/".join(parts[parts.index("csrc") + 1:]) if "csrc" in parts else Path(path).name
 
