@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 # The torch the tests pin (the CPU wheel), so that the demo does not pull a CUDA build either.
 TORCH := $(shell grep -m1 '^torch==' requirements-dev.txt)
 
-.PHONY: runtime venv build test demo bench clean cuda-headers cuda-check
+.PHONY: runtime venv build test demo bench clean cuda-headers cuda-check wheel
 
 runtime: $(VENV)/.runtime-stamp
 venv: $(VENV)/.deps-stamp
@@ -58,5 +58,13 @@ demo: build
 bench: venv build
 	$(PY) benchmarks/run.py
 
+# A platform wheel that carries the CPU core compiled against the venv's torch (zerofast/_prebuilt):
+# installed beside the same torch build and Python it loads with no compiler. The build itself
+# stays torch-free (`--no-isolation` is not needed: the core is compiled before it starts).
+wheel: runtime
+	$(PIP) install --quiet build
+	$(PY) -m zerofast.native.prebuild
+	$(PY) -m build --wheel --outdir dist .
+
 clean:
-	rm -rf build zerofast/_C*.so *.egg-info $(VENV)
+	rm -rf build dist zerofast/_prebuilt zerofast/_C*.so *.egg-info $(VENV)

@@ -3,15 +3,25 @@
 The C++ sources (``csrc/``) go into the wheel as package data, ``zerofast/csrc``; the native
 core is compiled from them against the torch that is installed, on first use or by
 ``zerofast build`` (see zerofast/native/). An editable install reads ``csrc/`` in the checkout.
+
+``make wheel`` first compiles the CPU core into ``zerofast/_prebuilt/`` (zerofast/native/prebuild.py);
+where that folder is there, the wheel carries it and is tagged for this Python and platform.
 """
 import shutil
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 SOURCE_SUFFIXES = (".cpp", ".cu", ".h")
+PREBUILT = ROOT / "zerofast" / "_prebuilt"
+PREBUILT_FILES = ("zerofast_C.so", "manifest.json")
+
+
+def _has_prebuilt() -> bool:
+    return all((PREBUILT / name).is_file() for name in PREBUILT_FILES)
 
 
 class BuildPyWithSources(build_py):
@@ -28,6 +38,19 @@ class BuildPyWithSources(build_py):
                 target = dest / src.relative_to(ROOT / "csrc")
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, target)
+        if _has_prebuilt():
+            (Path(self.build_lib) / "zerofast" / "_prebuilt").mkdir(exist_ok=True)
+            for name in PREBUILT_FILES:
+                shutil.copyfile(PREBUILT / name, Path(self.build_lib) / "zerofast" / "_prebuilt" / name)
 
 
-setup(cmdclass={"build_py": BuildPyWithSources})
+class PlatformWheelWithCore(bdist_wheel):
+    """A wheel that carries a prebuilt core is for one Python ABI and platform, not pure."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if _has_prebuilt():
+            self.root_is_pure = False
+
+
+setup(cmdclass={"build_py": BuildPyWithSources, "bdist_wheel": PlatformWheelWithCore})

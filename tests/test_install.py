@@ -159,3 +159,31 @@ def test_without_a_compiler_the_install_works_on_the_reference(venv, clone, tmp_
                                                                          ZEROFAST_CACHE_DIR=str(cache)))
     assert "native core: not available (the C++ compiler /bin/false does not run" in version.stdout
     assert not (cache / "native").exists() or not list((cache / "native").rglob("*.so"))
+
+
+def test_a_wheel_with_the_prebuilt_core_needs_no_compiler(venv, clone, tmp_path):
+    """`make wheel`'s two steps in a clone (the CPU core compiled into zerofast/_prebuilt, then
+    `python -m build --wheel`), installed where no compiler runs and the cache is empty: the
+    native core loads from the wheel (issue 45), and `--version` says it is the prebuilt one."""
+    if importlib.util.find_spec("build") is None:
+        pytest.skip("python -m build needs the `build` package (requirements-dev.txt)")
+    here = _clean_env(PYTHONPATH=str(clone), ZEROFAST_CACHE_DIR=str(tmp_path / "build-cache"))
+    try:
+        _run([sys.executable, "-m", "zerofast.native.prebuild"], env=here, cwd=clone, timeout=3600)
+        _run([sys.executable, "-m", "build", "--wheel", "--outdir", tmp_path / "dist", clone])
+    finally:  # the clone serves the other installs, which must carry no core
+        shutil.rmtree(clone / "zerofast" / "_prebuilt", ignore_errors=True)
+        shutil.rmtree(clone / "build", ignore_errors=True)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    assert not wheel.name.endswith("-py3-none-any.whl"), wheel.name  # tagged for this Python and platform
+    with zipfile.ZipFile(wheel) as z:
+        assert {"zerofast/_prebuilt/zerofast_C.so", "zerofast/_prebuilt/manifest.json"} <= set(z.namelist())
+    _pip(venv, "--force-reinstall", "--no-deps", wheel)
+    no_compiler = {"CXX": "/bin/false", "PATH": str(venv / "bin"), "ZEROFAST_CACHE_DIR": str(tmp_path / "empty"),
+                   "ZEROFAST_NATIVE": "1"}
+    report, err = _check(venv, tmp_path, **no_compiler)
+    assert Path(report["core"]).parent.name == "_prebuilt" and Path(report["core"]).is_relative_to(venv)
+    assert "building" not in err and "warning" not in err, err
+    version = _run([venv / "bin" / "zerofast", "--version"], env=_clean_env(**no_compiler)).stdout
+    assert "native core: prebuilt, shipped in this package for torch " + torch.__version__ in version
+    assert not (tmp_path / "empty" / "native").exists() or not list((tmp_path / "empty" / "native").rglob("*.so"))

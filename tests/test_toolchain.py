@@ -107,6 +107,58 @@ def test_the_cuda_decision_reads_files_only(monkeypatch, tmp_path):
     assert json.loads((tmp_path / "cache" / "native" / cudaplan.ARCHS_MEMO).read_text()) == {"NVIDIA H200": "9.0"}
 
 
+def _cuda_torch_with_nvcc(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CUDA_HOME", str(_script(tmp_path / "cuda" / "bin" / "nvcc", "exit 0").parent.parent))
+    monkeypatch.delenv("FORCE_CUDA", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("torch.cuda asked"))
+
+
+def test_no_visible_gpu_means_no_cuda_build(monkeypatch, tmp_path):
+    """A CUDA torch and a toolkit, no GPU (issue 45: a 7-arch CUDA build took minutes before the
+    CPU core): the CPU core alone, decided from /proc without touching CUDA."""
+    _cuda_torch_with_nvcc(monkeypatch, tmp_path)
+    monkeypatch.setattr(cudaplan, "GPU_INFO", tmp_path / "no-gpus")
+    assert not cudaplan.gpus_visible()
+    assert cudaplan.wanted_devices(settings()) == (("cpu",), None)
+    monkeypatch.setenv("FORCE_CUDA", "1")  # a build node asked to build for GPUs it does not have
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert cudaplan.wanted_devices(settings()) == (("cpu", "cuda"), "9.0")
+
+
+@pytest.mark.parametrize("visible", ["", "-1"])
+def test_gpus_hidden_by_cuda_visible_devices_are_not_visible(monkeypatch, tmp_path, visible):
+    info = tmp_path / "gpus" / "0000:01:00.0" / "information"
+    info.parent.mkdir(parents=True)
+    info.write_text("Model: \t NVIDIA H100\n")
+    monkeypatch.setattr(cudaplan, "GPU_INFO", tmp_path / "gpus")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert cudaplan.gpus_visible()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    _cuda_torch_with_nvcc(monkeypatch, tmp_path)
+    assert cudaplan.wanted_devices(settings()) == (("cpu",), None)
+
+
+def test_an_nvcc_wrapper_script_gets_its_toolkits_headers(monkeypatch, tmp_path):
+    """nvcc on the PATH as ``exec <toolkit>/bin/nvcc "$@"`` (issue 45's machine): torch's builder would
+    take the wrapper's parent folder for the toolkit and miss cuda_runtime.h; the build is given the
+    folder the real nvcc says it runs from."""
+    toolkit = tmp_path / "cuda-13.0"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "include" / "cuda_runtime.h").write_text("")
+    real = _script(toolkit / "bin" / "nvcc", f'echo "#$ _HERE_={toolkit / "bin"}" >&2')
+    _script(tmp_path / "wrappers" / "bin" / "nvcc", f'exec {real} "$@"')
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'wrappers' / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    assert cudaplan.find_nvcc(settings()) == str(tmp_path / "wrappers" / "bin" / "nvcc")
+    assert cudaplan.toolkit_home(settings()) == str(toolkit)
+    env = loader._build_env("c++", "9.0", True, loader.Job(settings(), False, False, False, []))
+    assert env["CUDA_HOME"] == str(toolkit)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "asked"))  # asked for: taken as it is
+    assert cudaplan.toolkit_home(settings()) == str(tmp_path / "asked")
+
+
 # --- 2. The cache key names the compiler -----------------------------------------------------
 
 def test_the_core_folder_names_its_compiler(built, tmp_path, monkeypatch):

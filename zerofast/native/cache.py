@@ -152,6 +152,23 @@ def compiler_key_of(core: Path) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+PREBUILT = PACKAGE / "_prebuilt"  # a platform wheel's core (`make wheel`, zerofast/native/prebuild.py)
+
+
+def prebuilt(tag: str) -> tuple[Path | None, str | None]:
+    """(the wheel's prebuilt core, None) where its tag is ``tag``: built by the same torch build, for
+    the same Python, machine, flags and sources, so it loads as a core built here would; else
+    (None, why not), why being None where the package carries no prebuilt core (a checkout, an
+    sdist, a pure wheel)."""
+    manifest = read_manifest(PREBUILT)
+    if manifest is None:
+        return None, None
+    if manifest.get("tag") == tag:
+        return PREBUILT, None
+    return None, (f"the prebuilt core in this package is for torch {manifest.get('torch')} on Python "
+                  f"{manifest.get('python')}, and does not fit this torch, Python or these sources")
+
+
 def tag_dir(s: Settings, tag: str) -> Path:
     return s.cache_dir / "native" / tag
 

@@ -35,9 +35,55 @@ def wanted_devices(s: Settings) -> tuple[tuple[str, ...], str | None]:
 
     if not s.cuda_kernels:
         return ("cpu",), None
-    if not s.force_cuda and (torch.version.cuda is None or find_nvcc(s) is None):
+    if not s.force_cuda and (torch.version.cuda is None or not gpus_visible() or find_nvcc(s) is None):
         return ("cpu",), None
     return ("cpu", "cuda"), folder_archs(s)
+
+
+def gpus_visible() -> bool:
+    """Whether this process can see an NVIDIA GPU, read from /proc and CUDA_VISIBLE_DEVICES (no
+    CUDA). Where none is visible no CUDA kernels are built (FORCE_CUDA=1 builds them anyway, for a
+    build node): device="cuda" could not run here, and a CUDA build for every architecture took
+    minutes before the CPU core on a machine with a CUDA torch, a toolkit and no GPU (issue 45)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return bool(gpu_models())
+
+
+def toolkit_home(s: Settings) -> str | None:
+    """The CUDA toolkit the nvcc found belongs to, for torch's builder, which takes the folder above
+    nvcc's for it and so misses the headers when nvcc is a wrapper (``exec /usr/local/cuda-13.0/bin/nvcc
+    "$@"`` in /usr/local/bin). CUDA_HOME (or CUDA_PATH) where set; else the folder above the real
+    nvcc's where its include/ has cuda_runtime.h; else nvcc's own answer (``--dryrun`` names the
+    folder it runs from, through any wrapper)."""
+    if s.cuda_home:
+        return s.cuda_home
+    nvcc = find_nvcc(s)
+    if nvcc is None:
+        return None
+    home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if _has_headers(home):
+        return home
+    here = _nvcc_here(nvcc)
+    return os.path.dirname(here) if here and _has_headers(os.path.dirname(here)) else None
+
+
+def _has_headers(home: str) -> bool:
+    return os.path.isfile(os.path.join(home, "include", "cuda_runtime.h"))
+
+
+@lru_cache(maxsize=None)
+def _nvcc_here(nvcc: str) -> str | None:
+    import subprocess
+
+    try:
+        done = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True,
+                              timeout=60, errors="replace")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"^#\$ _HERE_=(.+)$", done.stdout + done.stderr, re.M)
+    return m.group(1).strip() if m else None
 
 
 def find_nvcc(s: Settings) -> str | None:

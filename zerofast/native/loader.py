@@ -140,13 +140,19 @@ class Job(NamedTuple):
     force: bool
     retry: bool
     failures: list  # "compiler: why" for each compiler that gave no core, for the fallback's notes
+    prebuilt: str | None = None  # why the package's prebuilt core does not fit, said before a build
 
 
 def find_or_build(s: Settings, progress: bool, force: bool = False, retry: bool = False) -> Loaded:
-    """The first core that loads from the compilers in turn (CXX first), building it where needed."""
-    tag_dir = cache.tag_dir(s, cache.core_tag(cache.sources_dir(), cache.torch_identity()))
+    """The wheel's prebuilt core where it fits, else the first core that loads from the compilers in
+    turn (CXX first), building it where needed."""
+    tag = cache.core_tag(cache.sources_dir(), cache.torch_identity())
     wanted = wanted_devices(s)
-    job = Job(s, progress, force, retry, [])
+    packaged, mismatch = cache.prebuilt(tag)
+    if packaged is not None and not force and set(wanted[0]) <= set(cache.read_manifest(packaged)["devices"]):
+        return import_core(packaged)
+    tag_dir = cache.tag_dir(s, tag)
+    job = Job(s, progress, force, retry, [], mismatch)
     for i, cxx in enumerate(toolchain.compiler_candidates(s, cache.compiler_path())):
         try:
             return _with_compiler(tag_dir, cxx, wanted, job)
@@ -333,6 +339,8 @@ def _run_build(core: Path, devices: tuple[str, ...], archs: str | None, cxx: str
         shutil.rmtree(stale, ignore_errors=True)
     _note(f"zerofast: building the native core for torch {torch.__version__} ({'+'.join(devices)}"
           f"{', CUDA archs ' + archs if archs else ''}) with {cxx} in {core}: once per torch version, {BUILD_TIME}")
+    if job.prebuilt:
+        _note(f"zerofast: {job.prebuilt}")
     start = time.monotonic()
     log = core.with_name(core.name + ".build.log")
     returncode = _run_child(core, devices, _build_env(cxx, archs, "cuda" in devices, job), log, job.progress)
@@ -347,6 +355,8 @@ def _build_env(cxx: str, archs: str | None, cuda: bool, job: Job) -> dict:
                PYTHONPATH=os.pathsep.join(p for p in (str(cache.PACKAGE.parent), os.environ.get("PYTHONPATH")) if p))
     if cuda and (job.failures or "CC" not in env):  # nvcc's host compiler (torch passes CC as -ccbin)
         env["CC"] = cxx
+    if cuda and cudaplan.toolkit_home(job.s):  # an nvcc wrapper's toolkit, whose headers torch would miss
+        env["CUDA_HOME"] = cudaplan.toolkit_home(job.s)
     if archs:
         env["TORCH_CUDA_ARCH_LIST"] = archs
     return env

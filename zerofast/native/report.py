@@ -38,17 +38,23 @@ def _core_line() -> str:
         s = settings()
         if s.mode == "off":
             return "off (ZEROFAST_NATIVE=0: the pure-torch reference runs)"
-        tag_dir = cache.tag_dir(s, cache.core_tag(cache.sources_dir(), cache.torch_identity()))
+        tag = cache.core_tag(cache.sources_dir(), cache.torch_identity())
+        packaged, mismatch = cache.prebuilt(tag)
+        if packaged is not None:
+            return f"prebuilt, shipped in this package for torch {cache.read_manifest(packaged).get('torch')} " \
+                   f"(nothing to compile), loaded on first use from {cache.library(packaged)}"
+        tag_dir = cache.tag_dir(s, tag)
         reasons = []
         for i, cxx in enumerate(toolchain.compiler_candidates(s, cache.compiler_path())):
             built = _built_by(tag_dir, toolchain.compiler_key(cxx))
             if built:
                 core, manifest = built
-                return (f"built for {', '.join(manifest.get('devices', ['?']))} (torch {manifest.get('torch')}), "
-                        f"loaded on first use from {cache.library(core)}")
+                return (f"built here for {', '.join(manifest.get('devices', ['?']))} (torch {manifest.get('torch')}), "
+                        f"loaded on first use from {cache.library(core)}" + (f" ({mismatch})" if mismatch else ""))
             reasons.append((cxx, _why_not(tag_dir, cxx, s, asked=i == 0)))
             if reasons[-1][1] is None:
-                return "not built yet: it is built on first use, once per torch version (`zerofast build` does it now)"
+                return ("not built yet: it is built on first use, once per torch version (`zerofast build` does it now)"
+                        + (f"; {mismatch}" if mismatch else ""))
     except (Unavailable, NativeExtensionError) as e:
         return f"not available ({e})"
     if len(reasons) == 1:
@@ -101,8 +107,10 @@ def doctor_lines(zerofast_version: str) -> list[str]:
     try:
         loaded = load(required=True, progress=True)
         m = loaded.manifest
-        lines.append(f"native core: loaded from {loaded.path}, kernels for {', '.join(loaded.module.built_devices())} "
-                     f"(built for torch {m.get('torch')} in {m.get('seconds')} s on {m.get('built')})")
+        origin = "prebuilt, shipped in this package" if m.get("prebuilt") else "built here"
+        lines.append(f"native core: {origin}, loaded from {loaded.path}, kernels for "
+                     f"{', '.join(loaded.module.built_devices())} (built for torch {m.get('torch')} in "
+                     f"{m.get('seconds')} s on {m.get('built')})")
         lines += _proof_lines(loaded)
     except NativeExtensionError:
         lines.append(f"native core: not available ({unavailable_reason()}); the ops run on the pure-torch reference")
