@@ -26,6 +26,7 @@ import torch
 from ..discover import DCP_METADATA
 from ..base.errors import (CheckpointNotFoundError, CorruptCheckpointError, InconsistentCheckpointError,
                       UnsafeCheckpointError, UnsupportedCheckpointError, ZeroFastError, first_line, short_repr)
+from .dcp_cover import check_cover
 from .dcp_stand_ins import DCP_ALLOWED, DcpRecord
 from .pickle_bounds import BoundsExceeded
 from .stand_ins import RefusedState
@@ -177,24 +178,9 @@ def _tensor(folder: Path, key: str, entry: DcpRecord, places: dict, path: Any) -
         if place is None:
             raise CorruptCheckpointError(f"entry {key!r}: no storage record for its chunk at {offsets}", where)
         chunks.append(DcpChunk(offsets, sizes, *place))
-    _check_cover(key, size, chunks, where)
+    check_cover(key, size, [c.offsets for c in chunks], [c.sizes for c in chunks], where)
     nested = tuple(path) if isinstance(path, tuple) and all(type(p) in (str, int) for p in path) else (key,)
     return DcpTensor(key, nested, dtype, size, tuple(chunks))
-
-
-def _check_cover(key: str, size: tuple[int, ...], chunks: list[DcpChunk], where: Path) -> None:
-    """The chunks must fill the tensor exactly once: as many elements as it has, none overlapping."""
-    if sum(c.numel for c in chunks) != math.prod(size):
-        raise InconsistentCheckpointError(f"entry {key!r}: its chunks hold {sum(c.numel for c in chunks)} elements "
-                                          f"for a tensor of size {size}", where)
-    live = [c for c in chunks if c.numel]
-    if len(live) > 256:
-        raise UnsupportedCheckpointError(f"entry {key!r} has {len(live)} chunks; at most 256 are checked", where)
-    for i, a in enumerate(live):
-        for b in live[i + 1:]:
-            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
-                raise InconsistentCheckpointError(f"entry {key!r}: chunks at {a.offsets} and {b.offsets} overlap",
-                                                  where)
 
 
 class ChunkReader:
