@@ -60,11 +60,12 @@ bench: venv build
 
 # A platform wheel that carries the CPU core compiled against the venv's torch (zerofast/_prebuilt):
 # installed beside the same torch build and Python it loads with no compiler. The build itself
-# stays torch-free (`--no-isolation` is not needed: the core is compiled before it starts).
+# stays torch-free (`--no-isolation` is not needed: the core is compiled before it starts). The
+# core is taken out of the checkout again, so the editable install goes on building its own.
 wheel: runtime
 	$(PIP) install --quiet build
 	$(PY) -m zerofast.native.prebuild
-	$(PY) -m build --wheel --outdir dist .
+	$(PY) -m build --wheel --outdir dist . ; status=$$?; rm -rf zerofast/_prebuilt; exit $$status
 
 clean:
 	rm -rf build dist zerofast/_prebuilt zerofast/_C*.so *.egg-info $(VENV)

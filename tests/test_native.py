@@ -16,7 +16,7 @@ import torch
 import zerofast
 from zerofast.native import ops
 from zerofast.base.errors import NativeExtensionError
-from zerofast.native import cache, cudaplan, loader
+from zerofast.native import build, cache, cudaplan, loader
 from zerofast.native.cache import Unavailable
 from zerofast.base.settings import settings
 from tests.helpers import assert_bitwise_equal, expected_value, real_root, real_truth
@@ -154,13 +154,13 @@ def test_zerofast_native_must_be_0_1_or_auto(monkeypatch):
 
 def test_progress_lines_name_the_source(tmp_path):
     line = "[2/4] c++ -MMD -MF read_cast.o.d -O3 -c /x/zerofast/csrc/cpu/read_cast.cpp -o read_cast.o\n"
-    assert loader.progress_line(line) == "zerofast: [2/4] compiled cpu/read_cast.cpp"
-    assert loader.progress_line("[4/4] c++ a.o b.o -shared -o zerofast_C.so") == "zerofast: [4/4] linked"
-    assert loader.progress_line("Emitting ninja build file") is None
+    assert build.progress_line(line) == "zerofast: [2/4] compiled cpu/read_cast.cpp"
+    assert build.progress_line("[4/4] c++ a.o b.o -shared -o zerofast_C.so") == "zerofast: [4/4] linked"
+    assert build.progress_line("Emitting ninja build file") is None
     # The build child's own first line, and a unit path as torch's builder quotes it.
-    assert loader.progress_line("zerofast: compiling 2 units (a.cpp, b.cpp)\n") == "zerofast: compiling 2 units (a.cpp, b.cpp)"
+    assert build.progress_line("zerofast: compiling 2 units (a.cpp, b.cpp)\n") == "zerofast: compiling 2 units (a.cpp, b.cpp)"
     quoted = "[1/3] c++ -MMD -c '/tmp/core/units/zerofast_cpu.cpp' -o zerofast_cpu.o"
-    assert loader.progress_line(quoted) == "zerofast: [1/3] compiled zerofast_cpu.cpp"
+    assert build.progress_line(quoted) == "zerofast: [1/3] compiled zerofast_cpu.cpp"
 
 
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cuda")])

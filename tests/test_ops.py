@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import zerofast
 from zerofast.native import ops, reference
-from zerofast.base.errors import DeviceError
+from zerofast.base.errors import DeviceError, NativeExtensionError
 from tests.helpers import assert_bitwise_equal
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -104,7 +104,7 @@ def test_extension_built_for_other_torch_is_a_typed_error(monkeypatch):
     monkeypatch.setattr(core, "torch_version", lambda: "1.0.0")
     monkeypatch.setattr(loader, "_state", None)  # so that the next use looks at the cached core again
     monkeypatch.setattr(loader, "import_core", lambda path: loader.verify(core))
-    with pytest.raises(ops.NativeExtensionError, match="built for torch 1.0.0 but torch .* is running"):
+    with pytest.raises(NativeExtensionError, match="built for torch 1.0.0 but torch .* is running"):
         ops.load_native()
 
 

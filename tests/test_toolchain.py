@@ -153,7 +153,7 @@ def test_an_nvcc_wrapper_script_gets_its_toolkits_headers(monkeypatch, tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path / 'wrappers' / 'bin'}{os.pathsep}{os.environ['PATH']}")
     assert cudaplan.find_nvcc(settings()) == str(tmp_path / "wrappers" / "bin" / "nvcc")
     assert cudaplan.toolkit_home(settings()) == str(toolkit)
-    env = loader._build_env("c++", "9.0", True, loader.Job(settings(), False, False, False, []))
+    env = loader.build_env("c++", "9.0", True, loader.Job(settings(), False, False, False, []))
     assert env["CUDA_HOME"] == str(toolkit)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "asked"))  # asked for: taken as it is
     assert cudaplan.toolkit_home(settings()) == str(tmp_path / "asked")

@@ -37,6 +37,7 @@ from .base.errors import (
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
     ReshardError,
+    SettingsError,
     ZeroFastError,
 )
 
@@ -140,6 +141,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "InconsistentCheckpointError",
     "NativeExtensionError",
+    "SettingsError",
     "UnsafeCheckpointError",
     "UnsupportedCheckpointError",
 ]

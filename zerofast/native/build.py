@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 from . import cache, proof, toolchain
 
 
-class Unsound(Exception):
+class CoreNotSound(Exception):
     """The core built and loaded, but is not sound: the message says why."""
 
 
@@ -55,14 +56,14 @@ def _compile(tmp: Path, devices: tuple[str, ...]):
 
 def _proved(module, library: Path) -> dict:
     """The manifest's record of the loaded core and its compiler, once :mod:`.proof` finds it sound
-    (else :class:`Unsound`): the op check of each device visible here, the linkage of all."""
+    (else :class:`CoreNotSound`): the op check of each device visible here, the linkage of all."""
     import torch
 
     built = list(module.built_devices())
     checked = proof.checkable(built)
     unsound = proof.problems(str(library), built, checked)
     if unsound:
-        raise Unsound("; ".join(unsound))
+        raise CoreNotSound("; ".join(unsound))
     cxx = os.environ.get("CXX", "c++")  # the loader sets it to the compiler it chose
     return {"torch": torch.__version__, "torch_git": torch.version.git_version, "cuda": torch.version.cuda,
             "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI), "python": sys.version.split()[0],
@@ -75,13 +76,46 @@ def main(argv: list[str]) -> int:
     core, devices = Path(argv[0]), tuple(argv[1].split(","))
     try:
         build(core, devices)
-    except Unsound as e:
+    except CoreNotSound as e:
         print(proof.MARK + str(e), flush=True)
         return proof.UNSOUND
     finally:  # what a failed build compiled is of no use; the log is kept by the caller
         for tmp in core.parent.glob(f".{core.name}.tmp-{os.getpid()}"):
             shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+_STEP = re.compile(r"^\[(\d+)/(\d+)\] (.*)")
+
+
+def progress_line(line: str) -> str | None:
+    """``[2/4] c++ ... -c .../csrc/cpu/read_cast.cpp -o ...`` -> ``zerofast: [2/4] compiled cpu/read_cast.cpp``
+    (ninja prints a step when it is done, its output not being a terminal)."""
+    if line.startswith("zerofast: "):  # the build child's own lines (what it compiles)
+        return line.rstrip("\n")
+    m = _STEP.match(line)
+    if not m:
+        return None
+    src = re.search(r" -c (\S+)", m.group(3)) or re.search(r" (\S+\.cu) ", m.group(3))
+    what = f"compiled {_short_source(src.group(1))}" if src else "linked"
+    return f"zerofast: [{m.group(1)}/{m.group(2)}] {what}"
+
+
+def _short_source(path: str) -> str:
+    path = path.strip("'\"")  # torch's builder quotes the paths it writes into build.ninja
+    parts = Path(path).parts
+    return "/".join(parts[parts.index("csrc") + 1:]) if "csrc" in parts else Path(path).name
+
+
+def failure_line(log: Path) -> str:
+    """The line of the build log that says what went wrong: the compiler's first error, else
+    ninja's FAILED line, else the last line (torch's builder raising before ninja ran)."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    for pattern in (r"\berror\b:", r"^FAILED:"):
+        hit = next((ln for ln in lines if re.search(pattern, ln)), None)
+        if hit:
+            return hit[:300]
+    return lines[-1][:300] if lines else "no output"
 
 
 if __name__ == "__main__":

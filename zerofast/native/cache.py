@@ -184,13 +184,6 @@ def library(core: Path) -> Path:
     return core / f"{EXTENSION_NAME}.so"  # the name torch's builder gives it on Linux
 
 
-def built_cores(s: Settings) -> list[tuple[Path, dict]]:
-    """The complete cores in the cache for this torch, Python and sources, most devices first."""
-    tag = core_tag(sources_dir(), torch_identity())
-    found = [(d, m) for d in sorted(tag_dir(s, tag).glob("*")) if d.is_dir() and (m := read_manifest(d))]
-    return sorted(found, key=lambda dm: -len(dm[1].get("devices", [])))
-
-
 def tool_path() -> str:
     """PATH for the build: this environment's scripts (where pip puts ninja) first."""
     return os.pathsep.join([_scripts(), os.path.dirname(sys.executable), os.environ.get("PATH", "")])

@@ -10,13 +10,13 @@ H200, issue 37). nvcc itself runs (:func:`nvcc_problem`) only before a CUDA buil
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 from functools import lru_cache
 from pathlib import Path
 
+from ..base.jsonfile import read_dict, write_json
 from ..base.settings import Settings
 
 # What CUDA torch builds for when neither TORCH_CUDA_ARCH_LIST nor a visible GPU says:
@@ -163,11 +163,11 @@ def folder_archs(s: Settings) -> str:
         return cuda_archs(s)  # no NVIDIA GPU: the default list, without asking torch.cuda
     memo_path = s.cache_dir / "native" / ARCHS_MEMO
     key = "|".join(models)
-    memo = _read_json(memo_path)
+    memo = read_dict(memo_path)
     if key not in memo:
         archs = cuda_archs(s)
         if _all_visible(len(models)):  # archs of a CUDA_VISIBLE_DEVICES subset name only that subset
-            _write_json(memo_path, {**memo, key: archs})
+            write_json(memo_path, {**memo, key: archs})  # two writers may lose one's entry: asked again later
         return archs
     return memo[key]
 
@@ -190,23 +190,3 @@ def cuda_archs(s: Settings) -> str:
         return ";".join(f"{major}.{minor}" for major, minor in caps)
     major = int((torch.version.cuda or "12").split(".")[0])
     return DEFAULT_ARCHS.get(major, DEFAULT_ARCHS[13 if major > 13 else 11])
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _write_json(path: Path, value: dict) -> None:
-    # Replaced whole: a reader sees the old record or the new one. Two writers may lose one's
-    # entry, which only means that GPU kind is asked again by a later process.
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(value, indent=1) + "\n")
-        tmp.replace(path)
-    except OSError:
-        pass

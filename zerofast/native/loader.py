@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 from ..base.errors import NativeExtensionError, first_line
-from . import cache, cudaplan, proof, toolchain
+from . import build as build_child, cache, cudaplan, proof, toolchain
 from .cache import Unavailable
 from .cudaplan import wanted_devices
 from ..base.settings import Settings, settings
@@ -343,14 +343,15 @@ def _run_build(core: Path, devices: tuple[str, ...], archs: str | None, cxx: str
         _note(f"zerofast: {job.prebuilt}")
     start = time.monotonic()
     log = core.with_name(core.name + ".build.log")
-    returncode = _run_child(core, devices, _build_env(cxx, archs, "cuda" in devices, job), log, job.progress)
+    returncode = run_build_child(core, devices, build_env(cxx, archs, "cuda" in devices, job), log, job.progress)
     if returncode != 0:
         _failed(core, cxx, job.s, returncode, log)
     cache.clear_failure(core)
     _note(f"zerofast: built the native core in {time.monotonic() - start:.0f} s")
 
 
-def _build_env(cxx: str, archs: str | None, cuda: bool, job: Job) -> dict:
+def build_env(cxx: str, archs: str | None, cuda: bool, job: Job) -> dict:
+    """The build child's environment: the compiler, ninja on the PATH, nvcc's host compiler and toolkit."""
     env = dict(os.environ, PATH=cache.tool_path(), CXX=cxx,
                PYTHONPATH=os.pathsep.join(p for p in (str(cache.PACKAGE.parent), os.environ.get("PYTHONPATH")) if p))
     if cuda and (job.failures or "CC" not in env):  # nvcc's host compiler (torch passes CC as -ccbin)
@@ -362,13 +363,14 @@ def _build_env(cxx: str, archs: str | None, cuda: bool, job: Job) -> dict:
     return env
 
 
-def _run_child(core: Path, devices: tuple[str, ...], env: dict, log: Path, progress: bool) -> int:
+def run_build_child(core: Path, devices: tuple[str, ...], env: dict, log: Path, progress: bool) -> int:
+    """Run :mod:`.build` for ``core``, its output into ``log`` and, condensed, to stderr: its exit status."""
     cmd = [sys.executable, "-m", "zerofast.native.build", str(core), ",".join(devices)]
     with open(log, "w") as out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                                  env=env, errors="replace") as child:
         for line in child.stdout:
             out.write(line)
-            step = progress_line(line) if progress else None
+            step = build_child.progress_line(line) if progress else None
             if step:
                 _note(step)
     return child.returncode
@@ -382,7 +384,7 @@ def _failed(core: Path, cxx: str, s: Settings, returncode: int, log: Path) -> No
         reason = f"{NOT_SOUND}{said} (log: {log})"
         cache.record_failure(core, s, reason, cxx, kind="unsound")
         raise Unsound(reason)
-    reason = f"the build failed: {_failure_line(log)} (compiler {cxx}; log: {log})"
+    reason = f"the build failed: {build_child.failure_line(log)} (compiler {cxx}; log: {log})"
     cache.record_failure(core, s, reason, cxx)
     raise BuildFailed(reason)
 
@@ -399,39 +401,6 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
-
-
-_STEP = re.compile(r"^\[(\d+)/(\d+)\] (.*)")
-
-
-def progress_line(line: str) -> str | None:
-    """``[2/4] c++ ... -c .../csrc/cpu/read_cast.cpp -o ...`` -> ``zerofast: [2/4] compiled cpu/read_cast.cpp``
-    (ninja prints a step when it is done, its output not being a terminal)."""
-    if line.startswith("zerofast: "):  # the build child's own lines (what it compiles)
-        return line.rstrip("\n")
-    m = _STEP.match(line)
-    if not m:
-        return None
-    src = re.search(r" -c (\S+)", m.group(3)) or re.search(r" (\S+\.cu) ", m.group(3))
-    what = f"compiled {_short_source(src.group(1))}" if src else "linked"
-    return f"zerofast: [{m.group(1)}/{m.group(2)}] {what}"
-
-
-def _short_source(path: str) -> str:
-    path = path.strip("'\"")  # torch's builder quotes the paths it writes into build.ninja
-    parts = Path(path).parts
-    return "/".join(parts[parts.index("csrc") + 1:]) if "csrc" in parts else Path(path).name
-
-
-def _failure_line(log: Path) -> str:
-    """The line of the build log that says what went wrong: the compiler's first error, else
-    ninja's FAILED line, else the last line (torch's builder raising before ninja ran)."""
-    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    for pattern in (r"\berror\b:", r"^FAILED:"):
-        hit = next((ln for ln in lines if re.search(pattern, ln)), None)
-        if hit:
-            return hit[:300]
-    return lines[-1][:300] if lines else "no output"
 
 
 def _warn_once(reason: str) -> None:

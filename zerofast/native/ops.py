@@ -29,7 +29,7 @@ import torch
 
 from . import reference
 from ..devices import device_of
-from ..base.errors import DeviceError, NativeExtensionError
+from ..base.errors import DeviceError
 from . import loader
 from ..base.settings import reader_count, settings
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ..base.settings import settings
-from . import cache, loader, toolchain
+from . import build, cache, loader, toolchain
 
 WORK = cache.PACKAGE.parent / "build" / "prebuilt-core"
 
@@ -28,8 +28,8 @@ def prebuild() -> Path:
     WORK.parent.mkdir(parents=True, exist_ok=True)
     log = WORK.with_name(WORK.name + ".build.log")
     job = loader.Job(s, True, True, True, [])
-    if loader._run_child(WORK, ("cpu",), loader._build_env(cxx, None, False, job), log, True) != 0:
-        raise cache.Unavailable(f"the build failed: {loader._failure_line(log)} (log: {log})")
+    if loader.run_build_child(WORK, ("cpu",), loader.build_env(cxx, None, False, job), log, True) != 0:
+        raise cache.Unavailable(f"the build failed: {build.failure_line(log)} (log: {log})")
     manifest = {**cache.read_manifest(WORK), "tag": tag, "prebuilt": True}
     shutil.rmtree(cache.PREBUILT, ignore_errors=True)
     cache.PREBUILT.mkdir()

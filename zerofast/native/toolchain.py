@@ -11,13 +11,13 @@ and where the compiler asked for gives no sound core the next one is tried
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import struct
 from functools import lru_cache
 from typing import Iterator
 
+from ..base.jsonfile import read_dict, write_json
 from ..base.settings import Settings, settings
 
 # The names tried on the PATH after CXX, each through every PATH entry that has it (a module
@@ -59,13 +59,13 @@ def compiler_version(cxx: str) -> str:
     real = os.path.realpath(cxx)
     stamp = _stamp(real)
     memo = settings().cache_dir / "native" / "compilers.json"
-    known = _read_json(memo)
+    known = read_dict(memo)
     key = f"{real}\0{stamp}"
     if isinstance(known.get(key), str):
         return known[key]
     version = _run_version(cxx)
     if version:
-        _write_json(memo, {**known, key: version})
+        write_json(memo, {**known, key: version})
     return version
 
 
@@ -85,30 +85,6 @@ def _stamp(real: str) -> str:
     except OSError:
         return "missing"
     return f"{st.st_size}:{st.st_mtime_ns}"
-
-
-def _read_json(path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _write_json(path, value: dict) -> None:
-    """Atomically, and not at all where the cache cannot be written (a read-only cache)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(value, f)
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
 
 
 def compiler_key(cxx: str, extra: str = "") -> str:
