@@ -11,16 +11,18 @@ Parsing the arguments imports no torch (each command imports what it runs), so `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import signal
 import sys
+import threading
 import traceback
 import warnings
-from typing import Sequence
+from typing import Iterator, Sequence
 
-from .args import Later, Version, common_options, dtype_arg, positive, size_arg
+from .args import Later, Parser, Version, common_options, dtype_arg, positive, size_arg
 from .report import model_dtype, optimizer_lines, parallelism_line, training_dtype
 from .dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines
 from ..base.errors import ZeroFastError, short_repr, some
@@ -30,14 +32,22 @@ from .checks import add_verify_commands
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
-    args.argv = argv
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return 2
-    from ..output import team as teams  # torch: only once a command runs
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (teams.Stopped): the writers have cleaned up
+        return _interrupted(e)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    with _ctrl_c_exits(as_program=argv is None):
+        parser = _parser()
+        argv = sys.argv[1:] if argv is None else list(argv)
+        args = parser.parse_args(argv)  # --dtype, --version: torch
+        args.argv = argv
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return 2
+        from ..output import team as teams  # torch: only once a command runs
 
     try:
         with warnings.catch_warnings(), teams.signals_raise():
@@ -48,16 +58,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"zerofast: error: {_rank_prefix()}{' '.join(str(e).split())}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (teams.Stopped): the writers have cleaned up
-        signum = getattr(e, "signum", signal.SIGINT)
-        how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
-        print(f"zerofast: interrupted{how}", file=sys.stderr)
-        return 128 + signum
     except BrokenPipeError:
         # The reader left (`zerofast inspect ... | head`); point stdout at /dev/null so that
         # Python's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+@contextlib.contextmanager
+def _ctrl_c_exits(as_program: bool) -> Iterator[None]:
+    """While the command starts (its arguments parsed, torch imported: its first seconds), Ctrl-C
+    ends the process at once with the line of a later Ctrl-C. Nothing is written yet, and a
+    KeyboardInterrupt raised inside torch's import is no help: it can come out as another error
+    (numpy's "cannot load module more than once"), be swallowed, or abort the process from C++.
+    Only where main() is the program and Ctrl-C has Python's default handler: a caller in the
+    same process, or one that set its own handler, keeps KeyboardInterrupt."""
+    if not (as_program and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        yield
+        return
+    signal.signal(signal.SIGINT, _exit_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _exit_interrupted(signum, frame) -> None:
+    os.write(2, b"zerofast: interrupted\n")  # no print: it may have been cut short mid-write
+    os._exit(128 + signum)
+
+
+def _interrupted(e: KeyboardInterrupt) -> int:
+    signum = getattr(e, "signum", signal.SIGINT)
+    how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
+    print(f"zerofast: interrupted{how}", file=sys.stderr)
+    return 128 + signum
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -67,7 +103,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def _parser() -> argparse.ArgumentParser:
     common = common_options()
-    parser = argparse.ArgumentParser(prog="zerofast", description="Consolidate DeepSpeed ZeRO checkpoints.")
+    parser = Parser(prog="zerofast", description="Consolidate DeepSpeed ZeRO checkpoints.")
     parser.add_argument("--version", action=Version, help="show zerofast's, torch's and Python's versions, the "
                         "native core and the thread count, and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -124,7 +160,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_resume(sub, common)
     add_to_dcp(sub, common)
 
-    ins = sub.add_parser("inspect", parents=[common], help="describe a checkpoint without converting it")
+    ins = sub.add_parser("inspect", parents=[common], help="describe a checkpoint without converting it",
+                         description="Describe a checkpoint from its metadata, reading no tensor data: stage, world "
+                                     "size, parallelism, training dtype, its tensors by kind, the tied weights, the "
+                                     "optimizer's param groups and what an export weighs in each dtype.")
     ins.add_argument("ckpt", metavar="CKPT", help="checkpoint root (holding 'latest') or a tag folder")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.set_defaults(run=_inspect)

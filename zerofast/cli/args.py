@@ -4,7 +4,9 @@ parser, ``--help`` and ``--version`` never import torch: a value is checked, or 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import sys
 from collections.abc import Iterator, Sequence
 
 
@@ -31,6 +33,50 @@ class Later(Sequence):
 
     def __contains__(self, value) -> bool:
         return value in self._all()
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a mistyped flag reported by the command it was given to, with the nearest
+    flag it has (``--dtpye`` -> ``did you mean --dtype?``), as git and pip do. Plain argparse hands
+    a command's unknown flags up to the top-level parser, whose usage and error name neither."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:  # a command's own parser (a subparser) gets here before the top level's does
+            self._unrecognized(extras)
+        return namespace, extras
+
+    def error(self, message):
+        # A mistyped required flag (--world_size) is reported as missing; the typo is the cause.
+        if message.startswith("the following arguments are required"):
+            typos = [a for a in _before_dashes(getattr(self, "_given", [])) if _flag(a) and not self._knows(a)]
+            if typos:
+                self._unrecognized(typos)
+        super().error(message)
+
+    def _unrecognized(self, extras: list[str]):
+        shown = [a for a in extras if _flag(a)] or extras  # values shifted by the typo are no news
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        words = []
+        for arg in shown:
+            near = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1) if _flag(arg) else []
+            words.append(f"{arg} (did you mean {near[0]}?)" if near else arg)
+        super().error(f"unrecognized arguments: {' '.join(words)}")
+
+    def _knows(self, arg: str) -> bool:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--"):
+            return flag[:2] in self._option_string_actions  # -t, -tVALUE
+        return any(o == flag or (self.allow_abbrev and o.startswith(flag)) for o in self._option_string_actions)
+
+
+def _flag(arg: str) -> bool:
+    return len(arg) > 1 and arg[0] == "-" and not arg[1].isdigit() and arg[1] != "."  # not -1, -.5
+
+
+def _before_dashes(args: list[str]) -> list[str]:
+    return args[:args.index("--")] if "--" in args else args
 
 
 def common_options() -> argparse.ArgumentParser:

@@ -12,8 +12,11 @@ def add_native_commands(sub) -> None:
     b.add_argument("--force", action="store_true", help="rebuild it even if it is built")
     b.add_argument("--debug", action="store_true", help="show the traceback of an error")
     b.set_defaults(run=_build)
-    d = sub.add_parser("doctor", help="--version, with the native core loaded (built if need be), the toolchain "
-                                      "and the GPUs")
+    d = sub.add_parser("doctor", help="what --version says, with the native core loaded (built if need be), the "
+                                      "toolchain and the GPUs",
+                       description="Print the versions, then load the native core (building it if need be) and say "
+                                   "where it is and what it was built for, or why the pure-torch reference runs "
+                                   "instead; then the threads, the cache, the compiler, ninja, nvcc and the GPUs.")
     d.add_argument("--debug", action="store_true", help="show the traceback of an error")
     d.set_defaults(run=_doctor)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -98,7 +99,9 @@ class Folder:
 def output_dir(out_dir: str | os.PathLike, overwrite: bool, *, command: str = EXPORT,
                inputs: Sequence[Path] = (), replaces: Callable[[str], bool] | None = None) -> Iterator[Folder]:
     """Check that ``out_dir`` may be written by ``command``, lock it, and yield a :class:`Folder`
-    with a fresh temporary folder inside it. The temporary folder goes in any case.
+    with a fresh temporary folder inside it. The temporary folder goes in any case; the output
+    folder and the parents this call made go too if the run fails or is interrupted (a run
+    leaves nothing that was not there before it), unless something else was put in them.
 
     ``inputs``: the folders and files the command reads; the output may not be any of them, lie
     inside one, or hold one. ``replaces``: names in the folder that the new output replaces even
@@ -106,44 +109,73 @@ def output_dir(out_dir: str | os.PathLike, overwrite: bool, *, command: str = EX
     """
     out = local_folder(out_dir)
     refuse_input(out, inputs)
-    _make_dir(out)
+    made = _make_dir(out)
+    try:
+        with _locked(out):
+            previous = _check_owner(out, command, overwrite)
+            for name in _listdir(out):
+                if _our_tmp(out / name):  # the lock says no writer is alive to own it
+                    shutil.rmtree(out / name, ignore_errors=True)
+            with _temporary(out) as tmp:
+                yield Folder(out, tmp, command, previous, replaces or (lambda name: False))
+    except BaseException:
+        _finish(lambda: _remove_empty(made))
+        raise
+
+
+@contextmanager
+def _locked(out: Path) -> Iterator[None]:
     fd = os.open(out, os.O_RDONLY)
     try:
         _lock(fd, out)
-        previous = _check_owner(out, command, overwrite)
-        for name in _listdir(out):
-            if _our_tmp(out / name):  # the lock says no writer is alive to own it
-                shutil.rmtree(out / name, ignore_errors=True)
-        tmp = out / f".zerofast-tmp-{os.getpid()}"
-        made = False
-        # One try from the mkdir on: a signal landing between making the folder and marking it
-        # (an exception raised by the CLI's handler) must not leave it behind either.
-        try:
-            try:
-                tmp.mkdir()
-                made = True
-                (tmp / TMP_MARK).touch()
-            except OSError as e:
-                raise ExportError(f"cannot create the temporary folder: {os_error(e)}", tmp) from e
-            yield Folder(out, tmp, command, previous, replaces or (lambda name: False))
-        finally:
-            if made:  # never a folder of that name that this run did not make
-                _remove_all(tmp)
+        yield
     finally:
         os.close(fd)  # releases the lock
 
 
+@contextmanager
+def _temporary(out: Path) -> Iterator[Path]:
+    """This process's temporary folder in ``out``, marked as zerofast's, removed in any case."""
+    tmp = out / f".zerofast-tmp-{os.getpid()}"
+    made = False
+    # One try from the mkdir on: a signal landing between making the folder and marking it
+    # (an exception raised by the CLI's handler) must not leave it behind either.
+    try:
+        try:
+            tmp.mkdir()
+            made = True
+            (tmp / TMP_MARK).touch()
+        except OSError as e:
+            # Named by the folder the user gave: the temporary folder's name means nothing to them.
+            raise ExportError(f"cannot create a temporary folder in the output folder: {os_error(e)}", out) from e
+        yield tmp
+    finally:
+        if made:  # never a folder of that name that this run did not make
+            _remove_all(tmp)
+
+
 def _remove_all(folder: Path) -> None:
-    """``rmtree`` that a signal landing meanwhile does not cut short: the CLI's handlers raise
+    _finish(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+
+def _remove_empty(folders: Sequence[Path]) -> None:
+    """Remove ``folders`` (deepest first) where they are empty; rmdir leaves any other alone."""
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def _finish(cleanup: Callable[[], None]) -> None:
+    """Run ``cleanup`` to its end even if a signal lands meanwhile: the CLI's handlers raise
     (KeyboardInterrupt, ``team.Stopped``), and one arriving as a finished command removes its
-    temporary folder would leave the folder behind. The removal is finished, then that
-    exception goes on."""
+    temporary folder would leave the folder behind. ``cleanup`` is run again until it completes
+    (it must be repeatable), then that exception goes on."""
     pending: BaseException | None = None
     while True:
         try:
-            shutil.rmtree(folder, ignore_errors=True)
+            cleanup()
             break
-        except BaseException as e:  # the signal's exception, raised inside rmtree
+        except BaseException as e:  # the signal's exception, raised inside the cleanup
             pending = pending or e
     if pending is not None:
         raise pending
@@ -203,13 +235,18 @@ def _resolve(path: Path) -> str:
         return os.path.abspath(path)
 
 
-def _make_dir(out_dir: Path) -> None:
+def _make_dir(out_dir: Path) -> list[Path]:
+    """Make the output folder and its missing parents. Returns the ones it made, deepest first,
+    for a failed run to remove again: never a folder the user already had."""
+    made = list(itertools.takewhile(lambda p: not os.path.lexists(p), (out_dir, *out_dir.parents)))
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         raise OutputExistsError("expected an output folder, found a file", out_dir) from None
     except OSError as e:
+        _remove_empty(made)  # the parents made before a deeper one failed
         raise ExportError(f"cannot create the output folder: {os_error(e)}", out_dir) from e
+    return made
 
 
 def _lock(fd: int, out_dir: Path) -> None:
