@@ -51,6 +51,8 @@ def dcp_header_lines(r: dict) -> list[str]:
         f"format        {DCP_FORMAT}, {r['ranks']} ranks, {r['sharding']}",
         f"dcp version   {r['dcp_version'] or 'unknown'}",
         f"also saved    {others}",
+        *([f"backend       {r['backend']}", f"layers        {r['layers']}",
+           f"optimizer     {r['optimizer_state']}"] if r.get("backend") else []),
         "",
         f"{'tensors':<10}{'count':>8}{'elements':>14}{'stored':>12}   dtypes",
     ]

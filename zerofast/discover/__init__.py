@@ -32,7 +32,9 @@ MODEL_FILE_STAGE012 = "mp_rank_00_model_states.pt"
 ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
 OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _MODEL_PARALLEL_RANK = re.compile(r"mp_rank_(\d+)_")
-LATEST_FILES = ("latest", "latest_universal")  # the second is what ds_to_universal writes
+# The second is what ds_to_universal writes; the third Megatron-LM's (an iteration: iter_0000010/).
+MEGATRON_LATEST = "latest_checkpointed_iteration.txt"
+LATEST_FILES = ("latest", "latest_universal", MEGATRON_LATEST)
 # Remote locations people paste for a folder; pathlib would fold "s3://b/c" into the local "s3:/b/c".
 _REMOTE = re.compile(r"^(s3|s3a|gs|gcs|hf|az|abfss?|https?)://?", re.IGNORECASE)
 _TRAINER_CHECKPOINT = re.compile(r"^checkpoint-\d+$")  # what transformers' Trainer names its saves
@@ -276,6 +278,8 @@ def _pick_tag(root: Path, follow_symlinks: bool | None) -> str:
                                           latest) from None
         if not tag:
             raise CheckpointNotFoundError(f"expected a tag name in {latest.name!r}, found an empty file", latest)
+        if latest.name == MEGATRON_LATEST and tag.isascii() and tag.isdigit() and len(tag) < 20:
+            tag = f"iter_{int(tag):07d}"  # Megatron-LM names its saves so; 'release' is a folder name already
         # 'latest' comes with the checkpoint; it must not send zerofast to another folder.
         if len(data) > 4096 or Path(tag).is_absolute() or ".." in Path(tag).parts:
             raise CheckpointNotFoundError(

@@ -8,6 +8,11 @@ unpickler, chunks by offset) and the model's tensors planned by :mod:`zerofast.p
 DCP records no ``requires_grad`` and keeps the optimizer state as plain DTensors, not ZeRO
 partitions: ``exclude_frozen`` and the optimizer-state readers are refused, and so are the
 writers that write a ZeRO save back (``writable`` is False).
+
+Megatron-Core's ``dist_checkpointing`` (``torch_dist`` backend) writes such a folder plus a
+``metadata.json`` naming the backend and a ``common.pt`` (never read). Its weights are the
+top-level tensors; its ``optimizer.*`` tensors are kept out of them (the optimizer-state readers
+refuse them, naming the sharding type), and ``inspect`` says the backend and the layer stacking.
 """
 from __future__ import annotations
 
@@ -21,12 +26,13 @@ from ..discover import CheckpointFiles, Found
 from ..base.errors import UnsupportedCheckpointError
 from ..load import LoadedCheckpoint
 from ..load.dcp import METADATA, DcpRecords, read_dcp
-from ..plan.dcp import build_dcp_plan, model_tensors
+from ..plan.dcp import build_dcp_plan, model_tensors, optimizer_tensors
 from ..plan.model import Plan, SourceTable
 from .base import Layout
 
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 FORMAT = "PyTorch DCP"
+MCORE_FORMAT = "Megatron-Core dist_checkpointing"
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ class DcpCheckpoint(LoadedCheckpoint):
 
     @property
     def parallelism(self) -> dict:
-        return {"family": FORMAT, "dp": self.world_size}
+        return {"family": FORMAT if self.records.mcore is None else MCORE_FORMAT, "dp": self.world_size}
 
 
 class DcpLayout(Layout):
@@ -83,6 +89,11 @@ class DcpLayout(Layout):
         return build_dcp_plan(ckpt.records, table, dtype)
 
     def optimizer_keys(self, ckpt: LoadedCheckpoint) -> list[str]:
+        optim = optimizer_tensors(ckpt.records) if isinstance(ckpt, DcpCheckpoint) and ckpt.records else {}
+        if optim:
+            raise UnsupportedCheckpointError(
+                f"the optimizer state of this Megatron-Core save ({mcore_optimizer_sharding(optim)}) is not read yet; "
+                "it is kept out of the weights", ckpt.files.tag_dir)
         raise UnsupportedCheckpointError("the optimizer state of a PyTorch DCP folder is not read (only ZeRO "
                                          "optimizer partitions are)", ckpt.files.tag_dir)
 
@@ -96,10 +107,44 @@ class DcpLayout(Layout):
         """What ``inspect`` says besides the tensor table: format, ranks, how the model is cut."""
         records = ckpt.records
         model = list(model_tensors(records).values())
-        return {"format": FORMAT, "checkpoint": str(records.folder), "ranks": records.ranks,
-                "sharding": sharding(model), "dcp_version": records.version,
-                "other_tensors": len(records.tensors) - len(model), "other_items": len(records.others),
-                "tied": {}, "frozen_excluded": False, "absent_frozen": []}
+        out = {"format": FORMAT, "checkpoint": str(records.folder), "ranks": records.ranks,
+               "sharding": sharding(model), "dcp_version": records.version,
+               "other_tensors": len(records.tensors) - len(model), "other_items": len(records.others),
+               "tied": {}, "frozen_excluded": False, "absent_frozen": []}
+        if records.mcore is not None:
+            optim = optimizer_tensors(records)
+            out.update(backend=f"{MCORE_FORMAT} ({records.mcore.get('sharded_backend')})",
+                       layers=layer_stacking(list(model_tensors(records))),
+                       optimizer_state=mcore_optimizer_sharding(optim) if optim else "none saved",
+                       flattened=sorted(t.key for t in model if t.real_size is not None))
+        return out
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+\.)?")
+
+
+def layer_stacking(names: list[str]) -> str:
+    """How a Megatron-Core save keeps its transformer layers: stacked (one key per layer type,
+    a leading layer dimension) or one key per layer (``singleton_local_shards``)."""
+    found = [m.group(1) is not None for m in map(_LAYER.search, names) if m]
+    if not found:
+        return "no transformer layers"
+    if all(found):
+        return "per layer (decoder.layers.<i>.*)"
+    return "stacked (decoder.layers.*: leading layer dimension)" if not any(found) else "mixed"
+
+
+def mcore_optimizer_sharding(optim: dict) -> str:
+    """Which of Megatron-Core's optimizer sharding types the optimizer-state keys are."""
+    kinds = []
+    if any(k.startswith("optimizer.state.") for k in optim):
+        kinds.append("fully_sharded_model_space: optimizer.state.<name>.<param>")
+    if any(k.startswith("optimizer.distributed.") for k in optim):
+        kinds.append("dp_reshardable: flat optimizer.distributed.* buffers")
+    rest = len(optim) - sum(k.startswith(("optimizer.state.", "optimizer.distributed.")) for k in optim)
+    if rest:
+        kinds.append(f"{rest} other optimizer.* tensors")
+    return "; ".join(kinds)
 
 
 def sharding(tensors) -> str:

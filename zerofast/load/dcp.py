@@ -12,6 +12,7 @@ mapping of the ``.distcp`` file. No ``.distcp`` file is ever unpickled whole.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import pickle
@@ -59,6 +60,14 @@ class DcpTensor:
     dtype: torch.dtype
     size: tuple[int, ...]
     chunks: tuple[DcpChunk, ...]
+    # Megatron-Core 0.13 and earlier store some N-d tensors as (grid..., chunk numel): each of
+    # the ranks' equal boxes flattened into the last dimension. The real shape, or None.
+    real_size: tuple[int, ...] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape as the model has it."""
+        return self.real_size or self.size
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,8 @@ class DcpRecords:
     others: tuple[str, ...]  # flat keys of non-tensor items (hyperparameters, ...), never read
     ranks: int  # how many ranks wrote data files
     version: str | None
+    # Megatron-Core dist_checkpointing: the folder's metadata.json ({"sharded_backend": ...}), else None
+    mcore: dict | None = None
 
 
 def read_dcp(folder: str | os.PathLike) -> DcpRecords:
@@ -83,6 +94,8 @@ def read_dcp(folder: str | os.PathLike) -> DcpRecords:
                                      folder / METADATA)
     places = _places(folder, storage)
     paths = meta.get("planner_data") if isinstance(meta.get("planner_data"), dict) else {}
+    mcore = read_mcore_json(folder)
+    reformulated = _reformulated(meta, folder) if mcore is not None else {}
     tensors, others = {}, []
     for key, entry in entries.items():
         if not isinstance(key, str) or not isinstance(entry, DcpRecord):
@@ -91,13 +104,57 @@ def read_dcp(folder: str | os.PathLike) -> DcpRecords:
         if entry.dcp_name == _BYTES:
             others.append(key)
         elif entry.dcp_name == _TENSOR:
-            tensors[key] = _tensor(folder, key, entry, places, paths.get(key))
+            tensors[key] = _tensor(folder, key, entry, places, paths.get(key), reformulated.get(key))
         else:
             raise CorruptCheckpointError(f"entry {key!r}: expected tensor or bytes storage metadata, found "
                                          f"{entry.dcp_name}", folder / METADATA)
     ranks = {int(_DATA_FILE.match(c.file).group(1)) for t in tensors.values() for c in t.chunks}
     version = meta.get("version")
-    return DcpRecords(folder, tensors, tuple(others), len(ranks), version if isinstance(version, str) else None)
+    return DcpRecords(folder, tensors, tuple(others), len(ranks), version if isinstance(version, str) else None,
+                      mcore)
+
+
+MCORE_JSON = "metadata.json"  # what Megatron-Core's dist_checkpointing writes beside .metadata
+_MCORE_JSON_LIMIT = 1 << 16
+
+
+def read_mcore_json(folder: Path) -> dict | None:
+    """Megatron-Core's ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``), or None
+    where the folder has none; a file that is not such a record is refused."""
+    path = folder / MCORE_JSON
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        data = f.read(_MCORE_JSON_LIMIT + 1)
+    try:
+        if len(data) > _MCORE_JSON_LIMIT:
+            raise ValueError(f"larger than {_MCORE_JSON_LIMIT} bytes")
+        record = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"expected Megatron-Core's metadata.json, got: {first_line(e)}", path) from None
+    if not isinstance(record, dict) or not isinstance(record.get("sharded_backend"), str):
+        raise CorruptCheckpointError(f"expected a JSON object naming a sharded_backend, found {short_repr(record)}",
+                                     path)
+    if record["sharded_backend"] != "torch_dist":
+        raise UnsupportedCheckpointError(f"a Megatron-Core save with the {record['sharded_backend']!r} backend is not "
+                                         "read (only 'torch_dist' is)", path)
+    return record
+
+
+def _reformulated(meta: DcpRecord, folder: Path) -> dict[str, tuple[int, ...]]:
+    """Flat key -> real shape of the tensors Megatron-Core <= 0.13 stored flattened, from
+    ``mcore_data`` (on Metadata, or on the ranks' MCoreSavePlans)."""
+    sources = [meta.get("mcore_data")]
+    plans = meta.get("all_local_plans")
+    if isinstance(plans, list):
+        sources += [p.get("mcore_data") for p in plans if isinstance(p, DcpRecord)]
+    out = {}
+    for data in sources:
+        for key, entry in (data.items() if isinstance(data, dict) else ()):
+            shape = entry.get("nd_reformulated_orig_global_shape") if isinstance(entry, dict) else None
+            if shape is not None:
+                out[key] = _ints(shape, folder)
+    return out
 
 
 def _unpickle_metadata(path: Path) -> DcpRecord:
@@ -126,7 +183,7 @@ def _unpickle_metadata(path: Path) -> DcpRecord:
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
             UnicodeDecodeError, OverflowError, MemoryError) as e:
         raise CorruptCheckpointError(f"expected a pickled DCP Metadata, got: {first_line(e)}", path) from None
-    if not isinstance(meta, DcpRecord) or not meta.dcp_name.endswith(".metadata.Metadata"):
+    if not isinstance(meta, DcpRecord) or not meta.dcp_name.endswith((".Metadata", ".MCoreMetadata")):
         raise CorruptCheckpointError(f"expected a DCP Metadata object, found {short_repr(meta)}", path)
     return meta
 
@@ -160,7 +217,8 @@ def _ints(value: Any, folder: Path) -> tuple[int, ...]:
                                  folder / METADATA)
 
 
-def _tensor(folder: Path, key: str, entry: DcpRecord, places: dict, path: Any) -> DcpTensor:
+def _tensor(folder: Path, key: str, entry: DcpRecord, places: dict, path: Any,
+            real_size: tuple[int, ...] | None = None) -> DcpTensor:
     where = folder / METADATA
     props = entry.get("properties")
     fields = props.get("fields") if isinstance(props, DcpRecord) else None
@@ -180,7 +238,13 @@ def _tensor(folder: Path, key: str, entry: DcpRecord, places: dict, path: Any) -
         chunks.append(DcpChunk(offsets, sizes, *place))
     check_cover(key, size, [c.offsets for c in chunks], [c.sizes for c in chunks], where)
     nested = tuple(path) if isinstance(path, tuple) and all(type(p) in (str, int) for p in path) else (key,)
-    return DcpTensor(key, nested, dtype, size, tuple(chunks))
+    if real_size is not None:
+        grid = size[:-1]
+        if len(real_size) != len(grid) or any(g == 0 or n % g for n, g in zip(real_size, grid)) \
+                or math.prod(n // g for n, g in zip(real_size, grid)) != size[-1]:
+            raise InconsistentCheckpointError(f"entry {key!r}: stored as {size}, which is no flattening of the real "
+                                              f"shape {real_size} that mcore_data gives", where)
+    return DcpTensor(key, nested, dtype, size, tuple(chunks), real_size)
 
 
 class ChunkReader:

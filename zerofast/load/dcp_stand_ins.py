@@ -16,6 +16,7 @@ from ..base.errors import short_repr
 from .stand_ins import Frozen, RefusedState
 
 _DCP = "torch.distributed.checkpoint"
+_MCORE = "megatron.core.dist_checkpointing.strategies.torch"
 _PLAIN = (type(None), bool, int, float, str)
 _LAYOUTS = {"torch.strided": "strided", "torch.sparse_coo": "sparse_coo"}
 
@@ -91,6 +92,16 @@ def _layout(name: Any) -> str:
     return _LAYOUTS[name]
 
 
+_WRITE_ITEM_TYPES = {1: "TENSOR", 2: "SHARD", 3: "BYTE_IO"}
+
+
+def _write_item_type(value: Any) -> str:
+    """Stand-in for the enum ``WriteItemType(value)`` (a write item of ``all_local_plans``): its name."""
+    if type(value) is not int or value not in _WRITE_ITEM_TYPES:
+        raise RefusedState(f"{_DCP}.planner.WriteItemType", f"expects 1, 2 or 3, got {short_repr(value)}")
+    return _WRITE_ITEM_TYPES[value]
+
+
 def _path(*parts: Any) -> str:
     """Stand-in for ``pathlib.PosixPath(...)`` (``StorageMeta.checkpoint_id``): the string."""
     if not all(type(p) is str for p in parts):
@@ -107,6 +118,14 @@ _RECORDS = (
     f"{_DCP}.metadata.MetadataIndex",
     f"{_DCP}.metadata.StorageMeta",
     f"{_DCP}.filesystem._StorageInfo",
+    # Megatron-Core's torch_dist saves keep every rank's plan in Metadata.all_local_plans; 0.13
+    # writes its own SavePlan subclass (with mcore_data), 0.15 names an MCoreMetadata.
+    f"{_DCP}.planner.SavePlan",
+    f"{_DCP}.planner.WriteItem",
+    f"{_DCP}.planner.TensorWriteData",
+    f"{_DCP}.planner.BytesIOWriteData",
+    f"{_MCORE}.MCoreSavePlan",
+    f"{_MCORE}.MCoreMetadata",
 )
 
 DCP_ALLOWED: dict[str, Any] = {
@@ -116,6 +135,7 @@ DCP_ALLOWED: dict[str, Any] = {
     **{name: _record(name) for name in _RECORDS},
     f"{_DCP}.metadata._MEM_FORMAT_ENCODING": Frozen(_memory_format),
     "torch.serialization._get_layout": Frozen(_layout),
+    f"{_DCP}.planner.WriteItemType": Frozen(_write_item_type),
     "pathlib.PosixPath": Frozen(_path),
     "pathlib.Path": Frozen(_path),
 }

@@ -25,6 +25,8 @@ from .columns import PlanTensors
 from .model import BUFFER, TRAINABLE, Plan, Segments, SourceTable, TensorPlan
 
 MODEL = "model"
+# Megatron-Core's optimizer state: optimizer.state.exp_avg.<key>, optimizer.distributed.<buffer>
+MCORE_OPTIMIZER = "optimizer."
 
 
 def model_tensors(ckpt: DcpRecords) -> dict[str, DcpTensor]:
@@ -32,7 +34,17 @@ def model_tensors(ckpt: DcpRecords) -> dict[str, DcpTensor]:
     nested = [t for t in ckpt.tensors.values() if len(t.path) == 2 and t.path[0] == MODEL]
     if nested:
         return {t.path[1]: t for t in nested}
+    if ckpt.mcore is not None:  # Megatron-Core: the weights at the top, the optimizer's state beside them
+        return {t.path[0]: t for t in ckpt.tensors.values()
+                if len(t.path) == 1 and not t.path[0].startswith(MCORE_OPTIMIZER)}
     return {t.path[0]: t for t in ckpt.tensors.values() if len(t.path) == 1}
+
+
+def optimizer_tensors(ckpt: DcpRecords) -> dict[str, DcpTensor]:
+    """Megatron-Core's optimizer-state tensors by their flat keys (none for other DCP saves)."""
+    if ckpt.mcore is None:
+        return {}
+    return {t.key: t for t in ckpt.tensors.values() if t.key.startswith(MCORE_OPTIMIZER)}
 
 
 def build_dcp_plan(ckpt: DcpRecords, table: SourceTable, dtype: torch.dtype | None) -> Plan:
@@ -43,9 +55,12 @@ def build_dcp_plan(ckpt: DcpRecords, table: SourceTable, dtype: torch.dtype | No
         for chunk in t.chunks:
             if chunk.numel:
                 src = table.add(str(ckpt.folder / chunk.file), f"{t.key}@{chunk.offsets}", reader.read(t, chunk))
-                segments.extend(box_runs(src, t.size, chunk.offsets, chunk.sizes))
+                if t.real_size is None:
+                    segments.extend(box_runs(src, t.size, chunk.offsets, chunk.sizes))
+                else:
+                    segments.extend(unflattened_runs(src, t.size, t.real_size, chunk.offsets, chunk.sizes))
         kind = TRAINABLE if t.dtype.is_floating_point else BUFFER
-        tensors[name] = TensorPlan(name, t.size, kind, t.dtype, out_dtype_for(t.dtype, dtype), tuple(segments))
+        tensors[name] = TensorPlan(name, t.shape, kind, t.dtype, out_dtype_for(t.dtype, dtype), tuple(segments))
     return Plan(PlanTensors.of(list(tensors.values())), {}, tuple(tensors), 0, ckpt.ranks)
 
 
@@ -62,4 +77,28 @@ def box_runs(src: int, size: tuple[int, ...], offsets: tuple[int, ...], sizes: t
     for i, index in enumerate(itertools.product(*(range(n) for n in sizes[:last]))):
         dst = base + sum(k * st for k, st in zip(index, strides))
         out.append((src, i * run, dst, run))
+    return out
+
+
+def unflattened_runs(src: int, stored: tuple[int, ...], real: tuple[int, ...], offsets: tuple[int, ...],
+                     sizes: tuple[int, ...]) -> Segments:
+    """Segments for a chunk of a tensor Megatron-Core stored flattened: ``stored`` is
+    (grid..., box numel), element [g..., k] being element k (row-major) of the box at grid index
+    g of the ``real`` tensor, each box ``real[d] // grid[d]`` wide. A box's last-dimension rows
+    are the runs; a chunk may start or end inside one."""
+    grid = stored[:-1]
+    box = tuple(n // g for n, g in zip(real, grid))
+    row = box[-1] if box else 1
+    box_strides = [math.prod(box[d + 1:]) for d in range(len(box))]
+    strides = [math.prod(real[d + 1:]) for d in range(len(real))]
+    k0, width = offsets[-1], sizes[-1]
+    out = []
+    for i, index in enumerate(itertools.product(*(range(o, o + n) for o, n in zip(offsets[:-1], sizes[:-1])))):
+        k = k0
+        while k < k0 + width:
+            run = min(row - k % row, k0 + width - k)
+            at = [(k // st) % b for st, b in zip(box_strides, box)]  # k's place inside the box
+            dst = sum((g * b + a) * st for g, b, a, st in zip(index, box, at, strides))
+            out.append((src, i * width + (k - k0), dst, run))
+            k += run
     return out
