@@ -39,10 +39,11 @@ def build_once(checkout: Path) -> dict:
         done = subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True, cwd=cache)
         wall = time.monotonic() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode != 0:
-        raise SystemExit(f"the build of {checkout} failed:\n{done.stderr[-2000:]}")
+    said = [ln for ln in done.stderr.splitlines() if ln.startswith("zerofast: built the native core in")]
+    if done.returncode != 0 or not said:  # a run that compiled nothing must not count as a build
+        raise SystemExit(f"the build of {checkout} failed or did not compile:\n{done.stderr[-2000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "load": round(os.getloadavg()[0], 2)}
+    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "load": round(os.getloadavg()[0], 2), "said": said[0]}
 
 
 def main() -> None:

@@ -191,7 +191,7 @@ def test_file_size_limit_fails_cleanly_and_a_rerun_succeeds(ref, tmp_path):
         if out == kept:
             assert _snapshot(kept) == before  # the previous export, untouched
         else:
-            assert os.listdir(out) == []  # no final name, and the temporary folder is gone
+            assert not out.exists()  # no final name, no temporary folder, no folder this call made
         if root == small_root:
             assert export(root, out, max_shard_size=16).index == small.index
         else:
@@ -209,7 +209,7 @@ def test_cli_reports_a_write_error_in_one_line(ref, tmp_path):
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [f"zerofast: error: {failing}: could not write this file: File too large "
                                         "(EFBIG); the command stopped and put no file in place"]
-    assert os.listdir(out) == []
+    assert not out.exists()
     assert main(["export", str(ref.root), str(out), "--max-shard-size", SHARDED, "--quiet"]) == 0
     _assert_same(load_exported(out), ref.want, str(out))
 

@@ -11,17 +11,15 @@ Parsing the arguments imports no torch (each command imports what it runs), so `
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
-import signal
 import sys
-import threading
 import traceback
 import warnings
-from typing import Iterator, Sequence
+from typing import Sequence
 
+from .interrupts import ctrl_c_exits, interrupted
 from .args import Later, Parser, Version, common_options, dtype_arg, positive, size_arg
 from .report import model_dtype, optimizer_lines, parallelism_line, training_dtype
 from .dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines
@@ -35,11 +33,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (teams.Stopped): the writers have cleaned up
-        return _interrupted(e)
+        return interrupted(e)
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    with _ctrl_c_exits(as_program=argv is None):
+    with ctrl_c_exits(as_program=argv is None):
         parser = _parser()
         argv = sys.argv[1:] if argv is None else list(argv)
         args = parser.parse_args(argv)  # --dtype, --version: torch
@@ -63,37 +61,6 @@ def _main(argv: Sequence[str] | None) -> int:
         # Python's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-
-
-@contextlib.contextmanager
-def _ctrl_c_exits(as_program: bool) -> Iterator[None]:
-    """While the command starts (its arguments parsed, torch imported: its first seconds), Ctrl-C
-    ends the process at once with the line of a later Ctrl-C. Nothing is written yet, and a
-    KeyboardInterrupt raised inside torch's import is no help: it can come out as another error
-    (numpy's "cannot load module more than once"), be swallowed, or abort the process from C++.
-    Only where main() is the program and Ctrl-C has Python's default handler: a caller in the
-    same process, or one that set its own handler, keeps KeyboardInterrupt."""
-    if not (as_program and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-        yield
-        return
-    signal.signal(signal.SIGINT, _exit_interrupted)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _exit_interrupted(signum, frame) -> None:
-    os.write(2, b"zerofast: interrupted\n")  # no print: it may have been cut short mid-write
-    os._exit(128 + signum)
-
-
-def _interrupted(e: KeyboardInterrupt) -> int:
-    signum = getattr(e, "signum", signal.SIGINT)
-    how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
-    print(f"zerofast: interrupted{how}", file=sys.stderr)
-    return 128 + signum
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

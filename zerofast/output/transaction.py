@@ -33,6 +33,7 @@ import torch
 
 from ..discover import CheckpointFiles, links_among, remote_url
 from ..base.errors import ExportError, OutputExistsError, ZeroFastError, some
+from ..base.jsonfile import read_json
 
 # Lists the files the last writer put in the folder. It sits under .cache/huggingface/, which
 # huggingface_hub's upload_folder never uploads (its default ignore patterns); older versions
@@ -296,7 +297,7 @@ def _read_marker(out_dir: Path) -> tuple[str, list[str]] | None:
     """The command that wrote the folder last, and the files it wrote that are still as it left
     them; None where no zerofast run can be shown to have been committed."""
     for name in (MARKER, LEGACY_MARKER):
-        record = _read_json(out_dir / name)
+        record = read_json(out_dir / name, MARKER_LIMIT)
         if not isinstance(record, dict):
             continue
         files, identities = record.get("files"), record.get("identities")
@@ -309,25 +310,6 @@ def _read_marker(out_dir: Path) -> tuple[str, list[str]] | None:
             command = "reshard" if "latest" in files else "to-universal" if "zero" in files else EXPORT
         return (command, verified) if verified else None
     return None
-
-
-def _read_json(path: Path) -> object:
-    """A marker's JSON, or None. Not followed if it is a link, never blocking on a FIFO, read to
-    a bounded size: the folder may come from anywhere (a marker linked to /dev/zero never ends)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(MARKER_LIMIT + 1)
-        return json.loads(data) if len(data) <= MARKER_LIMIT else None
-    except (OSError, ValueError, RecursionError):
-        return None
-    finally:
-        os.close(fd)
 
 
 def _check_owner(out_dir: Path, command: str, overwrite: bool) -> list[str]:
