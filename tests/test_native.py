@@ -250,3 +250,17 @@ def test_build_command_failure_is_one_line(tmp_path):
     assert done.returncode == 1
     assert done.stderr.splitlines() == ["zerofast: error: zerofast's native core could not be built (the C++ compiler "
                                         "/bin/false does not run (`/bin/false --version` fails))"]
+
+
+def test_a_prebuilt_core_is_taken_only_for_its_own_tag(tmp_path, monkeypatch):
+    """The wheel's core (make wheel) fits one torch build, Python and set of sources: any other tag
+    is told why and builds its own; a package without one says nothing."""
+    monkeypatch.setattr(cache, "PREBUILT", tmp_path / "_prebuilt")
+    assert cache.prebuilt("torch-2.13.0-x") == (None, None)
+    (tmp_path / "_prebuilt").mkdir()
+    (tmp_path / "_prebuilt" / cache.MANIFEST).write_text(json.dumps(
+        {"tag": "torch-2.13.0-x", "torch": "2.13.0+cpu", "python": "3.11.7", "devices": ["cpu"], "prebuilt": True}))
+    assert cache.prebuilt("torch-2.13.0-x") == (tmp_path / "_prebuilt", None)
+    core, why = cache.prebuilt("torch-2.14.1-y")
+    assert core is None and why == ("the prebuilt core in this package is for torch 2.13.0+cpu on Python 3.11.7, "
+                                    "and does not fit this torch, Python or these sources")
