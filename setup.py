@@ -10,8 +10,7 @@ where that folder is there, the wheel carries it and is tagged for this Python a
 import shutil
 from pathlib import Path
 
-from setuptools import setup
-from setuptools.command.bdist_wheel import bdist_wheel
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -44,13 +43,13 @@ class BuildPyWithSources(build_py):
                 shutil.copyfile(PREBUILT / name, Path(self.build_lib) / "zerofast" / "_prebuilt" / name)
 
 
-class PlatformWheelWithCore(bdist_wheel):
-    """A wheel that carries a prebuilt core is for one Python ABI and platform, not pure."""
+class DistributionWithCore(Distribution):
+    """A distribution that carries a prebuilt core is for one Python ABI and platform: the wheel is
+    tagged so, and its files go to the platform's library folder (the wheel's root), not to
+    ``.data/purelib``."""
 
-    def finalize_options(self):
-        super().finalize_options()
-        if _has_prebuilt():
-            self.root_is_pure = False
+    def has_ext_modules(self):
+        return _has_prebuilt()
 
 
-setup(cmdclass={"build_py": BuildPyWithSources, "bdist_wheel": PlatformWheelWithCore})
+setup(distclass=DistributionWithCore, cmdclass={"build_py": BuildPyWithSources})
