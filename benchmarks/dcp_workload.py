@@ -56,18 +56,23 @@ def _job(out: Path, n_params: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    gen = torch.Generator().manual_seed(rank)
-    state = {}
-    for name, shape in _shapes(n_params):
-        local = torch.randn((shape[0] // world, *shape[1:]), generator=gen)
-        state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                                         stride=torch.empty(shape, device="meta").stride())
-    dcp.save({"model": state}, checkpoint_id=out)
-    dist.destroy_process_group()
+    sys.path.insert(0, str(HERE.parent))  # the checkout, for the suite's torchrun helper
+    from tests.dsgen.gloo_job import process_group
+
+    with process_group():  # gloo; a barrier, then torn down
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mesh = init_device_mesh("cpu", (world,))
+        gen = torch.Generator().manual_seed(rank)
+        state = {}
+        for name, shape in _shapes(n_params):
+            local = torch.randn((shape[0] // world, *shape[1:]), generator=gen)
+            state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                             stride=torch.empty(shape, device="meta").stride())
+        dcp.save({"model": state}, checkpoint_id=out)
 
 
 if __name__ == "__main__":
     _job(Path(sys.argv[1]), int(sys.argv[2]))
+    from tests.dsgen.gloo_job import exit_now
+
+    exit_now()  # torn down and written: no finalization (tests/dsgen/gloo_job.py)

@@ -63,4 +63,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from gloo_job import exit_now
+
     main()
+    exit_now()  # torn down and written: no finalization (tests/dsgen/gloo_job.py)

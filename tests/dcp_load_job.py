@@ -34,6 +34,7 @@ def _load(name: str, path: Path):
 
 models = _load("zf_dcp_models", HERE / "dsgen" / "models.py")
 helpers = _load("zf_dcp_helpers", HERE / "helpers.py")
+gloo_job = _load("zf_dcp_gloo_job", HERE / "dsgen" / "gloo_job.py")
 
 
 def build(truth: dict, mesh):
@@ -88,26 +89,25 @@ def one_more_step(model, optim, truth: dict) -> None:
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for case in json.loads(Path(sys.argv[1]).read_text()):
-        truth = torch.load(case["truth"], weights_only=True)
-        model, optim = build(truth, mesh)
-        msd, osd = get_state_dict(model, optim)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=case["dcp"])
-        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        check(model, optim, truth, rank)
-        one_more_step(model, optim, truth)
-        if rank == 0:
-            print(f"checked {case['name']}", flush=True)
-    # Every rank done before any tears gloo down: a rank still inside a collective when its peer
-    # closes the connection dies with "terminate called without an active exception" (seen once
-    # in a clean-clone run, after every check had passed).
-    dist.barrier()
-    dist.destroy_process_group()
+    # Every rank done before any tears gloo down (the helper's barrier): a rank still inside a
+    # collective when its peer closes the connection dies with "terminate called without an active
+    # exception" (seen once in a clean-clone run, after every check had passed).
+    with gloo_job.process_group():
+        rank = dist.get_rank()
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for case in json.loads(Path(sys.argv[1]).read_text()):
+            truth = torch.load(case["truth"], weights_only=True)
+            model, optim = build(truth, mesh)
+            msd, osd = get_state_dict(model, optim)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=case["dcp"])
+            set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            check(model, optim, truth, rank)
+            one_more_step(model, optim, truth)
+            if rank == 0:
+                print(f"checked {case['name']}", flush=True)
 
 
 if __name__ == "__main__":
     main()
+    gloo_job.exit_now()  # torn down and written: no finalization (tests/dsgen/gloo_job.py)

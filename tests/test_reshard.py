@@ -24,7 +24,7 @@ from zerofast.writers.reshard import reshard
 from zerofast.writers.universal import LATEST, to_universal, universal_module_state
 
 from tests.conftest import needs_deepspeed
-from tests.dsgen.catalog import REPO_ROOT, worth_retrying
+from tests.dsgen.catalog import REPO_ROOT, not_ours
 from tests.helpers import assert_bitwise_equal, real_root, real_truth
 
 SOURCES = {1: "s1_bf16_w4_resume", 2: "s2_bf16_w4_resume", 3: "s3_bf16_w4_resume"}
@@ -76,12 +76,12 @@ def _resume(tmp_path, world: int, cases: list[dict]) -> dict:
     result = tmp_path / f"result_w{world}.json"
     job.write_text(json.dumps({"result": str(result), "cases": cases}))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    for _attempt in range(3):  # DeepSpeed's own job: again only where a rank died by a signal (worth_retrying)
+    for _attempt in range(3):  # again only where not_ours: the port taken, the rendezvous failed
         result.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_addr",
                "127.0.0.1", "--master_port", str(_free_port()), str(RESUME), str(job)]
         proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
-        if proc.returncode == 0 or not worth_retrying(proc.stdout + proc.stderr):
+        if proc.returncode == 0 or not not_ours(proc.stdout + proc.stderr):
             break
     assert proc.returncode == 0 and result.is_file(), (proc.stdout + proc.stderr)[-6000:]
     return json.loads(result.read_text())

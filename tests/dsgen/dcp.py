@@ -51,24 +51,25 @@ def _job(out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = DcpModel()
-    fully_shard(model.low, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(100 + dist.get_rank())
-    for _ in range(2):
-        model(torch.randint(0, 37, (3, 4), generator=gen)).backward()
-        optim.step()
-        optim.zero_grad()
-    msd, osd = get_state_dict(model, optim)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out / "ckpt")
-    full_msd, full_osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        torch.save({"model": full_msd, "optim": full_osd}, out / "truth.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    from gloo_job import process_group  # this folder is first on sys.path: the script runs as a file
+
+    with process_group():  # gloo; a barrier, then torn down
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        model = DcpModel()
+        fully_shard(model.low, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(100 + dist.get_rank())
+        for _ in range(2):
+            model(torch.randint(0, 37, (3, 4), generator=gen)).backward()
+            optim.step()
+            optim.zero_grad()
+        msd, osd = get_state_dict(model, optim)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=out / "ckpt")
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full_msd, full_osd = get_state_dict(model, optim, options=full)
+        if dist.get_rank() == 0:
+            torch.save({"model": full_msd, "optim": full_osd}, out / "truth.pt")
 
 
 def _complete(path: Path) -> bool:
@@ -86,12 +87,12 @@ def ensure_dcp(world: int) -> Path:
 
     import shutil
 
-    from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, build_cached, cache_dir, worth_retrying
+    from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, build_cached, cache_dir, not_ours
 
     key = hashlib.sha256(HERE.read_bytes() + json.dumps([world, torch.__version__]).encode()).hexdigest()[:12]
 
     def build(tmp: Path) -> None:
-        for _attempt in range(3):  # retried only where worth_retrying says so
+        for _attempt in range(3):  # again only where not_ours: the port taken, the rendezvous failed
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             with socket.socket() as s:
@@ -104,7 +105,7 @@ def ensure_dcp(world: int) -> Path:
             output = proc.stdout + proc.stderr
             if proc.returncode == 0:
                 return
-            if not worth_retrying(output):
+            if not not_ours(output):
                 break
         raise RuntimeError(f"the FSDP2 DCP job failed (rc={proc.returncode}):\n{output[-6000:]}")
 
@@ -112,4 +113,7 @@ def ensure_dcp(world: int) -> Path:
 
 
 if __name__ == "__main__":
+    from gloo_job import exit_now
+
     _job(Path(sys.argv[1]))
+    exit_now()  # torn down and written: no finalization (tests/dsgen/gloo_job.py)

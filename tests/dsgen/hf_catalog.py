@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, _free_port, build_cached, cache_dir, worth_retrying
+from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, _free_port, build_cached, cache_dir, not_ours
 
 TRAIN = Path(__file__).resolve().with_name("hf_train.py")
 
@@ -65,7 +65,7 @@ def _train(spec: dict, outdir: Path) -> None:
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    for _attempt in range(3):  # retried only where worth_retrying says so, as catalog's jobs are
+    for _attempt in range(3):  # again only where not_ours: the port taken, the rendezvous failed
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec["world_size"]),
                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(TRAIN), json.dumps(spec),
                str(outdir)]
@@ -74,7 +74,7 @@ def _train(spec: dict, outdir: Path) -> None:
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"Trainer run timed out after {TIMEOUT_S}s: {' '.join(cmd)}") from None
         out = proc.stdout + proc.stderr
-        if proc.returncode == 0 or not worth_retrying(out):
+        if proc.returncode == 0 or not not_ours(out):
             break
         shutil.rmtree(outdir, ignore_errors=True)
     if proc.returncode != 0:

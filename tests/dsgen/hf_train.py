@@ -84,10 +84,16 @@ def main():
     outdir = Path(sys.argv[2])
     from accelerate import PartialState
 
+    from gloo_job import process_group  # this folder is first on sys.path: the script runs as a file
+
     # The Trainer would pick NCCL; a CPU run needs gloo, set up before the Trainer exists, and
     # marked as DeepSpeed's (else TrainingArguments refuses the configured state).
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    state = PartialState(backend="gloo")
+    with process_group(lambda: PartialState(backend="gloo")):  # barrier, then torn down
+        train(spec, outdir, PartialState())  # accelerate's shared state: the one just made
+
+
+def train(spec, outdir, state):
     rank, world = state.process_index, state.num_processes
     assert world == spec["world_size"], (world, spec["world_size"])
 
@@ -129,7 +135,6 @@ def main():
         if rank == 0:
             shutil.copy(outdir / f"checkpoint-{steps}" / "adapter_config.json", with_frozen)
     write_truth(trainer, spec, outdir, rank, world, steps)
-    state.wait_for_everyone()
 
 
 def write_truth(trainer, spec, outdir, rank, world, steps):
@@ -170,4 +175,7 @@ def write_truth(trainer, spec, outdir, rank, world, steps):
 
 
 if __name__ == "__main__":
+    from gloo_job import exit_now
+
     main()
+    exit_now()  # torn down and written: no finalization (tests/dsgen/gloo_job.py)

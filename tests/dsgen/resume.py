@@ -47,6 +47,7 @@ models = _load("models")
 train = _load("train")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 muon = _load("train_muon")
+from gloo_job import process_group  # noqa: E402
 
 
 def same_bits(a, b):
@@ -181,20 +182,22 @@ def restore_module(engine, path):
 
 def main():
     job = json.loads(Path(sys.argv[1]).read_text())
-    deepspeed.init_distributed(dist_backend="gloo")
-    results = {}
-    for case in job["cases"]:
-        errors = []
-        try:
-            run_case(case, errors)
-        except Exception:
-            errors.append(traceback.format_exc()[-3000:])
-        results[case["name"]] = errors
-        dist.barrier()
-    if dist.get_rank() == 0:
-        Path(job["result"]).write_text(json.dumps(results, indent=2))
-    dist.barrier()
+    with process_group(lambda: deepspeed.init_distributed(dist_backend="gloo")):  # barrier, then torn down
+        results = {}
+        for case in job["cases"]:
+            errors = []
+            try:
+                run_case(case, errors)
+            except Exception:
+                errors.append(traceback.format_exc()[-3000:])
+            results[case["name"]] = errors
+            dist.barrier()
+        if dist.get_rank() == 0:
+            Path(job["result"]).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
+    from gloo_job import exit_now
+
     main()
+    exit_now()  # torn down and written: no finalization (tests/dsgen/gloo_job.py)

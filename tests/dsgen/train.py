@@ -128,13 +128,18 @@ def stage0_fp32_masters(engine, stage: int) -> dict:
 
 
 def main():
+    from gloo_job import process_group  # this folder is first on sys.path: the script runs as a file
+
     spec = read_spec(sys.argv[1])
     outdir = Path(sys.argv[2])
+    with process_group(lambda: deepspeed.init_distributed(dist_backend="gloo")):  # barrier, then torn down
+        train_and_save(spec, outdir)
+
+
+def train_and_save(spec: dict, outdir: Path) -> None:
     stage = int(spec["stage"])
     steps = int(spec.get("steps", 3))
     tag = spec.get("tag", f"global_step{steps}")
-
-    deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     world = dist.get_world_size()
     assert world == spec["world_size"], (world, spec["world_size"])
@@ -233,7 +238,6 @@ def main():
         torch.save(truth, tmp)
         torch.load(tmp, weights_only=True)  # fail here, not in the tests, if it isn't plain
         os.replace(tmp, outdir / "ground_truth.pt")
-    dist.barrier()
 
 
 def full_optimizer_state(p, key, name):
@@ -276,4 +280,7 @@ def full_shape(p):
 
 
 if __name__ == "__main__":
+    from gloo_job import exit_now
+
     main()
+    exit_now()  # torn down and written: no finalization (tests/dsgen/gloo_job.py)

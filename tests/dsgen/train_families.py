@@ -42,6 +42,7 @@ from deepspeed.utils import groups, safe_get_full_fp32_param  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_models as fm  # noqa: E402
 import train as base  # noqa: E402
+from gloo_job import process_group  # noqa: E402
 
 _EXPERT = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..*)$")
 
@@ -52,7 +53,11 @@ def main():
     stage = int(spec["stage"])
     steps = int(spec.get("steps", 2))
     tag = spec.get("tag", f"global_step{steps}")
-    deepspeed.init_distributed(dist_backend="gloo")
+    with process_group(lambda: deepspeed.init_distributed(dist_backend="gloo")):  # barrier, then torn down
+        train_and_save(spec, outdir, stage, steps, tag)
+
+
+def train_and_save(spec, outdir, stage, steps, tag):
     world = dist.get_world_size()
     assert world == spec["world_size"], (world, spec["world_size"])
     cfg = base.ds_config_for(spec)
@@ -67,7 +72,6 @@ def main():
         torch.save(merged, tmp)
         torch.load(tmp, weights_only=True)
         os.replace(tmp, outdir / "ground_truth.pt")
-    dist.barrier()
 
 
 # -- mixture of experts ---------------------------------------------------------------------------
@@ -305,4 +309,7 @@ def _pipe_order(keys):
 
 
 if __name__ == "__main__":
+    from gloo_job import exit_now
+
     main()
+    exit_now()  # torn down and written: no finalization (tests/dsgen/gloo_job.py)

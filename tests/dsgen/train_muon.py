@@ -38,6 +38,7 @@ from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train as base  # noqa: E402
+from gloo_job import process_group  # noqa: E402
 
 MUON_KEYS = ("momentum_buffer",)
 ADAM_KEYS = base.OPTIMIZER_KEYS
@@ -70,7 +71,11 @@ def main():
     outdir = Path(sys.argv[2])
     stage, steps = int(spec["stage"]), int(spec.get("steps", 3))
     tag = spec.get("tag", f"global_step{steps}")
-    deepspeed.init_distributed(dist_backend="gloo")
+    with process_group(lambda: deepspeed.init_distributed(dist_backend="gloo")):  # barrier, then torn down
+        train_and_save(spec, outdir, stage, steps, tag)
+
+
+def train_and_save(spec, outdir, stage, steps, tag):
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == spec["world_size"], (world, spec["world_size"])
     cfg = config(spec)
@@ -92,7 +97,6 @@ def main():
         torch.save(truth, tmp)
         torch.load(tmp, weights_only=True)
         os.replace(tmp, outdir / "ground_truth.pt")
-    dist.barrier()
 
 
 def ground_truth(spec: dict, engine, stage: int) -> dict:
@@ -182,4 +186,7 @@ def adam_step(engine):
 
 
 if __name__ == "__main__":
+    from gloo_job import exit_now
+
     main()
+    exit_now()  # torn down and written: no finalization (tests/dsgen/gloo_job.py)

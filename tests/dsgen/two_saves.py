@@ -46,16 +46,16 @@ def two_saves_path(stage: int = 2) -> Path:
 
 
 def ensure_two_saves(stage: int = 2) -> Path:
-    from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, _free_port, build_cached, worth_retrying
+    from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, _free_port, build_cached, not_ours
 
     def build(tmp: Path) -> None:
         env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-        for _attempt in range(3):  # a rank killed by a signal in torch's runtime: run again, as catalog does
+        for _attempt in range(3):  # again only where not_ours: the port taken, the rendezvous failed
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                    str(SPECS[stage]["world_size"]), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
                    str(HERE), str(stage), str(tmp)]
             proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-            if proc.returncode == 0 or not worth_retrying(proc.stderr + proc.stdout):
+            if proc.returncode == 0 or not not_ours(proc.stderr + proc.stdout):
                 break
             for child in tmp.iterdir():
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
@@ -72,34 +72,38 @@ def main(stage: int, outdir: Path) -> None:
     import deepspeed
     import deepspeed.comm as dist
 
+    from gloo_job import process_group  # this folder is first on sys.path: the script runs as a file
+
     models, train = _load("models"), _load("train")
-    spec = SPECS[stage]
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
-    config = train.ds_config_for(spec)
-    if stage == 3:
-        with deepspeed.zero.Init(config_dict_or_path=config):
+    with process_group(lambda: deepspeed.init_distributed(dist_backend="gloo")):  # barrier, then torn down
+        spec = SPECS[stage]
+        rank = dist.get_rank()
+        config = train.ds_config_for(spec)
+        if stage == 3:
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                model = models.build_model(spec.get("model"))
+        else:
             model = models.build_model(spec.get("model"))
-    else:
-        model = models.build_model(spec.get("model"))
-    groups = models.param_groups(model, spec["n_groups"])
-    optimizer = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.99))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    vocab = models.model_kwargs(spec.get("model"))["vocab"]
-    gen = torch.Generator().manual_seed(1000 + rank)
-    for step in range(1, max(STEPS) + 1):
-        ids = torch.randint(0, vocab, (2, 6), generator=gen)
-        targets = torch.randint(0, vocab, (2, 6), generator=gen)
-        engine.backward(engine(ids, targets))
-        engine.step()
-        if step in STEPS:
-            engine.save_checkpoint(str(outdir), tag=f"global_step{step}")
-    if rank == 0:
-        params = list(engine.module.named_parameters())
-        torch.save({"trainable": [n for n, p in params if p.requires_grad],
-                    "frozen": [n for n, p in params if not p.requires_grad]}, outdir / "truth.pt")
-    dist.barrier()
+        groups = models.param_groups(model, spec["n_groups"])
+        optimizer = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.99))
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        vocab = models.model_kwargs(spec.get("model"))["vocab"]
+        gen = torch.Generator().manual_seed(1000 + rank)
+        for step in range(1, max(STEPS) + 1):
+            ids = torch.randint(0, vocab, (2, 6), generator=gen)
+            targets = torch.randint(0, vocab, (2, 6), generator=gen)
+            engine.backward(engine(ids, targets))
+            engine.step()
+            if step in STEPS:
+                engine.save_checkpoint(str(outdir), tag=f"global_step{step}")
+        if rank == 0:
+            params = list(engine.module.named_parameters())
+            torch.save({"trainable": [n for n, p in params if p.requires_grad],
+                        "frozen": [n for n, p in params if not p.requires_grad]}, outdir / "truth.pt")
 
 
 if __name__ == "__main__":
+    from gloo_job import exit_now
+
     main(int(sys.argv[1]), Path(sys.argv[2]))
+    exit_now()  # torn down and written: no finalization (tests/dsgen/gloo_job.py)

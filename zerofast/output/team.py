@@ -326,8 +326,10 @@ class Team:
 @contextlib.contextmanager
 def joined(device: torch.device, every_node: bool = False) -> Iterator[Team]:
     """A Team of this process's job: the default group if the caller set one up, else one joined
-    from the launcher's environment (gloo, or NCCL for a GPU run) and left at the end.
-    ``every_node``: see :class:`Team`."""
+    from the launcher's environment (gloo, or NCCL for a GPU run) and left at the end: where the
+    work finished, after a barrier (no rank tears its connections down while a peer is still in a
+    collective with it, which has aborted a gloo rank at exit: "terminate called without an active
+    exception"); where it raised, at once (a peer may be gone). ``every_node``: see :class:`Team`."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -337,11 +339,26 @@ def joined(device: torch.device, every_node: bool = False) -> Iterator[Team]:
     entry = device_of(device)
     entry.select(device)
     dist.init_process_group(entry.backend, timeout=datetime.timedelta(seconds=timeout_s()))
+    finished = False
     try:
         with _closing(_team_of_default_group(every_node)) as team:
             yield team
+        finished = True
     finally:
-        dist.destroy_process_group()
+        try:
+            if finished:
+                _last_barrier(dist)
+        finally:
+            dist.destroy_process_group()
+
+
+def _last_barrier(dist) -> None:
+    try:
+        dist.barrier()
+    except RuntimeError as e:
+        raise ExportError("this rank finished, but lost contact with the other ranks at the end (one crashed, was "
+                          f"killed, or outlasted the timeout, {DIST_TIMEOUT_ENV}; see its output): "
+                          f"{_backend_reason(e)}") from None
 
 
 @contextlib.contextmanager
