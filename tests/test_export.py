@@ -327,7 +327,7 @@ def test_failure_leaves_no_final_name_and_keeps_the_previous_export(tmp_path, mo
     _fail_after(monkeypatch, 12)
     with pytest.raises(RuntimeError, match="simulated"):
         export(_root(SMALL), fresh, format=fmt, max_shard_size=TINY)
-    assert os.listdir(fresh) == []
+    assert not fresh.exists()  # no final name, and no folder this call made (issue 45)
 
     kept = tmp_path / "kept"
     monkeypatch.undo()
