@@ -212,8 +212,10 @@ def test_inspect_shows_the_parallel_layout(layout, capsys):
     assert p["dp"] == truth["layout"]["dp"]
     if spec["family"] == "moe":
         assert p["ep"] == spec["ep"] and p["experts_per_layer"] == truth["layout"]["experts"]
-    elif spec["family"] == "autotp":
+    elif spec["family"] in ("autotp", "megatron"):
         assert p["tp"] == spec["tp"]
+        assert p["family"] == ("tensor-parallel (Megatron-DeepSpeed)" if spec["family"] == "megatron"
+                               else "tensor-parallel (AutoTP)")
     else:
         assert p["pp"] == spec["pp"]
         owners = truth["layout"]["layer_stage"]
@@ -222,7 +224,7 @@ def test_inspect_shows_the_parallel_layout(layout, capsys):
         assert p["tied_layers"] == ({} if truth["stage"] == 0 else {"embed": 0})
     assert main(["inspect", str(real_root(layout))]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("parallelism"))
-    assert {"moe": "ep ", "pipe": "pp ", "autotp": "tp "}[spec["family"]] in line
+    assert {"moe": "ep ", "pipe": "pp ", "autotp": "tp ", "megatron": "tp "}[spec["family"]] in line
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

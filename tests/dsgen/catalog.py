@@ -36,6 +36,7 @@ TRAIN = HERE / "train.py"
 MODELS = HERE / "models.py"
 FAMILY_TRAIN = HERE / "train_families.py"
 FAMILY_MODELS = HERE / "family_models.py"
+MEGATRON_TRAIN = HERE / "train_megatron.py"
 MUON_TRAIN = HERE / "train_muon.py"
 NVME_TRAIN = HERE / "train_nvme.py"
 TIMEOUT_S = float(os.environ.get("ZEROFAST_DSGEN_TIMEOUT", "300"))
@@ -196,6 +197,8 @@ ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS, **MUON_LAYOUTS, **R
 
 def _scripts(spec: dict) -> list[Path]:
     """The generator and model files a layout's checkpoint depends on (the script first)."""
+    if spec.get("family") == "megatron":  # its own model; merge_truth from train_families.py
+        return [MEGATRON_TRAIN, FAMILY_TRAIN, TRAIN]
     if "family" in spec:
         return [FAMILY_TRAIN, FAMILY_MODELS, TRAIN, MODELS]
     if spec.get("optimizer") == "muon":

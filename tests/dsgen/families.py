@@ -1,7 +1,10 @@
 """Layouts of the checkpoint families beyond plain data parallelism (train_families.py makes them).
 
-Keys as in catalog.LAYOUTS, plus ``family`` ("moe" | "pipe" | "autotp"), ``ep`` (expert-parallel
-degree), ``pp`` (pipeline stages) and ``tp`` (AutoTP degree; needs transformers). catalog.ensure_checkpoint generates and caches them like the others.
+Keys as in catalog.LAYOUTS, plus ``family`` ("moe" | "pipe" | "autotp" | "megatron"), ``ep``
+(expert-parallel degree), ``pp`` (pipeline stages) and ``tp`` (AutoTP degree, which needs
+transformers; or the Megatron tensor-parallel degree). catalog.ensure_checkpoint generates and caches
+them like the others; the "megatron" family is made by train_megatron.py (a Megatron-DeepSpeed-style
+GPT with an ``mpu``, TP x DP, no Megatron installed).
 """
 from __future__ import annotations
 
@@ -23,4 +26,9 @@ FAMILY_LAYOUTS: dict[str, dict] = {
     "autotp_s1_bf16_w2_tp2": {"family": "autotp", "stage": 1, "world_size": 2, "dtype": "bf16", "tp": 2},
     "autotp_s2_bf16_w4_tp2": {"family": "autotp", "stage": 2, "world_size": 4, "dtype": "bf16", "tp": 2},
     "autotp_s3_bf16_w4_tp2": {"family": "autotp", "stage": 3, "world_size": 4, "dtype": "bf16", "tp": 2},
+    # -- Megatron-DeepSpeed-style GPT, --no-pipeline-parallel: tp 2 (global rank = dp * 2 + tp) --
+    "megatron_s1_bf16_tp2_dp2": {"family": "megatron", "stage": 1, "world_size": 4, "dtype": "bf16", "tp": 2},
+    "megatron_s2_bf16_tp2_dp2": {"family": "megatron", "stage": 2, "world_size": 4, "dtype": "bf16", "tp": 2},
+    "megatron_s1_fp32_tp2_dp1": {"family": "megatron", "stage": 1, "world_size": 2, "dtype": "fp32", "tp": 2},
+    "megatron_s3_bf16_tp2_dp2": {"family": "megatron", "stage": 3, "world_size": 4, "dtype": "bf16", "tp": 2},
 }

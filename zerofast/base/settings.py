@@ -38,6 +38,8 @@ NODES_CHUNK_ENV = "ZEROFAST_NODES_CHUNK_BYTES"
 COPY_FILE_RANGE_ENV = "ZEROFAST_COPY_FILE_RANGE"
 CUDA_KERNELS_ENV = "ZEROFAST_CUDA_KERNELS"
 DIST_TIMEOUT_ENV = "ZEROFAST_DIST_TIMEOUT"
+TP_REPLICATED_ENV = "ZEROFAST_TP_REPLICATED"
+TP_REPLICATED_MODES = ("equal", "mean")
 # A collective waits for the slowest rank to finish its share of the files, so the timeout must
 # cover the imbalance between ranks (at most one file), not a whole export.
 DEFAULT_DIST_TIMEOUT_S = 1800
@@ -97,6 +99,11 @@ class Settings:
     nodes_hole_bytes: int = 64 << 10
     # ZEROFAST_NODES_CHUNK_BYTES: the bytes of one message between the nodes (default 64 MiB).
     nodes_chunk_bytes: int = 64 << 20
+    # ZEROFAST_TP_REPLICATED: what a Megatron-DeepSpeed save's tensor-parallel replicated
+    # parameter whose copies differ between the tp ranks gets: "equal" (default) refuses it,
+    # "mean" averages the copies as ds_to_universal averages (BLOOM's drifted layer norms). As
+    # written; ``tp_replicated_mode`` checks it where it is used. The CLI's --tp-replicated sets it.
+    tp_replicated: str = "equal"
 
     @cached_property  # read on every native op: strip and lower once per reading
     def mode(self) -> str:
@@ -107,6 +114,14 @@ class Settings:
             raise NativeExtensionError(f"ZEROFAST_NATIVE={raw!r}: expected 1 (native core required), 0 (pure-torch "
                                        "reference) or auto (native, else the reference with a warning)")
         return NATIVE_MODES[raw]
+
+    def tp_replicated_mode(self) -> str:
+        """ZEROFAST_TP_REPLICATED, "equal" or "mean"; a :class:`SettingsError` for anything else."""
+        mode = self.tp_replicated.strip().lower()
+        if mode not in TP_REPLICATED_MODES:
+            raise SettingsError(f"{TP_REPLICATED_ENV} must be one of {', '.join(TP_REPLICATED_MODES)}, "
+                                f"got {self.tp_replicated!r}")
+        return mode
 
     def dist_timeout_s(self) -> float:
         """ZEROFAST_DIST_TIMEOUT in seconds; a :class:`SettingsError` (a ValueError) for anything
@@ -154,6 +169,7 @@ def from_environment(env: Mapping[str, str]) -> Settings:
         dist_timeout=env.get(DIST_TIMEOUT_ENV, str(DEFAULT_DIST_TIMEOUT_S)),
         nodes_hole_bytes=_count(env.get(NODES_HOLE_ENV)) or 64 << 10,
         nodes_chunk_bytes=_count(env.get(NODES_CHUNK_ENV)) or 64 << 20,
+        tp_replicated=env.get(TP_REPLICATED_ENV, "equal"),
     )
 
 
@@ -166,7 +182,7 @@ def _count(value: str | None) -> int:
 
 _VARIABLES = (NATIVE_ENV, CACHE_DIR_ENV, "XDG_CACHE_HOME", "HOME", "CXX", "FORCE_CUDA", "TORCH_CUDA_ARCH_LIST",
               CUDA_KERNELS_ENV, "CUDA_HOME", "CUDA_PATH", FOLLOW_SYMLINKS_ENV, READERS_ENV, HUGEPAGES_ENV,
-              COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV, NODES_HOLE_ENV, NODES_CHUNK_ENV)
+              COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV, NODES_HOLE_ENV, NODES_CHUNK_ENV, TP_REPLICATED_ENV)
 _cache: tuple[tuple, Settings] | None = None
 # The reading that stands while a public call runs (read_once), and how many such calls are in
 # flight; a plain global, not thread-local, so that the call's reader threads see it too.

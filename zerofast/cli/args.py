@@ -86,6 +86,10 @@ def common_options() -> argparse.ArgumentParser:
     common.add_argument("--follow-symlinks", action="store_const", const=True, default=None,
                         help="follow symbolic links that lead out of the checkpoint folder (refused by default; "
                              "as ZEROFAST_FOLLOW_SYMLINKS=1)")
+    common.add_argument("--tp-replicated", choices=("equal", "mean"), default=None,
+                        help="a Megatron-DeepSpeed save's tensor-parallel replicated parameters whose copies differ: "
+                             "refused (equal, the default) or averaged as BLOOM's converters do (mean); as "
+                             "ZEROFAST_TP_REPLICATED")
     common.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return common
 

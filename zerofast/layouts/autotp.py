@@ -1,17 +1,23 @@
-"""AutoTP training saves (``"tensor_parallel": {"autotp_size": T}``), ZeRO 1, 2 and 3.
+"""Tensor-parallel training saves, ZeRO 1, 2 and 3: AutoTP (``"tensor_parallel": {"autotp_size": T}``)
+and Megatron-DeepSpeed without pipeline parallelism (an ``mpu`` given to ``deepspeed.initialize``).
 
 On disk (DeepSpeed 0.19.8), global rank = dp * T + tp:
 - ZeRO 1/2: ``mp_rank_{tp:02d}_model_states.pt`` per tensor-parallel rank and
   ``[bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt``: each tp rank is an ordinary ZeRO
   save of its **shards** (``module`` and ``param_shapes`` hold shard shapes) over its dp ranks;
-- ZeRO 3: per-rank ``zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt``. The flat groups hold two
-  param groups with one running offset per rank: [0] the replicated parameters, partitioned over
-  **all** W ranks in global order (``ceil(n / W)`` each), [1] the shards, partitioned over the dp
-  ranks of one tp rank (``ceil(n / dp)`` each). ``partition_count`` says dp in every file;
-- ``universal_checkpoint_info.affine_map`` in the model states: for each parameter pattern and tp
-  rank, pieces ``{shape, source: [offset, strides], dest: [offset, strides], locations}``:
-  ``full.as_strided(shape, *source) = shard.as_strided(shape, *dest)``. A replicated piece is
-  listed on every rank in ``locations``; it is read from the first.
+- ZeRO 3 (AutoTP): per-rank ``zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt``. The flat groups
+  hold two param groups with one running offset per rank: [0] the replicated parameters,
+  partitioned over **all** W ranks in global order (``ceil(n / W)`` each), [1] the shards,
+  partitioned over the dp ranks of one tp rank (``ceil(n / dp)`` each). ``partition_count`` says
+  dp in every file;
+- how the shards go together, in ``universal_checkpoint_info`` in the model states:
+  - AutoTP: ``affine_map``: for each parameter pattern and tp rank, pieces ``{shape, source:
+    [offset, strides], dest: [offset, strides], locations}``: ``full.as_strided(shape, *source) =
+    shard.as_strided(shape, *dest)``. A replicated piece is listed on every rank in
+    ``locations``; it is read from the first;
+  - Megatron-DeepSpeed: pattern lists (replicated, averaged, row-parallel, sub-parameters,
+    vocabulary), which :mod:`.tp_rules` turns into the same pieces; replicated copies are
+    compared bit for bit, averaged ones averaged as ``ds_to_universal`` does.
 
 Planning: a tp rank's shards are planned like a plain save of that rank alone (ZeRO 1/2: over
 its dp ranks; ZeRO-3: the replicated group over all ranks, the shards over the rank's dp ranks,
@@ -24,10 +30,14 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..base import keys as K
+from ..base.settings import TP_REPLICATED_ENV, settings
 from ..discover import CheckpointFiles, Found, other_model_parallel_rank, ranked
 from ..base.errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                       InconsistentCheckpointError, UnsupportedCheckpointError, short_repr, some)
@@ -36,6 +46,7 @@ from ..load.records import check_flat_groups, read_model_states, read_optim_stat
 from ..plan.builders import flat_entries
 from ..plan.columns import EntryTable
 from ..plan.model import Entry, FlatGroups, SourceTable, VirtualBuffer, rank_share
+from . import tp_rules
 from .base import PartitionedLayout
 
 _TP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -125,18 +136,25 @@ def load(files: CheckpointFiles) -> PartitionedCheckpoint:
         raise UnsupportedCheckpointError("tensor-parallel checkpoints without ZeRO are not supported", files.tag_dir)
     dp = len(optims) // T
     metas = models[:T]  # the model states of each tp rank (of its dp rank 0, at ZeRO-3)
-    maps = _affine_maps(metas[0], T)
     first = metas[0]
     stored = {n: Stored(first.path, f"module[{n!r}]", t) for n, t in first.module.items()}
     ckpt = PartitionedCheckpoint(files, stage, dp * T, models, optims,
                             stored=stored, aliases=dict(first.shared_params), buffers=frozenset(first.buffer_names))
-    ckpt.degrees = {"family": "tensor-parallel (AutoTP)", "dp": dp, "tp": T}
     # Not ``or``: the truth of a tensor the file put here raises.
     info = first.raw.get(K.UNIVERSAL_INFO)
     info = info if isinstance(info, dict) else {}
-    replicated = info.get("tp_replicated_parameter_patterns")
-    replicated = [] if replicated is None else replicated if isinstance(replicated, (list, tuple)) else [replicated]
-    ckpt.extra = {"maps": maps, "replicated": {_literal(first.path, p) for p in replicated}}
+    amap = info.get("affine_map")
+    if amap is None and tp_rules.has_rules(info):
+        rules = tp_rules.read_rules(info, first.path)
+        ckpt.degrees = {"family": "tensor-parallel (Megatron-DeepSpeed)", "dp": dp, "tp": T}
+        ckpt.extra = {"maps": {}, "replicated": set(), "rules": rules}
+    else:
+        maps = _affine_maps(metas[0], T)
+        ckpt.degrees = {"family": "tensor-parallel (AutoTP)", "dp": dp, "tp": T}
+        replicated = info.get("tp_replicated_parameter_patterns")
+        replicated = [] if replicated is None else replicated if isinstance(replicated, (list, tuple)) else [replicated]
+        ckpt.extra = {"maps": maps, "replicated": {_literal(first.path, p) for p in replicated}, "rules": None}
+    maps = ckpt.extra["maps"]
     ckpt.partition_ends = frozenset((dp - 1) * T + t for t in range(T))
     _check_frozen(ckpt, metas, maps)
     if stage != 3:
@@ -164,8 +182,11 @@ def _affine_maps(meta, T: int) -> dict[str, dict]:
     params = amap.get("params") if isinstance(amap, dict) else None
     if not isinstance(params, dict):
         raise UnsupportedCheckpointError(
-            "tensor-parallel checkpoints without universal_checkpoint_info.affine_map (not AutoTP) are not supported",
-            meta.path)
+            f"expected {K.UNIVERSAL_INFO} in this tensor-parallel save's model states: AutoTP's affine_map, or "
+            "Megatron-DeepSpeed's parameter patterns (tp_replicated_parameter_patterns, "
+            "parameter_with_row_parallelism_patterns, ...), found neither; without them the slices' joins are not "
+            "known (Megatron-DeepSpeed writes them when run with --universal-checkpoint or "
+            "UniversalCheckpointInfo)", meta.path)
     out = {}
     for pattern, entry in params.items():
         ranks = entry.get("ranks") if isinstance(entry, dict) else None
@@ -207,23 +228,62 @@ def _check_frozen(ckpt, metas, maps) -> None:
 def trainable(ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> EntryTable:
     """Every trainable parameter in full, read from ``flats`` (the masters or one optimizer state)."""
     T = ckpt.files.mp_size
-    return EntryTable.of_entries(_Composer(ckpt.model_states[:T], ckpt.extra["maps"], ckpt.extra["replicated"], T,
-                                           len(ckpt.optim_states) // T).entries(ckpt, table, flats, what))
+    composer = _Composer(ckpt.model_states[:T], ckpt.extra["maps"], ckpt.extra["replicated"], T,
+                         len(ckpt.optim_states) // T, ckpt.extra.get("rules"))
+    return EntryTable.of_entries(composer.entries(ckpt, table, flats, what))
 
 
 class _Composer:
     """Full trainable tensors out of the tp ranks' shards."""
 
-    def __init__(self, metas, maps, replicated, T: int, dp: int):
+    def __init__(self, metas, maps, replicated, T: int, dp: int, rules=None):
         self.metas, self.maps, self.replicated, self.T, self.dp = metas, maps, replicated, T, dp
+        self.rules = rules  # Megatron-DeepSpeed's patterns (tp_rules.Rules), or None for AutoTP
 
     def entries(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> dict[str, Entry]:
         shards = self._zero3_shards(ckpt, table, flats) if ckpt.stage == 3 else self._zero12_shards(ckpt, table, flats,
                                                                                                   what)
         out = {}
         for name in shards[0]:
-            out[name] = self._compose(ckpt, name, [s.get(name) for s in shards])
+            slices = [s.get(name) for s in shards]
+            if self.rules is None:
+                out[name] = self._compose(ckpt, name, slices)
+            else:
+                out[name] = self._by_rules(ckpt, table, name, slices, what)
         return out
+
+    def _by_rules(self, ckpt, table, name: str, slices: list, what: str) -> Entry:
+        missing = [t for t, s in enumerate(slices) if s is None]
+        if missing:
+            raise InconsistentCheckpointError(f"tp rank {missing[0]} has no {name!r}", self.metas[missing[0]].path)
+        shapes = [tuple(s[0]) for s in slices]
+        merge = self.rules.merge(name, shapes)
+        if merge.kind == "join":
+            entry = tp_rules.affine_entry(merge, shapes)
+            return tuple(entry["logical_shape"]), slices[0][1], [
+                seg for t, s in enumerate(slices) for piece in entry["ranks"][t]["pieces"]
+                for seg in _piece_segments(name, piece, s, self.metas[t].path)]
+        if len(set(shapes)) != 1:
+            raise InconsistentCheckpointError(f"{name!r} is named {merge.rule}, but its tp ranks hold shapes "
+                                              f"{[list(x) for x in shapes]}", self.metas[0].path)
+        values = [_values(table, s) for s in slices]
+        if merge.kind == "replicated":
+            differ = _first_difference(values)
+            if differ is None:
+                return slices[0]
+            if settings().tp_replicated_mode() != "mean":
+                t, diff = differ
+                raise InconsistentCheckpointError(
+                    f"{name!r} is named tensor-parallel replicated, but the {what} of tp ranks 0 and {t} differ "
+                    f"(largest difference {diff:.6g}); to average the copies, as BLOOM's converters do, pass "
+                    f"--tp-replicated mean ({TP_REPLICATED_ENV}=mean)", self.metas[t].path)
+            warnings.warn(f"averaged the differing tp copies of the replicated {name!r} ({what}), as "
+                          f"--tp-replicated mean asks", stacklevel=2)
+        mean = 0  # as ds_to_universal: sum(slices) / len(slices), from an int 0 (-0.0 + 0 is +0.0)
+        for v in values:
+            mean = mean + v
+        mean = (mean / len(values)).reshape(shapes[0])
+        return table.whole(str(self.metas[0].path), f"mean over tp ranks of {name!r} ({what})", mean)
 
     def _zero12_shards(self, ckpt, table, flats, what) -> list[dict[str, Entry]]:
         shards = []
@@ -234,8 +294,9 @@ class _Composer:
         return shards
 
     def _zero3_shards(self, ckpt, table, flats) -> list[dict[str, Entry]]:
-        """Group 0 over all ranks in global order, later groups over the dp ranks of each tp rank,
-        on one running offset per rank."""
+        """AutoTP: group 0 over all ranks in global order, later groups over the dp ranks of each tp
+        rank; Megatron-DeepSpeed: every group over the dp ranks of each tp rank. One running
+        offset per rank."""
         W = self.dp * self.T
         bufs = [VirtualBuffer([table.add(str(o.path), where, t) for where, t in groups], [t.numel() for _, t in groups])
                 for o, groups in zip(ckpt.optim_states, flats)]
@@ -247,7 +308,9 @@ class _Composer:
                                                   meta.path)
             out, offset = {}, 0
             for g, group in enumerate(meta.param_shapes):
-                ranks = list(range(W)) if g == 0 else [d * self.T + t for d in range(self.dp)]
+                # AutoTP's group 0 (the replicated parameters) spans every rank; Megatron-DeepSpeed
+                # partitions every group over the mpu's data-parallel group
+                ranks = list(range(W)) if g == 0 and self.rules is None else [d * self.T + t for d in range(self.dp)]
                 for name, shape in group.items():
                     n = math.prod(shape)
                     k = math.ceil(n / len(ranks))
@@ -314,6 +377,26 @@ def _piece_segments(name: str, piece: dict, shard: Entry, path) -> list[tuple[in
             if a < b:
                 out.append((src, s_off + a - d_off, full_at + a - shard_at, b - a))
     return out
+
+
+def _values(table: SourceTable, entry: Entry) -> torch.Tensor:
+    """The elements of ``entry`` (a small replicated tensor), read from the table's sources."""
+    shape, _, segs = entry
+    n = math.prod(shape)
+    out = torch.empty(n, dtype=table.tensors[segs[0][0]].dtype if segs else torch.float32)
+    for src, s_off, d_off, length in segs:
+        out[d_off:d_off + length] = table.tensors[src][s_off:s_off + length]
+    return out
+
+
+def _first_difference(values: list[torch.Tensor]) -> tuple[int, float] | None:
+    """Replicated copies are compared bit for bit, not assumed equal: the first tp rank whose copy
+    differs from rank 0's, with the largest difference, or None."""
+    first = values[0].view(torch.uint8)
+    for t, v in enumerate(values[1:], 1):
+        if not torch.equal(first, v.view(torch.uint8)):
+            return t, (values[0].double() - v.double()).abs().max().item()
+    return None
 
 
 LAYOUT = AutoTPLayout()
