@@ -5,8 +5,20 @@ Keys as in catalog.LAYOUTS, plus ``family`` ("moe" | "pipe" | "autotp" | "megatr
 transformers; or the Megatron tensor-parallel degree). catalog.ensure_checkpoint generates and caches
 them like the others; the "megatron" family is made by train_megatron.py (a Megatron-DeepSpeed-style
 GPT with an ``mpu``, TP x DP, no Megatron installed).
+
+:data:`MEGATRON_VARIANTS` are Megatron saves that zerofast must refuse, or read only when asked, or
+that are written as Megatron-DeepSpeed itself writes them (drifted replicated copies, averaged
+parameters, no ``universal_checkpoint_info``, Megatron's nested module and client state; see
+train_megatron.py's docstring). They are kept out of :data:`FAMILY_LAYOUTS`, which
+tests/test_families.py, tests/test_verify.py and tests/test_lazy_batched.py read as "every save
+here reconstructs"; :func:`ensure_megatron_variant` generates and caches them as
+``catalog.ensure_checkpoint`` does the others (same cache, lock and key scheme).
 """
 from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
 
 FAMILY_LAYOUTS: dict[str, dict] = {
     # -- mixture of experts: 2 MoE layers (4 and 2 experts), ep 2 --
@@ -32,3 +44,35 @@ FAMILY_LAYOUTS: dict[str, dict] = {
     "megatron_s1_fp32_tp2_dp1": {"family": "megatron", "stage": 1, "world_size": 2, "dtype": "fp32", "tp": 2},
     "megatron_s3_bf16_tp2_dp2": {"family": "megatron", "stage": 3, "world_size": 4, "dtype": "bf16", "tp": 2},
 }
+
+_TP2_DP2 = {"family": "megatron", "world_size": 4, "dtype": "bf16", "tp": 2}
+MEGATRON_VARIANTS: dict[str, dict] = {
+    # the replicated layer norms and row-parallel biases differ between the tp ranks
+    "megatron_s2_bf16_tp2_dp2_drift": {**_TP2_DP2, "stage": 2, "drift": True},
+    "megatron_s3_bf16_tp2_dp2_drift": {**_TP2_DP2, "stage": 3, "drift": True},
+    # the same drift, named in parameter_to_average_patterns
+    "megatron_s1_bf16_tp2_dp2_average": {**_TP2_DP2, "stage": 1, "drift": True, "average": True},
+    # no universal_checkpoint_info in the client state
+    "megatron_s1_fp32_tp2_dp1_no_info": {"family": "megatron", "stage": 1, "world_size": 2, "dtype": "fp32",
+                                         "tp": 2, "universal_checkpoint_info": False},
+    # saved as Megatron-DeepSpeed's save_checkpoint saves (nested module, args, rng_state)
+    "megatron_s1_bf16_tp2_dp2_megatron_save": {**_TP2_DP2, "stage": 1, "megatron_save": True},
+}
+
+
+def ensure_megatron_variant(name: str) -> Path:
+    """The cached root of :data:`MEGATRON_VARIANTS` ``name`` (made on first use), keyed and locked
+    as ``catalog.ensure_checkpoint`` keys and locks the catalog's layouts."""
+    from tests.dsgen import catalog  # catalog imports this module
+
+    spec = MEGATRON_VARIANTS[name]
+    h = hashlib.sha256()
+    for path in catalog._scripts(spec):
+        h.update(path.read_bytes())
+        h.update(b"\0")
+    h.update(json.dumps(spec, sort_keys=True).encode())
+    h.update(b"\0")
+    h.update(catalog._ds_version().encode())
+    final = catalog.cache_dir() / f"{name}-{h.hexdigest()[:12]}"
+    return catalog.build_cached(final, catalog._complete, lambda tmp: catalog._run_train(spec, tmp),
+                                f"generation of {name}")

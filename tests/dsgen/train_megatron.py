@@ -10,12 +10,33 @@ Megatron-DeepSpeed's ``GPTModel`` with ``--no-pipeline-parallel``, its tensor-pa
     DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node W \
         tests/dsgen/train_megatron.py '<spec as JSON>' OUTDIR
 
-Spec keys: family ("megatron"), stage, world_size, dtype ("bf16" | "fp32"), tp, steps, ds_config.
+Spec keys: family ("megatron"), stage, world_size, dtype ("bf16" | "fp32"), tp, steps, ds_config, and
+the variants (all off by default):
+
+* ``drift``: on the last step, tp rank t's copies of the replicated layer norms and row-parallel
+  biases (:data:`DRIFTING`, not the position embeddings) get ``DRIFT_DELTA * t`` added to their
+  gradient, as if each tp rank saw a different loss contribution for them and nothing all-reduced
+  their gradients over the tp group (BLOOM's drifted layer norms). Their copies (masters and
+  moments) then differ between the tp ranks, and nothing else does (no forward pass follows);
+  ``universal_checkpoint_info`` still lists them under ``tp_replicated_parameter_patterns``;
+* ``average`` (with ``drift``): the same save, but ``universal_checkpoint_info`` lists those
+  parameters under ``parameter_to_average_patterns`` instead;
+* ``universal_checkpoint_info: false``: the client state holds no ``universal_checkpoint_info``;
+* ``megatron_save``: saved the way Megatron-DeepSpeed's ``save_checkpoint`` saves with
+  ``--no-pipeline-parallel``: the module's ``state_dict`` replaced by its
+  ``state_dict_for_save_checkpoint`` (a NESTED dict ``{"language_model": {"embedding":
+  {"word_embeddings": {"weight"}, "position_embeddings": {"weight"}}, "encoder": {"layers.0....",
+  "final_layernorm...."}}}``) for the save, and the client state of ``generate_state_dict``:
+  ``args`` (an ``argparse.Namespace``), ``checkpoint_version`` 3.0, ``iteration``, ``tokens``,
+  ``universal_checkpoint_info`` and ``rng_state`` (a list of one dict holding ``random``'s,
+  numpy's and torch's states, ``cuda_rng_state`` None, ``rng_tracker_states`` {}): the model
+  states need ``torch.load(weights_only=False)`` (argparse and numpy globals).
 
 OUTDIR gets what ``engine.save_checkpoint`` writes (``latest``, the tag folder with
 ``mp_rank_{tp}_model_states.pt`` at stages 1-2 or ``zero_pp_rank_{dp}_mp_rank_{tp}_model_states.pt``
 at stage 3, and ``[bf16_]zero_pp_rank_{dp}_mp_rank_{tp}_optim_states.pt``), with
-``client_state={"universal_checkpoint_info": UC_INFO, "iteration": steps}``, and from rank 0:
+``client_state={"universal_checkpoint_info": uc_info(spec), "iteration": steps}`` (see the variants),
+and from rank 0:
 
 * ``ground_truth.pt`` (plain data, ``torch.load(weights_only=True)``), the keys of
   train_families.py's truth under the FULL Megatron names and shapes: every tensor-parallel
@@ -24,15 +45,23 @@ at stage 3, and ``[bf16_]zero_pp_rank_{dp}_mp_rank_{tp}_optim_states.pt``), with
   all-gather along the partition dim; SwiGLU's ``dense_h_to_4h``: the gate halves, then the up
   halves; the vocabulary: all 24 padded rows, then the original 21. A replicated parameter is
   tp rank 0's copy, after checking that every tp rank holds the same bits (master and moments).
+  A drifted parameter (``drift``) is the mean of the tp ranks' copies, ``sum(copies) / T`` in
+  fp32 (``(0 + s0 + s1) / 2``, as ds_to_universal averages), after checking that every tp rank's
+  copy differs from rank 0's (master and moments) and that no other parameter drifted.
   Extra keys: ``tp_partition`` (name -> {"kind", "dim"}), ``shard_shapes`` (name -> shape held
-  by each tp rank), ``universal_checkpoint_info``, ``original_vocab_size``, ``padded_vocab_size``.
+  by each tp rank), ``universal_checkpoint_info`` (None where the save has none),
+  ``original_vocab_size``, ``padded_vocab_size``; with ``drift`` also ``tp_copies`` (name -> [tp
+  rank 0's fp32 master, tp rank 1's, ...]) and ``tp_copies_optimizer`` (key -> name -> the
+  copies of that moment).
 * ``universal/`` (``latest_universal`` and ``<tag>_universal/``): what DeepSpeed's own
   ``ds_to_universal`` writes from the save (run in-process, one worker, no
   ``--inject_missing_state``), a second reference; or, where it raises, ``ds_to_universal.error``
   holding its one-line reason.
 """
 import argparse
+import copy
 import os
+import random
 import re
 import shutil
 import sys
@@ -41,6 +70,7 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import numpy  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -97,21 +127,24 @@ def full_params() -> dict:
 # What Megatron-DeepSpeed's UniversalCheckpointInfo would write for these names: regexes that
 # ds_to_universal applies with re.match (a prefix match), at most one per list for each name.
 _L = r"language_model\.encoder\.layers\.\d+\."
+# The replicated parameters that ``drift`` makes differ between the tp ranks: the layer norms and
+# the row-parallel biases (the position embeddings stay equal).
+DRIFTING = [
+    _L + r"input_layernorm\.weight",
+    _L + r"input_layernorm\.bias",
+    _L + r"self_attention\.dense\.bias",
+    _L + r"post_attention_layernorm\.weight",
+    _L + r"post_attention_layernorm\.bias",
+    _L + r"mlp\.dense_4h_to_h\.bias",
+    r"language_model\.encoder\.final_layernorm\.weight",
+    r"language_model\.encoder\.final_layernorm\.bias",
+]
+DRIFT_DELTA = 1e-2  # added to tp rank t's gradient of a drifting parameter, times t, on the last step
 UC_INFO = {
     "universal_checkpoint_version": 0.2,
     "original_vocab_size": VOCAB,
     "padded_vocab_size": PADDED_VOCAB,
-    "tp_replicated_parameter_patterns": [
-        r"language_model\.embedding\.position_embeddings\.weight",
-        _L + r"input_layernorm\.weight",
-        _L + r"input_layernorm\.bias",
-        _L + r"self_attention\.dense\.bias",
-        _L + r"post_attention_layernorm\.weight",
-        _L + r"post_attention_layernorm\.bias",
-        _L + r"mlp\.dense_4h_to_h\.bias",
-        r"language_model\.encoder\.final_layernorm\.weight",
-        r"language_model\.encoder\.final_layernorm\.bias",
-    ],
+    "tp_replicated_parameter_patterns": [r"language_model\.embedding\.position_embeddings\.weight"] + DRIFTING,
     "vocabulary_parameter_patterns": [r"language_model\.embedding\.word_embeddings\.weight"],
     "parameter_with_row_parallelism_patterns": [
         _L + r"self_attention\.dense\.weight",
@@ -123,23 +156,46 @@ UC_INFO = {
     ],
     "parameter_to_average_patterns": [],
 }
-_INFO_KIND = {"tp_replicated_parameter_patterns": "replicated", "vocabulary_parameter_patterns": "vocab",
-              "parameter_with_row_parallelism_patterns": "row", "parameter_with_2_sub_params_cat_dim_0": "swiglu"}
+_INFO_KIND = {"tp_replicated_parameter_patterns": "replicated", "parameter_to_average_patterns": "replicated",
+              "vocabulary_parameter_patterns": "vocab", "parameter_with_row_parallelism_patterns": "row",
+              "parameter_with_2_sub_params_cat_dim_0": "swiglu"}
+VARIANT_KEYS = ("drift", "average", "universal_checkpoint_info", "megatron_save")
 
 
-def check_uc_info() -> None:
-    """UC_INFO says of every name what the model does with it (column-parallel: no list)."""
+def uc_info(spec: dict) -> dict | None:
+    """The ``universal_checkpoint_info`` this layout saves: UC_INFO; with ``average`` the drifting
+    parameters under ``parameter_to_average_patterns``; None for ``universal_checkpoint_info: false``."""
+    if spec.get("average") and not spec.get("drift"):
+        raise ValueError("spec: 'average' averages the drifted copies: it needs 'drift'")
+    if not spec.get("universal_checkpoint_info", True):
+        return None
+    info = copy.deepcopy(UC_INFO)
+    if spec.get("average"):
+        info["tp_replicated_parameter_patterns"] = [p for p in info["tp_replicated_parameter_patterns"]
+                                                    if p not in DRIFTING]
+        info["parameter_to_average_patterns"] = list(DRIFTING)
+    return info
+
+
+def check_uc_info(info: dict | None) -> None:
+    """``info`` says of every name what the model does with it (column-parallel: no list)."""
+    if info is None:
+        return
     used = set()
     for name, (_shape, kind) in full_params().items():
         said = []
         for key, k in _INFO_KIND.items():
-            hits = [pat for pat in UC_INFO[key] if re.match(pat, name)]
+            hits = [pat for pat in info[key] if re.match(pat, name)]
             assert len(hits) <= 1, (name, hits)
             said += [k] * len(hits)
             used.update(hits)
         assert said == ([] if kind == "column" else [kind]), (name, kind, said)
-    unused = {pat for key in _INFO_KIND for pat in UC_INFO[key]} - used
+    unused = {pat for key in _INFO_KIND for pat in info[key]} - used
     assert not unused, unused
+
+
+def drifting(name: str) -> bool:
+    return any(re.match(p, name) for p in DRIFTING)
 
 
 def full_values(seed: int = SEED) -> dict:
@@ -284,6 +340,37 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.chunk(size, dim=-1)[rank].contiguous(), None
 
 
+# The ``drift`` variant: the delta this tp rank adds to the gradients of the DRIFTING parameters
+# (set by the training loop for the last step; 0 otherwise, where nothing changes).
+_DRIFT = {"delta": 0.0}
+
+
+class _TPDrift(torch.autograd.Function):
+    """Identity forward; backward adds ``delta`` to the gradient: this tp rank's loss has
+    ``delta * p.sum()`` more, and nothing all-reduces the gradient over the tp group."""
+
+    @staticmethod
+    def forward(ctx, p, delta):
+        ctx.delta = delta
+        return p.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + ctx.delta, None
+
+
+def _drifted(p: nn.Parameter) -> torch.Tensor:
+    delta = _DRIFT["delta"]
+    return _TPDrift.apply(p, delta) if delta else p
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same names, same values), through _TPDrift for the ``drift`` variant."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, _drifted(self.weight), _drifted(self.bias), self.eps)
+
+
 def _mark_parallel(param: nn.Parameter, dim: int) -> nn.Parameter:
     # Megatron's set_tensor_model_parallel_attributes (DeepSpeed's norm reads tensor_model_parallel).
     param.tensor_model_parallel = True
@@ -339,7 +426,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features))  # replicated, added after the reduce
 
     def forward(self, x):
-        return _ReduceFromTP.apply(F.linear(x, self.weight), self.mpu.tp_group) + self.bias
+        return _ReduceFromTP.apply(F.linear(x, self.weight), self.mpu.tp_group) + _drifted(self.bias)
 
 
 class ParallelAttention(nn.Module):
@@ -375,9 +462,9 @@ class ParallelMLP(nn.Module):
 class ParallelTransformerLayer(nn.Module):
     def __init__(self, mpu):
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(HIDDEN)
+        self.input_layernorm = LayerNorm(HIDDEN)
         self.self_attention = ParallelAttention(mpu)
-        self.post_attention_layernorm = nn.LayerNorm(HIDDEN)
+        self.post_attention_layernorm = LayerNorm(HIDDEN)
         self.mlp = ParallelMLP(mpu)
 
     def forward(self, h):
@@ -389,7 +476,7 @@ class ParallelTransformer(nn.Module):
     def __init__(self, mpu):
         super().__init__()
         self.layers = nn.ModuleList(ParallelTransformerLayer(mpu) for _ in range(LAYERS))
-        self.final_layernorm = nn.LayerNorm(HIDDEN)
+        self.final_layernorm = LayerNorm(HIDDEN)
 
     def forward(self, h):
         for layer in self.layers:
@@ -421,6 +508,19 @@ class GPTModel(nn.Module):
         logits = _GatherFromTP.apply(logits, self.mpu.tp_group)  # all 24 columns, the same on every tp rank
         return F.cross_entropy(logits.float().reshape(-1, PADDED_VOCAB), targets.reshape(-1))
 
+    def state_dict_for_save_checkpoint(self, prefix="", keep_vars=False):
+        """Megatron-DeepSpeed's nested state dict (GPTModel -> TransformerLanguageModel ->
+        Embedding / ParallelTransformer): its keys joined with "." are the flat names."""
+        lm = self.language_model
+        return {"language_model": {
+            "embedding": {
+                "word_embeddings": lm.embedding.word_embeddings.state_dict(prefix=prefix, keep_vars=keep_vars),
+                "position_embeddings": lm.embedding.position_embeddings.state_dict(prefix=prefix,
+                                                                                   keep_vars=keep_vars),
+            },
+            "encoder": lm.encoder.state_dict(prefix=prefix, keep_vars=keep_vars),
+        }}
+
 
 def build_model(mpu) -> GPTModel:
     model = GPTModel(mpu)
@@ -444,7 +544,9 @@ def main():
     stage = int(spec["stage"])
     steps = int(spec.get("steps", 2))
     tag = spec.get("tag", f"global_step{steps}")
-    check_uc_info()
+    unknown = set(spec) - {"family", "stage", "world_size", "dtype", "tp", "steps", "ds_config", "tag", *VARIANT_KEYS}
+    assert not unknown, f"unknown spec keys {sorted(unknown)}"
+    check_uc_info(uc_info(spec))
     with process_group(lambda: deepspeed.init_distributed(dist_backend="gloo")):  # barrier, then torn down
         rank = dist.get_rank()
         train_and_save(spec, outdir, stage, steps, tag)
@@ -464,32 +566,48 @@ def train_and_save(spec, outdir, stage, steps, tag):
     assert engine.checkpoint_mp_rank == mpu.tp_rank, (engine.checkpoint_mp_rank, mpu.tp_rank)
 
     gen = torch.Generator().manual_seed(1000 + mpu.dp_rank)  # the same within a tp group
-    for _ in range(steps):
+    drift = bool(spec.get("drift"))
+    for step in range(steps):
+        # drift: only the last step, so that no forward pass runs on the differing copies and
+        # nothing but the DRIFTING parameters (and their moments) differs between the tp ranks
+        _DRIFT["delta"] = DRIFT_DELTA * mpu.tp_rank if drift and step == steps - 1 else 0.0
         ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
         targets = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
         loss = engine(ids, targets)
         engine.backward(loss)
         engine.step()
+    _DRIFT["delta"] = 0.0
 
-    engine.save_checkpoint(str(outdir), tag=tag, client_state={"universal_checkpoint_info": UC_INFO,
-                                                                "iteration": steps})
+    info = uc_info(spec)
+    client_state = {"iteration": steps} if info is None else {"universal_checkpoint_info": info, "iteration": steps}
+    if spec.get("megatron_save"):
+        save_like_megatron(engine, outdir, tag, megatron_client_state(spec, cfg, mpu, steps, info))
+    else:
+        engine.save_checkpoint(str(outdir), tag=tag, client_state=client_state)
 
     module = engine.module
     base.relink_optimizer_state(engine)
     params = full_params()
     trainable, opt, shard_shapes = {}, {k: {} for k in base.OPTIMIZER_KEYS}, {}
+    copies, copies_opt = {}, {k: {} for k in base.OPTIMIZER_KEYS}
     for name, p in module.named_parameters():  # the same order on every rank: the gathers are collectives
         kind = params[name][1]
         values = [safe_get_full_fp32_param(p)] + [base.full_optimizer_state(p, k, name) for k in opt]
         values = [v.detach().float().clone().reshape(base.full_shape(p)) for v in values]
         shard_shapes[name] = list(base.full_shape(p))
-        values = [gather_full(v, kind, mpu, f"{name} ({what})")
-                  for v, what in zip(values, ("fp32",) + base.OPTIMIZER_KEYS)]
+        drifted = drift and drifting(name)
+        gathered = [gather_full(v, kind, mpu, f"{name} ({what})", drifted)
+                    for v, what in zip(values, ("fp32",) + base.OPTIMIZER_KEYS)]
+        values = [full for full, _ in gathered]
         for v in values:
             assert tuple(v.shape) == trimmed_shape(name), (name, v.shape)
         trainable[name] = values[0]
         for k, v in zip(opt, values[1:]):
             opt[k][name] = v
+        if drifted:
+            copies[name] = gathered[0][1]
+            for k, (_, c) in zip(opt, gathered[1:]):
+                copies_opt[k][name] = c
     truth = {
         "trainable": trainable, "frozen": {}, "buffers": {}, "optimizer_states": opt,
         "state_dict_keys": list(params), "tied": {},
@@ -497,12 +615,16 @@ def train_and_save(spec, outdir, stage, steps, tag):
         "layout": {"family": "megatron", "dp": mpu.dp, "tp": tp, "pp": 1},
         "tp_partition": {n: {"kind": k, "dim": PARTITION_DIM[k]} for n, (_s, k) in params.items()},
         "shard_shapes": shard_shapes,
-        "universal_checkpoint_info": UC_INFO,
+        "universal_checkpoint_info": info,
         "original_vocab_size": VOCAB, "padded_vocab_size": PADDED_VOCAB,
     }
+    if drift:
+        truth.update(tp_copies=copies, tp_copies_optimizer=copies_opt)
     merged = families.merge_truth(truth)  # every rank holds every full tensor: all must agree bit for bit
-    for key in ("tp_partition", "universal_checkpoint_info", "original_vocab_size", "padded_vocab_size"):
-        merged[key] = truth[key]
+    for key in ("tp_partition", "universal_checkpoint_info", "original_vocab_size", "padded_vocab_size",
+                "tp_copies", "tp_copies_optimizer"):
+        if key in truth:
+            merged[key] = truth[key]
     if dist.get_rank() == 0:
         merged.update(model_dtype="bfloat16" if spec["dtype"] == "bf16" else "float32", stage=stage,
                       world_size=world, tag=tag, spec=spec, ds_version=deepspeed.__version__)
@@ -517,17 +639,80 @@ def trimmed_shape(name):
     return (VOCAB,) + tuple(shape[1:]) if kind == "vocab" else tuple(shape)
 
 
-def gather_full(shard: torch.Tensor, kind: str, mpu: MegatronMPU, what: str) -> torch.Tensor:
-    """The full tensor of this tp rank's ``shard`` (an all-gather over the tp group); a replicated
-    tensor must be bit-identical on every tp rank; the vocabulary loses its padding rows."""
+def gather_full(shard: torch.Tensor, kind: str, mpu: MegatronMPU, what: str, drifted: bool = False):
+    """``(full tensor, None)`` of this tp rank's ``shard`` (an all-gather over the tp group); a
+    replicated tensor must be bit-identical on every tp rank; the vocabulary loses its padding
+    rows. ``drifted``: a replicated tensor whose every tp rank's copy must differ from rank 0's:
+    ``(sum(copies) / T, copies)``, the mean as ds_to_universal computes it."""
     shards = [torch.empty_like(shard) for _ in range(mpu.tp)]
     tdist.all_gather(shards, shard.contiguous(), group=mpu.tp_group)
     if kind == "replicated":
-        for t, other in enumerate(shards):
-            if not torch.equal(other.view(-1).view(torch.int32), shards[0].view(-1).view(torch.int32)):
-                raise RuntimeError(f"replicated {what}: tp rank {t} differs from tp rank 0")
+        for t, other in enumerate(shards[1:], 1):
+            same = torch.equal(other.view(-1).view(torch.int32), shards[0].view(-1).view(torch.int32))
+            if same == drifted:
+                raise RuntimeError(f"replicated {what}: tp rank {t} "
+                                   + ("holds the same bits as tp rank 0, expected it to drift" if drifted
+                                      else "differs from tp rank 0"))
+        if drifted:
+            return sum(shards) / len(shards), [s.clone() for s in shards]
+    assert not drifted, what
     full = join_shards(shards, kind)
-    return full[:VOCAB].clone() if kind == "vocab" else full.clone()
+    return (full[:VOCAB].clone() if kind == "vocab" else full.clone()), None
+
+
+# -- Megatron-DeepSpeed's save_checkpoint (--no-pipeline-parallel) ------------------------------------
+
+def megatron_args(spec: dict, cfg: dict, mpu: MegatronMPU, steps: int) -> argparse.Namespace:
+    """Some of Megatron-DeepSpeed's training arguments (``get_args()``), as its saves pickle them."""
+    bf16 = spec["dtype"] == "bf16"
+    return argparse.Namespace(
+        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS, seq_length=SEQ,
+        max_position_embeddings=MAX_POS, padded_vocab_size=PADDED_VOCAB, make_vocab_size_divisible_by=6,
+        swiglu=True, untie_embeddings_and_output_weights=False,
+        tensor_model_parallel_size=mpu.tp, pipeline_model_parallel_size=1, no_pipeline_parallel=True,
+        data_parallel_size=mpu.dp, world_size=mpu.tp * mpu.dp, rank=0,
+        deepspeed=True, zero_stage=int(spec["stage"]), bf16=bf16, fp16=False,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        micro_batch_size=2, global_batch_size=2 * mpu.dp, train_iters=steps, iteration=steps,
+        consumed_train_samples=2 * mpu.dp * steps, consumed_train_tokens=2 * mpu.dp * steps * SEQ,
+        lr=1e-2, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.01, seed=SEED,
+        data_path=["1.0", "/data/tiny_text_document"], split="98,2,0",  # nested values
+        deepspeed_config_dict=copy.deepcopy(cfg),
+        save="/checkpoints/tiny-gpt", load=None, universal_checkpoint=False, no_save_rng=False,
+    )
+
+
+def megatron_client_state(spec, cfg, mpu, steps, info) -> dict:
+    """Megatron-DeepSpeed's ``generate_state_dict`` with ``args.deepspeed`` (DeepSpeed saves the
+    model and optimizer), in its key order; the RNG states of this rank."""
+    state = {"args": megatron_args(spec, cfg, mpu, steps), "checkpoint_version": 3.0, "iteration": steps,
+             "tokens": 2 * mpu.dp * steps * SEQ}
+    if info is not None:
+        state["universal_checkpoint_info"] = info
+    state["rng_state"] = [{
+        "random_rng_state": random.getstate(),
+        "np_rng_state": numpy.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": None,
+        "rng_tracker_states": {},
+    }]
+    return state
+
+
+def save_like_megatron(engine, outdir: Path, tag: str, client_state: dict) -> None:
+    """Megatron-DeepSpeed's save_checkpoint with --no-pipeline-parallel: the module's state_dict is
+    its state_dict_for_save_checkpoint (nested) while DeepSpeed saves, then the original again."""
+    module = engine.module
+    original_state_dict = module.state_dict
+
+    def state_dict_for_save_checkpoint_deepspeed(destination=None, prefix="", keep_vars=False):
+        return module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
+
+    module.state_dict = state_dict_for_save_checkpoint_deepspeed
+    try:
+        engine.save_checkpoint(str(outdir), tag=tag, client_state=client_state)
+    finally:
+        module.state_dict = original_state_dict
 
 
 def run_ds_to_universal(outdir: Path, tag: str) -> None:

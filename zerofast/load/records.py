@@ -146,6 +146,35 @@ def read_model_states(path: Path, module_optional: bool = False) -> ModelStates:
     return model_states_from(path, load_file(path), module_optional)
 
 
+MAX_MODULE_DEPTH = 8  # Megatron's nesting is 3-4 deep (language_model.embedding.word_embeddings)
+
+
+def _flat_module(path: Path, module: dict) -> dict:
+    """Megatron-DeepSpeed saves ``module`` as its ``state_dict_for_save_checkpoint``: dicts nested
+    by submodule (``{"language_model": {"embedding": {"word_embeddings": {"weight": t}}}}``), whose
+    keys joined with "." are the parameters' names. Flat modules come back as they are."""
+    out: dict = {}
+
+    def walk(prefix: str, d: dict, depth: int) -> None:
+        if depth > MAX_MODULE_DEPTH:
+            raise UnsupportedCheckpointError(f"expected 'module' nested at most {MAX_MODULE_DEPTH} deep, found "
+                                             f"deeper under {short_repr(prefix)}", path)
+        for key, value in d.items():
+            if type(key) is not str:
+                raise CorruptCheckpointError(f"expected names as 'module' keys, found {short_repr(key)}", path)
+            name = f"{prefix}.{key}" if prefix else key
+            if type(value) in (dict, collections.OrderedDict):
+                walk(name, value, depth + 1)
+            elif name in out:
+                raise CorruptCheckpointError(f"'module' names {short_repr(name)} twice once its nesting is "
+                                             "joined", path)
+            else:
+                out[name] = value
+
+    walk("", module, 0)
+    return out
+
+
 def model_states_from(path: Path, raw: Any, module_optional: bool = False) -> ModelStates:
     """The typed view of a model-states file's tree ``raw``, checked."""
     raw = expect_dict(path, raw, "the model-states file")
@@ -153,6 +182,8 @@ def model_states_from(path: Path, raw: Any, module_optional: bool = False) -> Mo
         raise CorruptCheckpointError(f"expected a 'module' entry, found keys {_keys(raw)}", path)
     found = raw[K.MODULE]
     module = expect_mapping(path, {} if found is None and module_optional else found, "'module'", object, "tensors")
+    if not all_instances(module.values(), torch.Tensor):
+        module = _flat_module(path, module)
     for name, value in ({} if all_instances(module.values(), torch.Tensor) else module).items():
         if not isinstance(value, torch.Tensor):
             raise UnsupportedCheckpointError(

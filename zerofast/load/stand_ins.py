@@ -1,4 +1,4 @@
-"""Inert stand-ins for the DeepSpeed objects found inside checkpoint pickles.
+"""Inert stand-ins for the DeepSpeed (and Megatron-DeepSpeed) objects found inside checkpoint pickles.
 
 A checkpoint names DeepSpeed classes as pickle globals. Importing DeepSpeed to resolve them
 would make zerofast depend on it and would run its import-time code; instead each known name
@@ -30,7 +30,7 @@ _PLAIN = (type(None), bool, int, float, str)
 
 
 def _plain(value: Any, depth: int = 0, seen: set | None = None) -> bool:
-    if type(value) in _PLAIN or isinstance(value, (torch.dtype, torch.Tensor)):
+    if type(value) in _PLAIN or isinstance(value, (torch.dtype, torch.Tensor, Inert)):
         return True
     if depth >= 4:
         return False
@@ -95,12 +95,19 @@ class _ReadOnlyClass(type):
     __delattr__ = __setattr__
 
 
-class DeepSpeedRecord(metaclass=_ReadOnlyClass):
+class Inert:
+    """A stand-in made here, holding only checked plain data: may sit inside a record."""
+
+    __slots__ = ()
+
+
+class DeepSpeedRecord(Inert, metaclass=_ReadOnlyClass):
     """Attribute bag for a DeepSpeed object (loss scaler, fragment address, ...).
 
     It accepts only plain data (see ``_plain``): the state comes from an untrusted pickle, and
     whatever it stores here stays reachable through ``LoadedCheckpoint.raw``."""
 
+    __slots__ = ("__dict__",)
     ds_name = "deepspeed"
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -121,7 +128,7 @@ class DeepSpeedRecord(metaclass=_ReadOnlyClass):
 
 def _record_class(qualified: str) -> type:
     short = qualified.rsplit(".", 1)[1]
-    return _ReadOnlyClass(short, (DeepSpeedRecord,), {"ds_name": qualified})
+    return _ReadOnlyClass(short, (DeepSpeedRecord,), {"ds_name": qualified, "__slots__": ()})
 
 
 _ZERO_STAGE_ENUM = "deepspeed.runtime.zero.config.ZeroStageEnum"
@@ -143,9 +150,130 @@ _RECORD_CLASSES = (
     "deepspeed.runtime.fp16.loss_scaler.LossScalerBase",
 )
 
+# -- what Megatron-DeepSpeed's save_checkpoint adds: args, RNG states (numpy's), enums -----------
+# Its model-states files carry ``args`` (an argparse.Namespace, with Megatron enums among the
+# values) and ``rng_state`` (numpy's generator state: an array and a dtype). They are read as
+# records of their data; no numpy or Megatron code is imported or run.
+
+class NumpyDtype(Inert):
+    """``numpy.dtype(spec, align, copy)`` as a pickle builds it: the spec and the byte order."""
+
+    __slots__ = ("spec", "order")
+
+    def __init__(self, spec: Any, align: Any = False, copy: Any = False):
+        if type(spec) is not str or len(spec) > 16 or type(align) is not bool or type(copy) is not bool:
+            raise RefusedState("numpy.dtype", f"expects a short type code, got {short_repr(spec)}")
+        self.spec, self.order = spec, "="
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, tuple) or len(state) < 2 or type(state[1]) is not str or not _plain(state):
+            raise RefusedState("numpy.dtype", f"expects a tuple of plain fields, got {short_repr(state)}")
+        self.order = state[1]
+
+    def __repr__(self) -> str:
+        return f"<numpy dtype {self.order}{self.spec}>"
+
+
+class NumpyArray(Inert):
+    """A numpy array as its pickle gives it: shape, dtype and raw bytes (object arrays refused)."""
+
+    __slots__ = ("shape", "dtype", "data")
+
+    def __init__(self):
+        self.shape, self.dtype, self.data = (0,), None, b""
+
+    def __setstate__(self, state: Any) -> None:
+        ok = isinstance(state, tuple) and len(state) == 5
+        if ok:
+            _, shape, dtype, _, data = state
+            ok = (type(shape) is tuple and all(type(d) is int and d >= 0 for d in shape) and len(shape) <= 32
+                  and isinstance(dtype, NumpyDtype) and type(data) is bytes)
+        if not ok:
+            raise RefusedState("numpy.ndarray", "expects (version, shape, dtype, fortran, bytes) with raw bytes, "
+                                                f"got {short_repr(state)}")
+        self.shape, self.dtype, self.data = shape, dtype, data
+
+    def __repr__(self) -> str:
+        return f"<numpy array {list(self.shape)} {self.dtype!r}>"
+
+
+class NumpyScalar(Inert):
+    __slots__ = ("dtype", "data")
+
+    def __init__(self, dtype: Any, data: Any = b""):
+        if not isinstance(dtype, NumpyDtype) or type(data) is not bytes or len(data) > 64:
+            raise RefusedState("numpy.scalar", f"expects a dtype and its bytes, got {short_repr((dtype, data))}")
+        self.dtype, self.data = dtype, data
+
+    def __repr__(self) -> str:
+        return f"<numpy scalar {self.dtype!r}>"
+
+
+class _NdarrayType(Inert):
+    """What the name numpy.ndarray resolves to: only ever passed to _reconstruct."""
+
+    __slots__ = ()
+
+
+_NDARRAY = _NdarrayType()
+
+
+def numpy_reconstruct(cls: Any, shape: Any = (0,), typecode: Any = b"b") -> NumpyArray:
+    if cls is not _NDARRAY:
+        raise RefusedState("numpy._core.multiarray._reconstruct", f"expects numpy.ndarray, got {short_repr(cls)}")
+    return NumpyArray()
+
+
+def latin1_encode(text: Any, encoding: Any = "utf-8") -> bytes:
+    """``_codecs.encode(text, "latin1")``: how a protocol-2 pickle spells bytes. Only that."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise RefusedState("_codecs.encode", f"expects a str and 'latin1', got {short_repr((text, encoding))}")
+    return text.encode("latin-1")
+
+
+class EnumValue(Inert):
+    """A Megatron enum member (``PositionEmbeddingType(1)``): its class name and value."""
+
+    __slots__ = ("enum", "value")
+
+    def __init__(self, enum: str, value: Any):
+        self.enum, self.value = enum, value
+
+    def __repr__(self) -> str:
+        return f"<{self.enum}({self.value!r})>"
+
+
+def _enum(qualified: str):
+    def member(value: Any) -> EnumValue:
+        if type(value) not in (int, str):
+            raise RefusedState(qualified, f"expects an int or str member value, got {short_repr(value)}")
+        return EnumValue(qualified.rsplit(".", 1)[1], value)
+
+    member.__name__ = qualified.rsplit(".", 1)[1]
+    return Frozen(member)
+
+
+_MEGATRON_ENUMS = tuple(f"{module}.{name}" for module, names in (
+    ("megatron.model.enums", ("LayerType", "AttnType", "AttnMaskType", "PositionEmbeddingType")),
+    ("megatron.core.enums", ("ModelType",)),
+    ("megatron.core.transformer.enums", ("ModelType", "LayerType", "AttnType", "AttnMaskType", "AttnBackend")),
+) for name in names)
+
+_OTHER_RECORDS = {
+    "argparse.Namespace": _ReadOnlyClass("Namespace", (DeepSpeedRecord,), {"ds_name": "argparse.Namespace",
+                                                                            "__slots__": ()}),
+    "numpy.dtype": Frozen(NumpyDtype),
+    "numpy.ndarray": _NDARRAY,
+    "_codecs.encode": Frozen(latin1_encode),
+    **{f"{m}.{n}": Frozen(f) for m in ("numpy.core.multiarray", "numpy._core.multiarray")
+       for n, f in (("_reconstruct", numpy_reconstruct), ("scalar", NumpyScalar))},
+    **{name: _enum(name) for name in _MEGATRON_ENUMS},
+}
+
 # Full DeepSpeed name -> stand-in. With the tensor, container and dtype names in
 # ``unpickle.ALLOWED``, this is the whole allowlist.
 STAND_INS: dict[str, Any] = {
     _ZERO_STAGE_ENUM: Frozen(zero_stage),
     **{name: _record_class(name) for name in _RECORD_CLASSES},
+    **_OTHER_RECORDS,
 }
