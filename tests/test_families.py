@@ -216,6 +216,13 @@ def test_inspect_shows_the_parallel_layout(layout, capsys):
         assert p["tp"] == spec["tp"]
         assert p["family"] == ("tensor-parallel (Megatron-DeepSpeed)" if spec["family"] == "megatron"
                                else "tensor-parallel (AutoTP)")
+        if spec["family"] == "megatron":  # each parameter's rule, as ds_to_universal would take it
+            rules = p["tp_rules"]
+            assert set(rules) == set(truth["trainable"])
+            assert rules["language_model.embedding.word_embeddings.weight"] == "joined on dim 0 (first 21 rows: vocabulary)"
+            assert rules["language_model.encoder.final_layernorm.weight"] == "replicated"
+            assert rules["language_model.encoder.layers.0.mlp.dense_h_to_4h.weight"] == "two sub-params joined on dim 0"
+            assert rules["language_model.encoder.layers.0.self_attention.dense.weight"] == "joined on dim 1"
     else:
         assert p["pp"] == spec["pp"]
         owners = truth["layout"]["layer_stage"]

@@ -4,6 +4,8 @@ Plain data in, strings out: no torch, so the command line's parser stays light.
 """
 from __future__ import annotations
 
+import collections
+
 from collections import Counter
 
 
@@ -37,6 +39,9 @@ def parallelism_line(p: dict) -> str:
         line += "; stages: " + ", ".join(f"{s}: layers {ranges(layers)}" for s, layers in enumerate(p["stages"]))
     if p.get("tied_layers"):
         line += "; tied: " + ", ".join(f"{k} (layer {i})" for k, i in p["tied_layers"].items())
+    if p.get("tp_rules"):
+        counts = collections.Counter(p["tp_rules"].values())
+        line += "; tensors: " + ", ".join(f"{n} {label}" for label, n in counts.most_common())
     return line + offloaded_suffix(p)
 
 

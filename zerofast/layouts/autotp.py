@@ -146,7 +146,8 @@ def load(files: CheckpointFiles) -> PartitionedCheckpoint:
     amap = info.get("affine_map")
     if amap is None and tp_rules.has_rules(info):
         rules = tp_rules.read_rules(info, first.path)
-        ckpt.degrees = {"family": "tensor-parallel (Megatron-DeepSpeed)", "dp": dp, "tp": T}
+        ckpt.degrees = {"family": "tensor-parallel (Megatron-DeepSpeed)", "dp": dp, "tp": T,
+                        "tp_rules": _rule_labels(rules, metas)}
         ckpt.extra = {"maps": {}, "replicated": set(), "rules": rules}
     else:
         maps = _affine_maps(metas[0], T)
@@ -161,6 +162,19 @@ def load(files: CheckpointFiles) -> PartitionedCheckpoint:
         for t in range(T):
             check_flat_groups(stage, [optims[d * T + t] for d in range(dp)])
     return ckpt
+
+
+def _rule_labels(rules: tp_rules.Rules, metas) -> dict[str, str]:
+    """Each trainable parameter's rule, from the tp ranks' shard shapes (checked here, before
+    any plan): what ``inspect`` shows."""
+    shapes = [{n: tuple(s) for g in m.param_shapes or [] for n, s in g.items()} for m in metas]
+    out = {}
+    for name in shapes[0]:
+        if any(name not in s for s in shapes):
+            raise InconsistentCheckpointError(f"{name!r} is a trainable parameter of tp rank 0 but not of every tp "
+                                              "rank", metas[0].path)
+        out[name] = rules.merge(name, [s[name] for s in shapes]).label
+    return out
 
 
 def _refuse_pipeline_without_layers(files: CheckpointFiles) -> None:

@@ -70,6 +70,13 @@ class Merge:
     blocks: tuple[Block, ...] = ()
     vocab: int | None = None  # rows kept (vocabulary parameters)
 
+    @property
+    def label(self) -> str:
+        """What ``inspect`` shows for the parameter."""
+        base = {REPLICATED: "replicated", AVERAGE: "averaged", TWO_SUB_PARAMS: "two sub-params joined on dim 0",
+                SUB_PARAMS: f"sub-params joined on dim {self.dim}"}.get(self.rule, f"joined on dim {self.dim}")
+        return base + (f" (first {self.vocab} rows: vocabulary)" if self.vocab is not None else "")
+
 
 @dataclass
 class Rules:
