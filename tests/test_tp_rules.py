@@ -157,3 +157,56 @@ def test_megatron_deepspeeds_own_patterns_are_accepted():
     compiled = [tp_rules.safe_pattern(p, "test", None) for p in own]
     assert compiled[0].match("3.input_layernorm.weight")
     assert all(isinstance(c, re.Pattern) for c in compiled)
+
+
+# -- rules the user gives (--tp-rules / ZEROFAST_TP_RULES) -------------------------------------------
+
+@pytest.mark.parametrize("name, label", [
+    ("language_model.encoder.layers.0.input_layernorm.weight", "replicated"),
+    ("7.post_attention_layernorm.bias", "replicated"),
+    ("language_model.encoder.final_layernorm.weight", "replicated"),
+    ("9.weight", "replicated"),  # the pipeline's final norm: a layer of its own
+    ("language_model.encoder.layers.1.mlp.dense_h_to_4h.weight", "two sub-params joined on dim 0"),
+    ("3.mlp.dense_4h_to_h.weight", "joined on dim 1"),
+    ("language_model.encoder.layers.0.self_attention.dense.weight", "joined on dim 1"),
+    ("language_model.encoder.layers.0.self_attention.query_key_value.weight", "joined on dim 0"),
+    ("tied_modules.embed.word_embeddings.weight", "joined on dim 0 (first 21 rows: vocabulary)"),
+    ("language_model.embedding.word_embeddings.weight", "joined on dim 0 (first 21 rows: vocabulary)"),
+])
+def test_the_megatron_gpt_preset_covers_both_namings(name, label):
+    r = tp_rules.read_rules(tp_rules.from_setting("megatron-gpt:mlp=swiglu,vocab=21"), None)
+    assert r.merge(name, [(12, 4), (12, 4)]).label == label
+
+
+def test_the_preset_with_gelu_joins_dense_h_to_4h_on_dim_0():
+    r = tp_rules.read_rules(tp_rules.from_setting("megatron-gpt:mlp=gelu,vocab=21"), None)
+    assert r.merge("2.mlp.dense_h_to_4h.weight", [(4, 2), (4, 2)]).label == "joined on dim 0"
+
+
+@pytest.mark.parametrize("value", ["megatron-gpt", "megatron-gpt:mlp=swiglu", "megatron-gpt:vocab=3",
+                                   "megatron-gpt:mlp=relu,vocab=3", "megatron-gpt:mlp=gelu,vocab=-1",
+                                   "megatron-gpt:layers=3"])
+def test_the_preset_asks_for_what_the_shapes_cannot_tell(value):
+    from zerofast.base.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="mlp=swiglu"):
+        tp_rules.from_setting(value)
+
+
+def test_a_rules_file_is_read_and_checked(tmp_path):
+    from zerofast.base.errors import SettingsError
+
+    good = tmp_path / "rules.json"
+    good.write_text('{"tp_replicated_parameter_patterns": ["norm"], "original_vocab_size": 5}')
+    assert tp_rules.read_rules(tp_rules.from_setting(str(good)), None).merge("norm.w", [(2,), (2,)]).kind == "replicated"
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "huge.json").write_bytes(b" " * (tp_rules.MAX_RULES_FILE + 1))
+    for name, why in (("list.json", "JSON object"), ("bad.json", "expected JSON"), ("huge.json", "at most"),
+                      ("missing.json", "could not read")):
+        with pytest.raises(SettingsError, match=why):
+            tp_rules.from_setting(str(tmp_path / name))
+    bad_pattern = tmp_path / "backtrack.json"
+    bad_pattern.write_text('{"tp_replicated_parameter_patterns": ["(a+)+"]}')
+    with pytest.raises(UnsupportedCheckpointError, match="repeated group"):
+        tp_rules.read_rules(tp_rules.from_setting(str(bad_pattern)), None)

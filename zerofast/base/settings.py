@@ -40,6 +40,7 @@ CUDA_KERNELS_ENV = "ZEROFAST_CUDA_KERNELS"
 DIST_TIMEOUT_ENV = "ZEROFAST_DIST_TIMEOUT"
 TP_REPLICATED_ENV = "ZEROFAST_TP_REPLICATED"
 TP_REPLICATED_MODES = ("equal", "mean")
+TP_RULES_ENV = "ZEROFAST_TP_RULES"
 # A collective waits for the slowest rank to finish its share of the files, so the timeout must
 # cover the imbalance between ranks (at most one file), not a whole export.
 DEFAULT_DIST_TIMEOUT_S = 1800
@@ -104,6 +105,11 @@ class Settings:
     # "mean" averages the copies as ds_to_universal averages (BLOOM's drifted layer norms). As
     # written; ``tp_replicated_mode`` checks it where it is used. The CLI's --tp-replicated sets it.
     tp_replicated: str = "equal"
+    # ZEROFAST_TP_RULES: how a tensor-parallel save's slices go together where the save does not
+    # say (no pattern lists in universal_checkpoint_info), or instead of what it says: a JSON file
+    # in that vocabulary, or a preset ("megatron-gpt:mlp=swiglu,vocab=50257"); see
+    # zerofast/layouts/tp_rules.py. Default none. The CLI's --tp-rules sets it.
+    tp_rules: str | None = None
 
     @cached_property  # read on every native op: strip and lower once per reading
     def mode(self) -> str:
@@ -170,6 +176,7 @@ def from_environment(env: Mapping[str, str]) -> Settings:
         nodes_hole_bytes=_count(env.get(NODES_HOLE_ENV)) or 64 << 10,
         nodes_chunk_bytes=_count(env.get(NODES_CHUNK_ENV)) or 64 << 20,
         tp_replicated=env.get(TP_REPLICATED_ENV, "equal"),
+        tp_rules=env.get(TP_RULES_ENV) or None,
     )
 
 
@@ -182,7 +189,8 @@ def _count(value: str | None) -> int:
 
 _VARIABLES = (NATIVE_ENV, CACHE_DIR_ENV, "XDG_CACHE_HOME", "HOME", "CXX", "FORCE_CUDA", "TORCH_CUDA_ARCH_LIST",
               CUDA_KERNELS_ENV, "CUDA_HOME", "CUDA_PATH", FOLLOW_SYMLINKS_ENV, READERS_ENV, HUGEPAGES_ENV,
-              COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV, NODES_HOLE_ENV, NODES_CHUNK_ENV, TP_REPLICATED_ENV)
+              COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV, NODES_HOLE_ENV, NODES_CHUNK_ENV, TP_REPLICATED_ENV,
+              TP_RULES_ENV)
 _cache: tuple[tuple, Settings] | None = None
 # The reading that stands while a public call runs (read_once), and how many such calls are in
 # flight; a plain global, not thread-local, so that the call's reader threads see it too.

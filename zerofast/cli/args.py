@@ -90,6 +90,10 @@ def common_options() -> argparse.ArgumentParser:
                         help="a Megatron-DeepSpeed save's tensor-parallel replicated parameters whose copies differ: "
                              "refused (equal, the default) or averaged as BLOOM's converters do (mean); as "
                              "ZEROFAST_TP_REPLICATED")
+    common.add_argument("--tp-rules", default=None, metavar="FILE|PRESET",
+                        help="how a tensor-parallel save's slices go together where it does not say: a JSON file of "
+                             "universal_checkpoint_info's pattern lists, or megatron-gpt:mlp=swiglu|gelu,vocab=N; as "
+                             "ZEROFAST_TP_RULES")
     common.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return common
 

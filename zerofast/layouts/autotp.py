@@ -144,8 +144,9 @@ def load(files: CheckpointFiles) -> PartitionedCheckpoint:
     info = first.raw.get(K.UNIVERSAL_INFO)
     info = info if isinstance(info, dict) else {}
     amap = info.get("affine_map")
-    if amap is None and tp_rules.has_rules(info):
-        rules = tp_rules.read_rules(info, first.path)
+    given = settings().tp_rules  # the user's rules win over the save's
+    if given or (amap is None and tp_rules.has_rules(info)):
+        rules = tp_rules.read_rules(tp_rules.from_setting(given) if given else info, first.path)
         ckpt.degrees = {"family": "tensor-parallel (Megatron-DeepSpeed)", "dp": dp, "tp": T,
                         "tp_rules": _rule_labels(rules, metas)}
         ckpt.extra = {"maps": {}, "replicated": set(), "rules": rules}
@@ -195,12 +196,15 @@ def _affine_maps(meta, T: int) -> dict[str, dict]:
     amap = info.get("affine_map") if isinstance(info, dict) else None
     params = amap.get("params") if isinstance(amap, dict) else None
     if not isinstance(params, dict):
+        names = [n for g in meta.param_shapes or [] for n in g]
+        hint = ("; the names look like Megatron-DeepSpeed's GPT: --tp-rules megatron-gpt:mlp=swiglu|gelu,vocab=N "
+                "applies its patterns" if tp_rules.looks_megatron(names) else "")
         raise UnsupportedCheckpointError(
             f"expected {K.UNIVERSAL_INFO} in this tensor-parallel save's model states: AutoTP's affine_map, or "
             "Megatron-DeepSpeed's parameter patterns (tp_replicated_parameter_patterns, "
-            "parameter_with_row_parallelism_patterns, ...), found neither; without them the slices' joins are not "
-            "known (Megatron-DeepSpeed writes them when run with --universal-checkpoint or "
-            "UniversalCheckpointInfo)", meta.path)
+            "parameter_with_row_parallelism_patterns, ...), found neither, so how the tp ranks' slices go together "
+            "is not known. Give the rules with --tp-rules FILE (a JSON object in the same vocabulary) or a preset "
+            f"(ZEROFAST_TP_RULES){hint}", meta.path)
     out = {}
     for pattern, entry in params.items():
         ranks = entry.get("ranks") if isinstance(entry, dict) else None
