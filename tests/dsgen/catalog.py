@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.dsgen.families import FAMILY_LAYOUTS
+from tests.dsgen.families import FAMILY_LAYOUTS, MEGATRON_VARIANTS
+from tests.dsgen.megatron_pipe_layouts import MEGATRON_PIPE_LAYOUTS
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
@@ -37,6 +38,7 @@ MODELS = HERE / "models.py"
 FAMILY_TRAIN = HERE / "train_families.py"
 FAMILY_MODELS = HERE / "family_models.py"
 MEGATRON_TRAIN = HERE / "train_megatron.py"
+MEGATRON_PIPE_TRAIN = HERE / "train_megatron_pipe.py"
 MUON_TRAIN = HERE / "train_muon.py"
 NVME_TRAIN = HERE / "train_nvme.py"
 TIMEOUT_S = float(os.environ.get("ZEROFAST_DSGEN_TIMEOUT", "300"))
@@ -120,6 +122,15 @@ LAYOUTS: dict[str, dict] = {
         "stage": 3, "world_size": 1, "dtype": "fp32", "n_groups": 1,
         "model": {"empty_param": True},
     },
+    # -- torch.save's legacy (non-zip) format: "checkpoint_serialization": false (issue 47) --
+    "s2_bf16_w2_legacy": {
+        "stage": 2, "world_size": 2, "dtype": "bf16", "n_groups": 2,
+        "ds_config": {"checkpoint": {"checkpoint_serialization": False}},
+    },
+    "s3_bf16_w2_legacy": {
+        "stage": 3, "world_size": 2, "dtype": "bf16", "n_groups": 1,
+        "ds_config": {"checkpoint": {"checkpoint_serialization": False}},
+    },
 }
 
 
@@ -192,13 +203,16 @@ NVME_LAYOUTS: dict[str, dict] = {
     },
 }
 
-ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS, **MUON_LAYOUTS, **RESHARD_LAYOUTS, **NVME_LAYOUTS}
+ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS, **MUON_LAYOUTS, **RESHARD_LAYOUTS, **NVME_LAYOUTS,
+                                 **MEGATRON_VARIANTS, **MEGATRON_PIPE_LAYOUTS}
 
 
 def _scripts(spec: dict) -> list[Path]:
     """The generator and model files a layout's checkpoint depends on (the script first)."""
     if spec.get("family") == "megatron":  # its own model; merge_truth from train_families.py
         return [MEGATRON_TRAIN, FAMILY_TRAIN, TRAIN]
+    if spec.get("family") == "megatron_pipe":  # Megatron's TP layers (train_megatron.py) in a PipelineModule
+        return [MEGATRON_PIPE_TRAIN, MEGATRON_TRAIN, TRAIN]
     if "family" in spec:
         return [FAMILY_TRAIN, FAMILY_MODELS, TRAIN, MODELS]
     if spec.get("optimizer") == "muon":

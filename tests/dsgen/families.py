@@ -16,8 +16,6 @@ here reconstructs"; :func:`ensure_megatron_variant` generates and caches them as
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 FAMILY_LAYOUTS: dict[str, dict] = {
@@ -57,22 +55,14 @@ MEGATRON_VARIANTS: dict[str, dict] = {
                                          "tp": 2, "universal_checkpoint_info": False},
     # saved as Megatron-DeepSpeed's save_checkpoint saves (nested module, args, rng_state)
     "megatron_s1_bf16_tp2_dp2_megatron_save": {**_TP2_DP2, "stage": 1, "megatron_save": True},
+    "megatron_s3_bf16_tp2_dp2_megatron_save": {**_TP2_DP2, "stage": 3, "megatron_save": True},
 }
 
 
 def ensure_megatron_variant(name: str) -> Path:
-    """The cached root of :data:`MEGATRON_VARIANTS` ``name`` (made on first use), keyed and locked
-    as ``catalog.ensure_checkpoint`` keys and locks the catalog's layouts."""
+    """The cached root of :data:`MEGATRON_VARIANTS` ``name`` (made on first use), by the catalog."""
     from tests.dsgen import catalog  # catalog imports this module
 
-    spec = MEGATRON_VARIANTS[name]
-    h = hashlib.sha256()
-    for path in catalog._scripts(spec):
-        h.update(path.read_bytes())
-        h.update(b"\0")
-    h.update(json.dumps(spec, sort_keys=True).encode())
-    h.update(b"\0")
-    h.update(catalog._ds_version().encode())
-    final = catalog.cache_dir() / f"{name}-{h.hexdigest()[:12]}"
-    return catalog.build_cached(final, catalog._complete, lambda tmp: catalog._run_train(spec, tmp),
-                                f"generation of {name}")
+    if name not in MEGATRON_VARIANTS:
+        raise KeyError(f"unknown Megatron variant {name!r}; known: {sorted(MEGATRON_VARIANTS)}")
+    return catalog.ensure_checkpoint(name)

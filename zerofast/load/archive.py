@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from . import legacy
 from ..native import ops
 from ..base.errors import CorruptCheckpointError, NativeExtensionError, first_line, mapping_limit_error, mapping_refused
 
@@ -51,6 +52,7 @@ class ArchiveIndex:
     # The file's bytes, read whole (a file of at most READ_WHOLE_BYTES, by index_archives): the
     # storages are cut from them instead of from a mapping of the file.
     whole: Any = None
+    legacy: bool = False  # torch.save's non-zip format (legacy.py): read by the Python reader only
 
     def storage_offset(self, key: str, nbytes: int) -> int:
         """File offset of storage ``key``, whose pickle declares ``nbytes`` for it."""
@@ -80,6 +82,8 @@ def index_archive(path: Path, start: int = 0, length: int | None = None) -> Arch
     file holds one ``torch.save`` archive per item back to back); offsets stay the file's."""
     st = _regular_file(path)
     size = st.st_size
+    if start == 0 and length is None and legacy.is_legacy(path):
+        return legacy.index(path, st)
     end = size if length is None else start + length
     native = _native_directory(path, start, end) if 0 <= start <= end <= size else None
     if native is not None:

@@ -191,7 +191,7 @@ def _read(path: Path, index: ArchiveIndex) -> Any:
 
 
 def _read_with(core: Callable | None, path: Path, index: ArchiveIndex) -> Any:
-    if core is not None:
+    if core is not None and not index.legacy:
         ok, result = read_native(path, index, core)
         if ok:
             return result

@@ -235,11 +235,14 @@ class _Storages:
         self.built = _Built(tensor_byte_limit(index, span))
 
     def __call__(self, pid: object) -> _StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)
+        # A legacy (non-zip) file's references carry a sixth field, a view of another storage,
+        # which torch has not written since 0.4 (legacy.py refuses any that is not None).
+        if not (isinstance(pid, tuple) and (len(pid) == 5 or len(pid) == 6 and self.index.legacy and pid[5] is None)
+                and pid[0] == "storage" and isinstance(pid[1], _StorageType)
                 and isinstance(pid[2], str) and type(pid[4]) is int and pid[4] >= 0):
             raise CorruptCheckpointError(f"expected a torch storage reference in the pickle, found {short_repr(pid)}",
                                          self.path)
-        _, kind, key, _location, numel = pid
+        _, kind, key, _location, numel = pid[:5]
         dtype = kind.dtype
         if numel > INT64_MAX:
             raise CorruptCheckpointError(f"expected a storage of fewer than 2**63 elements, found {short_repr(numel)}",
