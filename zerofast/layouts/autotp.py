@@ -27,17 +27,13 @@ executor gathers it in the one pass.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from ..base import keys as K
-from ..base.settings import TP_REPLICATED_ENV, settings
 from ..discover import CheckpointFiles, Found, other_model_parallel_rank, ranked
 from ..base.errors import (CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                       InconsistentCheckpointError, UnsupportedCheckpointError, short_repr, some)
@@ -46,7 +42,7 @@ from ..load.records import check_flat_groups, read_model_states, read_optim_stat
 from ..plan.builders import flat_entries
 from ..plan.columns import EntryTable
 from ..plan.model import Entry, FlatGroups, SourceTable, VirtualBuffer, rank_share
-from . import tp_rules
+from . import tp_join
 from .base import PartitionedLayout
 
 _TP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -143,12 +139,11 @@ def load(files: CheckpointFiles) -> PartitionedCheckpoint:
     # Not ``or``: the truth of a tensor the file put here raises.
     info = first.raw.get(K.UNIVERSAL_INFO)
     info = info if isinstance(info, dict) else {}
-    amap = info.get("affine_map")
-    given = settings().tp_rules  # the user's rules win over the save's
-    if given or (amap is None and tp_rules.has_rules(info)):
-        rules = tp_rules.read_rules(tp_rules.from_setting(given) if given else info, first.path)
+    shapes = [{n: tuple(v) for g in m.param_shapes or [] for n, v in g.items()} for m in metas]
+    rules = tp_join.rules_of(info, first.path, list(shapes[0]))
+    if rules is not None:
         ckpt.degrees = {"family": "tensor-parallel (Megatron-DeepSpeed)", "dp": dp, "tp": T,
-                        "tp_rules": _rule_labels(rules, metas)}
+                        "tp_rules": tp_join.rule_labels(rules, shapes, first.path)}
         ckpt.extra = {"maps": {}, "replicated": set(), "rules": rules}
     else:
         maps = _affine_maps(metas[0], T)
@@ -163,19 +158,6 @@ def load(files: CheckpointFiles) -> PartitionedCheckpoint:
         for t in range(T):
             check_flat_groups(stage, [optims[d * T + t] for d in range(dp)])
     return ckpt
-
-
-def _rule_labels(rules: tp_rules.Rules, metas) -> dict[str, str]:
-    """Each trainable parameter's rule, from the tp ranks' shard shapes (checked here, before
-    any plan): what ``inspect`` shows."""
-    shapes = [{n: tuple(s) for g in m.param_shapes or [] for n, s in g.items()} for m in metas]
-    out = {}
-    for name in shapes[0]:
-        if any(name not in s for s in shapes):
-            raise InconsistentCheckpointError(f"{name!r} is a trainable parameter of tp rank 0 but not of every tp "
-                                              "rank", metas[0].path)
-        out[name] = rules.merge(name, [s[name] for s in shapes]).label
-    return out
 
 
 def _refuse_pipeline_without_layers(files: CheckpointFiles) -> None:
@@ -196,15 +178,8 @@ def _affine_maps(meta, T: int) -> dict[str, dict]:
     amap = info.get("affine_map") if isinstance(info, dict) else None
     params = amap.get("params") if isinstance(amap, dict) else None
     if not isinstance(params, dict):
-        names = [n for g in meta.param_shapes or [] for n in g]
-        hint = ("; the names look like Megatron-DeepSpeed's GPT: --tp-rules megatron-gpt:mlp=swiglu|gelu,vocab=N "
-                "applies its patterns" if tp_rules.looks_megatron(names) else "")
-        raise UnsupportedCheckpointError(
-            f"expected {K.UNIVERSAL_INFO} in this tensor-parallel save's model states: AutoTP's affine_map, or "
-            "Megatron-DeepSpeed's parameter patterns (tp_replicated_parameter_patterns, "
-            "parameter_with_row_parallelism_patterns, ...), found neither, so how the tp ranks' slices go together "
-            "is not known. Give the rules with --tp-rules FILE (a JSON object in the same vocabulary) or a preset "
-            f"(ZEROFAST_TP_RULES){hint}", meta.path)
+        raise CorruptCheckpointError(f"expected universal_checkpoint_info.affine_map.params to be a dict, found "
+                                     f"{short_repr(params)}", meta.path)
     out = {}
     for pattern, entry in params.items():
         ranks = entry.get("ranks") if isinstance(entry, dict) else None
@@ -267,41 +242,9 @@ class _Composer:
             if self.rules is None:
                 out[name] = self._compose(ckpt, name, slices)
             else:
-                out[name] = self._by_rules(ckpt, table, name, slices, what)
+                out[name] = tp_join.join_entry(self.rules, table, name, slices, what,
+                                               [m.path for m in self.metas])
         return out
-
-    def _by_rules(self, ckpt, table, name: str, slices: list, what: str) -> Entry:
-        missing = [t for t, s in enumerate(slices) if s is None]
-        if missing:
-            raise InconsistentCheckpointError(f"tp rank {missing[0]} has no {name!r}", self.metas[missing[0]].path)
-        shapes = [tuple(s[0]) for s in slices]
-        merge = self.rules.merge(name, shapes)
-        if merge.kind == "join":
-            entry = tp_rules.affine_entry(merge, shapes)
-            return tuple(entry["logical_shape"]), slices[0][1], [
-                seg for t, s in enumerate(slices) for piece in entry["ranks"][t]["pieces"]
-                for seg in _piece_segments(name, piece, s, self.metas[t].path)]
-        if len(set(shapes)) != 1:
-            raise InconsistentCheckpointError(f"{name!r} is named {merge.rule}, but its tp ranks hold shapes "
-                                              f"{[list(x) for x in shapes]}", self.metas[0].path)
-        values = [_values(table, s) for s in slices]
-        if merge.kind == "replicated":
-            differ = _first_difference(values)
-            if differ is None:
-                return slices[0]
-            if settings().tp_replicated_mode() != "mean":
-                t, diff = differ
-                raise InconsistentCheckpointError(
-                    f"{name!r} is named tensor-parallel replicated, but the {what} of tp ranks 0 and {t} differ "
-                    f"(largest difference {diff:.6g}); to average the copies, as BLOOM's converters do, pass "
-                    f"--tp-replicated mean ({TP_REPLICATED_ENV}=mean)", self.metas[t].path)
-            warnings.warn(f"averaged the differing tp copies of the replicated {name!r} ({what}), as "
-                          f"--tp-replicated mean asks", stacklevel=2)
-        mean = 0  # as ds_to_universal: sum(slices) / len(slices), from an int 0 (-0.0 + 0 is +0.0)
-        for v in values:
-            mean = mean + v
-        mean = (mean / len(values)).reshape(shapes[0])
-        return table.whole(str(self.metas[0].path), f"mean over tp ranks of {name!r} ({what})", mean)
 
     def _zero12_shards(self, ckpt, table, flats, what) -> list[dict[str, Entry]]:
         shards = []
@@ -364,57 +307,13 @@ class _Composer:
                     continue  # a replicated piece: read from the first rank holding it
                 if shard is None:
                     raise InconsistentCheckpointError(f"tp rank {t} has no {name!r}", self.metas[t].path)
-                segs += _piece_segments(name, piece, shard, self.metas[t].path)
+                segs += tp_join.piece_segments(name, piece, shard, self.metas[t].path)
                 covered += math.prod(piece["shape"])
         if covered != math.prod(shape):
             raise InconsistentCheckpointError(
                 f"the affine_map pieces of {name!r} cover {covered} of its {math.prod(shape)} elements",
                 self.metas[0].path)
         return shape, shards[0][1], segs
-
-
-def _piece_segments(name: str, piece: dict, shard: Entry, path) -> list[tuple[int, int, int, int]]:
-    """Segments copying ``shard.as_strided(shape, *dest)`` into ``full.as_strided(shape, *source)``."""
-    try:
-        shape = [int(d) for d in piece["shape"]]
-        (src_off, src_strides), (dst_off, dst_strides) = piece["source"], piece["dest"]
-    except (KeyError, TypeError, ValueError):
-        raise CorruptCheckpointError(f"expected an affine_map piece with shape, source and dest for {name!r}",
-                                     path) from None
-    if not shape:
-        shape, src_strides, dst_strides = [1], [1], [1]
-    inner = shape[-1] if src_strides[-1] == 1 and dst_strides[-1] == 1 else 1
-    outer = [range(d) for d in shape[:-1]] + ([range(shape[-1])] if inner == 1 else [])
-    out = []
-    shard_segs = shard[2]
-    for index in itertools.product(*outer):
-        full_at = src_off + sum(i * s for i, s in zip(index, src_strides))
-        shard_at = dst_off + sum(i * s for i, s in zip(index, dst_strides))
-        for src, s_off, d_off, length in shard_segs:
-            a, b = max(d_off, shard_at), min(d_off + length, shard_at + inner)
-            if a < b:
-                out.append((src, s_off + a - d_off, full_at + a - shard_at, b - a))
-    return out
-
-
-def _values(table: SourceTable, entry: Entry) -> torch.Tensor:
-    """The elements of ``entry`` (a small replicated tensor), read from the table's sources."""
-    shape, _, segs = entry
-    n = math.prod(shape)
-    out = torch.empty(n, dtype=table.tensors[segs[0][0]].dtype if segs else torch.float32)
-    for src, s_off, d_off, length in segs:
-        out[d_off:d_off + length] = table.tensors[src][s_off:s_off + length]
-    return out
-
-
-def _first_difference(values: list[torch.Tensor]) -> tuple[int, float] | None:
-    """Replicated copies are compared bit for bit, not assumed equal: the first tp rank whose copy
-    differs from rank 0's, with the largest difference, or None."""
-    first = values[0].view(torch.uint8)
-    for t, v in enumerate(values[1:], 1):
-        if not torch.equal(first, v.view(torch.uint8)):
-            return t, (values[0].double() - v.double()).abs().max().item()
-    return None
 
 
 LAYOUT = AutoTPLayout()
