@@ -112,9 +112,11 @@ def test_tensor_parallel_without_autotp_map_and_old_moe_are_refused(stage2, tmp_
     for r in (0, 1):
         copies.append(tag_dir / f"bf16_zero_pp_rank_{r}_mp_rank_01_optim_states.pt")
         shutil.copy(tag_dir / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt", copies[-1])
-    # A complete grid of rank files, but no AutoTP affine_map says how the shards fit together.
-    with pytest.raises(zerofast.UnsupportedCheckpointError, match="without universal_checkpoint_info.affine_map"):
+    # A complete grid of rank files, but neither AutoTP's affine_map nor Megatron-DeepSpeed's pattern
+    # lists say how the shards fit together (and the names are not Megatron's: no preset is named).
+    with pytest.raises(zerofast.UnsupportedCheckpointError, match="expected universal_checkpoint_info") as e:
         zerofast.reconstruct(tag_dir)
+    assert "--tp-rules FILE" in str(e.value) and "megatron-gpt" not in str(e.value)
     for path in copies:
         path.unlink()
     (tag_dir / "expert_0_mp_rank_00_model_states.pt").write_bytes(b"")

@@ -1,16 +1,25 @@
-"""Pipeline-parallel saves (``deepspeed.pipe.PipelineModule``), ZeRO 0 and 1.
+"""Pipeline-parallel saves (``deepspeed.pipe.PipelineModule``), ZeRO 0 and 1, also with Megatron-
+DeepSpeed's tensor parallelism (a ``PipeModelDataParallelTopology`` with a model axis).
 
-On disk (DeepSpeed 0.19.8), for P stages and D data-parallel ranks per stage:
-- ``mp_rank_{s:02d}_model_states.pt`` per stage s: ``module`` is None; ``param_shapes`` lists the
-  stage's trainable parameters under PipelineModule names (``1.up.weight``,
-  ``tied_modules.embed.weight``); ``buffer_names`` likewise;
-- ``[bf16_]zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt``: stage s's masters, an ordinary ZeRO
-  partition over its D ranks (also with the BF16_Optimizer, which records no ``zero_stage``);
-- ``layer_{NN:02d}-model_states.pt``: layer NN's own ``state_dict()`` (layer-local keys, model
-  dtype), written once by data-parallel rank 0 of its stage. Frozen parameters and buffer values
-  exist only here. A tied module (``TiedLayerSpec``) is saved once, in the file of its first
-  layer; nothing says so but the names: its keys are ``tied_modules.<key>.*`` in the stages'
-  ``param_shapes``/``buffer_names``. Every stage using it holds an equal fp32 master.
+On disk (DeepSpeed 0.19.8), for P stages, T tp ranks and D data-parallel ranks per (stage, tp):
+- ``mp_rank_{s * T + t:02d}_model_states.pt`` per stage s and tp rank t: ``module`` is None;
+  ``param_shapes`` lists the stage's trainable parameters under PipelineModule names
+  (``1.up.weight``, ``tied_modules.embed.weight``), with tp rank t's shard shapes; ``buffer_names``
+  likewise;
+- ``[bf16_]zero_pp_rank_{d}_mp_rank_{s * T + t:02d}_optim_states.pt``: that (stage, tp rank)'s
+  masters, an ordinary ZeRO partition over its D ranks (also with the BF16_Optimizer, which
+  records no ``zero_stage``);
+- ``layer_{NN:02d}-model_states.pt`` (T = 1) or ``layer_{NN:02d}-model_{t:02d}-model_states.pt``:
+  layer NN's own ``state_dict()`` (layer-local keys, model dtype, tp rank t's shards), written once
+  by data-parallel rank 0 of its stage. Frozen parameters and buffer values exist only here. A tied
+  module (``TiedLayerSpec``) is saved once, in the file of its first layer; nothing says so but the
+  names: its keys are ``tied_modules.<key>.*`` in the stages' ``param_shapes``/``buffer_names``.
+  Every stage using it holds a master; the first stage's is kept (Megatron's position embedding
+  gets no gradient on the last stage, so the copies there differ).
+
+With T > 1 each tp rank's pipeline is planned as a pipeline of its own, and the tp ranks' shards
+are joined by the rules in the model states' ``universal_checkpoint_info`` (or ``--tp-rules``),
+as for tensor-parallel saves without a pipeline (:mod:`.tp_join`).
 
 Output names are PipelineModule's, in layer order. :func:`zerofast.sequential_names` maps them to
 the names of the same layers in one ``nn.Sequential``.
@@ -25,25 +34,33 @@ import torch
 
 from ..base import keys as K
 from ..discover import CheckpointFiles, Found, ranked
-from ..base.errors import IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
+from ..base.errors import IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError, some
 from ..load import PartitionedCheckpoint, Partition, Stored, load_file
 from ..load.checkpoint import check_partitions, merged_meta
 from ..load.records import expect_dict, expect_mapping, read_model_states, read_optim_states, settle_stage
-from ..plan.model import Entry, SourceTable
+from ..plan.columns import EntryTable
+from ..plan.model import Entry, FlatGroups, SourceTable
+from ..plan.partitioned import partition_entries
+from . import tp_join
 from .base import PartitionedLayout
 
-# "layer_<NN>-model_states.pt" next to one "mp_rank_<SS>_model_states.pt" per stage.
-PIPE_LAYER = re.compile(r"^layer_(\d+)-model_states\.pt$")
+# "layer_<NN>[-model_<TT>]-model_states.pt" next to one "mp_rank_<SS>_model_states.pt" per (stage, tp).
+PIPE_LAYER = re.compile(r"^layer_(\d+)-(?:model_(\d+)-)?model_states\.pt$")
 PIPE_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 PIPE_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
 @dataclass(frozen=True)
 class PipelineFiles(CheckpointFiles):
-    layer_files: tuple[Path, ...] = ()  # one per saved layer, in layer order
+    layer_files: tuple[Path, ...] = ()  # one per saved layer and tp rank, tp rank by tp rank, in layer order
+    mp_size: int = 1  # tensor-parallel degree
 
     def paths(self) -> tuple[Path, ...]:
         return super().paths() + self.layer_files
+
+    def layers_of(self, tp: int) -> tuple[Path, ...]:
+        per = len(self.layer_files) // self.mp_size
+        return self.layer_files[tp * per:(tp + 1) * per]
 
 
 class PipelineLayout(PartitionedLayout):
@@ -61,7 +78,24 @@ class PipelineLayout(PartitionedLayout):
         return load(files)
 
     def stage0_masters(self, ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
-        return stage0_masters(ckpt, table)
+        if ckpt.files.mp_size == 1:
+            return stage0_masters(ckpt, table)
+        per_tp = [stage0_masters(ckpt, table, stored) for stored in ckpt.extra["tp_stored"]]
+        return _joined(ckpt, table, per_tp, "layer files' values")
+
+    def trainable_from(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
+                       what: str) -> EntryTable:
+        if ckpt.files.mp_size == 1:
+            return partition_entries(ckpt, table, flats, what)
+        per_tp = [partition_entries(ckpt, table, flats, what, parts) for parts in ckpt.extra["tp_partitions"]]
+        return EntryTable.of_entries(_joined(ckpt, table, per_tp, what))
+
+
+def _joined(ckpt: PartitionedCheckpoint, table: SourceTable, per_tp, what: str) -> dict[str, Entry]:
+    """Each tp rank's pipeline planned alone (``per_tp[t]``: name -> its shard), joined by the rules."""
+    rules, paths = ckpt.extra["rules"], ckpt.extra["tp_paths"]
+    return {name: tp_join.join_entry(rules, table, name, [shards.get(name) for shards in per_tp], what, paths)
+            for name in per_tp[0]}
 
 
 def _files(layout: "PipelineLayout", found: Found) -> "PipelineFiles":
@@ -87,47 +121,111 @@ def _files(layout: "PipelineLayout", found: Found) -> "PipelineFiles":
         raise IncompleteCheckpointError(
             f"expected the same number of optimizer files for each of the {len(stages)} stages, found "
             f"{ {s: len(v) for s, v in sorted(by_stage.items())} }", tag_dir)
-    layers = sorted((int(m.group(1)), n) for n in names if (m := PIPE_LAYER.match(n)))
+    layers = sorted((int(m.group(2) or 0), int(m.group(1)), n) for n in names if (m := PIPE_LAYER.match(n)))
+    T = 1 + max(t for t, _, _ in layers)
+    per_tp = [[i for t, i, _ in layers if t == tp] for tp in range(T)]
+    if any(p != per_tp[0] for p in per_tp) or len(stages) % T:
+        raise IncompleteCheckpointError(
+            f"expected the same layer files for each of {T} tensor-parallel ranks and a model-states file per (stage, "
+            f"tp rank), found layers {[some(list(map(str, p))) for p in per_tp]} and {len(stages)} model-states "
+            "files", tag_dir)
     return PipelineFiles(root, tag, tag_dir, tuple(stages), tuple(optim), layout=layout,
-                         layer_files=tuple(tag_dir / n for _, n in layers))
+                         layer_files=tuple(tag_dir / n for _, _, n in layers), mp_size=T)
 
 
 TIED = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
 
 
-def load(files: CheckpointFiles) -> PartitionedCheckpoint:
-    stages = [read_model_states(p, module_optional=True) for p in files.model_files]
-    P = len(stages)
-    for ms in stages:
-        _check_degree(ms, P)
+def load(files: PipelineFiles) -> PartitionedCheckpoint:
+    T = files.mp_size
+    everyone = [read_model_states(p, module_optional=True) for p in files.model_files]
+    P = len(everyone) // T
+    for ms in everyone:
+        _check_degree(ms, P, T)
     optims = [read_optim_states(p) for p in files.optim_files]
-    stage = settle_stage(files, stages, optims)
-    dp = len(optims) // P if optims else int(stages[0].dp_world_size or 1)
+    stage = settle_stage(files, everyone, optims)
+    dp = len(optims) // (P * T) if optims else int(everyone[0].dp_world_size or 1)
     _check_partition_counts(optims, dp)
-    known = _known_names(stages)
-    stored, tied_layers = _layer_tensors(files, known)
-    ckpt = PartitionedCheckpoint(files, stage, dp * P, stages, optims, stored=stored,
-                            buffers=frozenset(n for ms in stages for n in ms.buffer_names))
+    known = [_known_names(everyone[t::T]) for t in range(T)]
+    if stage == 0:  # no names recorded: the tied module's are those the save calls pipeline-replicated
+        for k in known:
+            k.update(dict.fromkeys(_pipeline_replicated(everyone[0]), None))
+    views = [_layer_tensors(files.layers_of(t), known[t]) for t in range(T)]
+    stored, tied_layers = views[0]
+    stages = everyone[0::T]  # tp rank 0's pipeline: its structure is every tp rank's
+    ckpt = PartitionedCheckpoint(files, stage, dp * P * T, everyone, optims, stored=stored,
+                                 buffers=frozenset(n for ms in everyone for n in ms.buffer_names))
     ckpt.degrees = {"family": "pipeline-parallel", "dp": dp, "pp": P,
                     "stages": [_stage_layers(ms, tied_layers) for ms in stages], "tied_layers": tied_layers}
     if stage == 0:
         ckpt.frozen_known = False
     else:
-        ckpt.partitions = _partitions(stages, dp)
+        by_tp = [_partitions(everyone[t::T], dp, [(s * T + t) * dp for s in range(P)]) for t in range(T)]
+        ckpt.partitions = [p for parts in by_tp for p in parts]
         ckpt.partition_ends = frozenset(p.ranks[-1] for p in ckpt.partitions)
         check_partitions(ckpt)
+        ckpt.extra["tp_partitions"] = by_tp
     shapes = [g for ms in stages for g in (ms.param_shapes or [])]
-    ckpt.model_states = [merged_meta(stages[0], stored, ckpt.buffers, {}, shapes), *stages[1:]]
+    if T > 1:
+        shapes = _tensor_parallel(ckpt, everyone, views, shapes)
+    ckpt.model_states = [merged_meta(stages[0], stored, ckpt.buffers, {}, shapes), *everyone[1:]]
     return ckpt
 
 
-def _check_degree(ms, P: int) -> None:
+def _tensor_parallel(ckpt: PartitionedCheckpoint, everyone, views, shapes: list[dict]) -> list[dict]:
+    """The tp ranks' rules, checked against their shard shapes; the full shapes for the meta."""
+    T = ckpt.files.mp_size
+    per_tp = [{n: tuple(v) for ms in everyone[t::T] for g in ms.param_shapes or [] for n, v in g.items()}
+              for t in range(T)]
+    if ckpt.stage == 0:  # no param_shapes: the layer files' floating tensors are the trainable ones
+        per_tp = [{n: tuple(s.tensor.shape) for n, s in stored.items() if s.tensor.is_floating_point()
+                   and n not in ckpt.buffers} for stored, _ in views]
+    first = everyone[0]
+    info = first.raw.get(K.UNIVERSAL_INFO)
+    rules = tp_join.rules_of(info if isinstance(info, dict) else {}, first.path, list(per_tp[0]))
+    if rules is None:
+        raise UnsupportedCheckpointError("a pipeline save with AutoTP's affine_map is not supported", first.path)
+    ckpt.degrees["tp"] = T
+    ckpt.degrees["tp_rules"] = tp_join.rule_labels(rules, per_tp, first.path)
+    _check_frozen(per_tp, views)
+    full = tp_join.full_shapes(rules, per_tp)
+    ckpt.extra.update(rules=rules, tp_stored=[stored for stored, _ in views],
+                      tp_paths=[everyone[t].path for t in range(T)])
+    return [{n: full.get(n, v) for n, v in g.items()} for g in shapes]
+
+
+def _check_frozen(per_tp: list[dict], views) -> None:
+    """Only trainable shards are joined: a tensor no optimizer names must be whole on every tp rank."""
+    for name, s in views[0][0].items():
+        if name in per_tp[0]:
+            continue
+        shapes = {tuple(stored[name].tensor.shape) for stored, _ in views if name in stored}
+        if len(shapes) > 1:
+            raise UnsupportedCheckpointError(f"frozen tensor-parallel shard {name!r} (shapes {sorted(shapes)}) is "
+                                             "not supported", s.path)
+
+
+def _pipeline_replicated(ms) -> list[str]:
+    """The names Megatron-DeepSpeed's ``pipeline_replicated_parameter_patterns`` spell out (its tied
+    embedding: ``tied_modules.embed.word_embeddings.weight``); patterns that are not plain names
+    (dots read as themselves) are left out."""
+    info = ms.raw.get(K.UNIVERSAL_INFO)
+    patterns = info.get("pipeline_replicated_parameter_patterns") if isinstance(info, dict) else None
+    if not isinstance(patterns, (list, tuple)):
+        return []
+    names = [p.replace("\\.", ".") for p in patterns if isinstance(p, str)]
+    return [n for n in names if _PLAIN_NAME.fullmatch(n) and TIED.match(n)]
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.]{1,512}")
+
+
+def _check_degree(ms, P: int, T: int) -> None:
     dims = ms.raw.get(K.PARALLEL_DIMENSIONS)
     dims = dims if isinstance(dims, dict) else {}
     pp, tp = dims.get(K.PP_DEGREE), dims.get(K.TP_DEGREE)
-    if tp is not None and tp != 1:
-        raise UnsupportedCheckpointError(f"pipelines with tensor parallelism (tp_degree {tp!r:.40}) are not supported",
-                                         ms.path)
+    if tp is not None and tp != T:
+        raise InconsistentCheckpointError(f"expected tp_degree {T} (layer files per layer), found {tp!r:.40}", ms.path)
     if pp is not None and pp != P:
         raise InconsistentCheckpointError(f"expected pp_degree {P} (one model-states file per stage), found {pp!r:.40}",
                                           ms.path)
@@ -150,12 +248,12 @@ def _known_names(stages) -> dict[str, tuple[int, ...] | None]:
     return known
 
 
-def _layer_tensors(files: CheckpointFiles, known) -> tuple[dict[str, Stored], dict[str, int]]:
+def _layer_tensors(layer_files, known) -> tuple[dict[str, Stored], dict[str, int]]:
     """Every layer file's tensors under their PipelineModule names, in layer order; and the layer
     each tied module was saved with."""
     stored: dict[str, Stored] = {}
     tied_at: dict[str, int] = {}
-    for path in files.layer_files:
+    for path in layer_files:
         index = int(PIPE_LAYER.match(path.name).group(1))
         tensors = expect_mapping(path, expect_dict(path, load_file(path), "a layer file"), "a layer file",
                                   torch.Tensor, "tensors")
@@ -201,29 +299,32 @@ def _stage_layers(ms, tied_layers: dict[str, int]) -> list[int]:
     return sorted(found)
 
 
-def _partitions(stages, dp: int) -> list[Partition]:
+def _partitions(stages, dp: int, first_ranks: list[int]) -> list[Partition]:
+    """Stage s's groups over optimizer files ``first_ranks[s]`` .. ``+ dp``; a name an earlier stage
+    holds (a tied module) is read from that stage."""
     out: list[Partition] = []
     seen: set[str] = set()
-    for s, ms in enumerate(stages):
+    for ms, first in zip(stages, first_ranks):
         if ms.param_shapes is None:
             raise InconsistentCheckpointError("expected 'param_shapes' for a ZeRO-1 pipeline stage, found None",
                                               ms.path)
         for g, group in enumerate(ms.param_shapes):
-            out.append(Partition(tuple(range(s * dp, (s + 1) * dp)), g, dict(group), frozenset(seen & set(group))))
+            out.append(Partition(tuple(range(first, first + dp)), g, dict(group), frozenset(seen & set(group))))
             seen |= set(group)
     return out
 
 
-def stage0_masters(ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
-    """ZeRO off: without mixed precision the layer files hold the trained values themselves."""
+def stage0_masters(ckpt: PartitionedCheckpoint, table: SourceTable, stored=None) -> dict[str, Entry]:
+    """ZeRO off: without mixed precision the layer files hold the trained values themselves
+    (``stored``: one tp rank's layer tensors; default the checkpoint's)."""
     for ms in ckpt.model_states:
         opt = ms.raw.get(K.STAGE0_OPTIMIZER)
         if isinstance(opt, dict) and ({K.STAGE0_FP32_GROUPS, K.STAGE0_FP32_FLAT} & set(opt)):
             raise UnsupportedCheckpointError(
                 "pipeline stage 0 with mixed-precision masters is not supported: the masters are unnamed and the "
                 "stage's layers are not recorded", ms.path)
-    return {n: table.whole(str(s.path), s.key, s.tensor)
-            for n, s in ckpt.stored.items() if n not in ckpt.buffers and s.tensor.is_floating_point()}
+    return {n: table.whole(str(s.path), s.key, s.tensor) for n, s in (ckpt.stored if stored is None else stored).items()
+            if n not in ckpt.buffers and s.tensor.is_floating_point()}
 
 
 def sequential_names(names, tied_layers: dict[str, int]) -> dict[str, str]:

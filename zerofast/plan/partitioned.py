@@ -10,12 +10,13 @@ composition, the masters of a save without ZeRO) as the ``trainable`` entries.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import torch
 
 from ..base.errors import InconsistentCheckpointError, UnsupportedCheckpointError
 from ..load import LoadedCheckpoint, PartitionedCheckpoint
-from ..load.checkpoint import narrow_group
+from ..load.checkpoint import Partition, narrow_group
 from .build import assemble
 from .builders import flat_entries
 from .columns import EntryTable, Layers
@@ -23,12 +24,12 @@ from .model import BUFFER, FROZEN, TRAINABLE, Entry, FlatGroups, Plan, SourceTab
 
 
 def partition_entries(ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
-                      what: str) -> EntryTable:
-    """Every trainable parameter of ``ckpt.partitions``, read from ``flats`` (the masters or one
-    optimizer state, one entry per optimizer file): the partitions' tables joined into one, as
-    updating one dict with each in turn would have them."""
+                      what: str, partitions: Sequence[Partition] | None = None) -> EntryTable:
+    """Every trainable parameter of ``partitions`` (default ``ckpt.partitions``), read from
+    ``flats`` (the masters or one optimizer state, one entry per optimizer file): the partitions'
+    tables joined into one, as updating one dict with each in turn would have them."""
     parts = []
-    for p in ckpt.partitions:
+    for p in ckpt.partitions if partitions is None else partitions:
         optims = [narrow_group(ckpt.optim_states[r], p.group) for r in p.ranks]
         meta = dataclasses.replace(ckpt.meta, param_shapes=[p.shapes])
         view = LoadedCheckpoint(ckpt.files, ckpt.stage, len(p.ranks), [meta], optims)
