@@ -495,3 +495,52 @@ def test_optimizer_state_equals_ds_to_universal(layout, key, monkeypatch):
     assert list(got) == list(FULL_SHAPES)
     for name, value in got.items():
         assert_bitwise_equal(value, _load_state(tag_dir / "zero" / name / f"{key}.pt"), name)
+
+
+# -- hostile or inconsistent metadata ---------------------------------------------------------------
+
+def _copy_with(layout: str, tmp_path, edit) -> Path:
+    """A copy of ``layout``'s save whose mp_rank_00 model states went through ``edit``."""
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(_root(layout), root, ignore=shutil.ignore_patterns("universal"))
+    path = next(root.glob("*/mp_rank_00_model_states.pt"))
+    sd = torch.load(path, weights_only=False)
+    edit(sd)
+    torch.save(sd, path)
+    return root
+
+
+BASE = "megatron_s1_bf16_tp2_dp2"
+
+
+def test_a_tp_degree_the_files_contradict_is_inconsistent(tmp_path):
+    root = _copy_with(BASE, tmp_path, lambda sd: sd["checkpoint_parallel_dimensions"].update(tp_degree=4))
+    with pytest.raises(zerofast.InconsistentCheckpointError, match="expected tp_degree 2"):
+        zerofast.reconstruct(root)
+
+
+@pytest.mark.parametrize("patterns, error", [
+    (["(a+)+$"], zerofast.UnsupportedCheckpointError),
+    (["x" * 5000], zerofast.UnsupportedCheckpointError),
+    (["(unclosed"], zerofast.CorruptCheckpointError),
+    ([["nested"]], zerofast.CorruptCheckpointError),
+])
+def test_hostile_patterns_are_refused_in_bounded_time(tmp_path, patterns, error):
+    import time
+
+    def edit(sd):
+        sd["universal_checkpoint_info"]["tp_replicated_parameter_patterns"] = patterns
+
+    root = _copy_with(BASE, tmp_path, edit)
+    start = time.monotonic()
+    with pytest.raises(error):
+        zerofast.reconstruct(root)
+    assert time.monotonic() - start < 10
+
+
+def test_a_vocabulary_larger_than_the_rows_is_refused(tmp_path):
+    root = _copy_with(BASE, tmp_path, lambda sd: sd["universal_checkpoint_info"].update(original_vocab_size=25))
+    with pytest.raises(zerofast.UnsupportedCheckpointError, match="original_vocab_size 25"):
+        zerofast.reconstruct(root)

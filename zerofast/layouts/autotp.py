@@ -131,6 +131,8 @@ def load(files: CheckpointFiles) -> PartitionedCheckpoint:
     if stage == 0:
         raise UnsupportedCheckpointError("tensor-parallel checkpoints without ZeRO are not supported", files.tag_dir)
     dp = len(optims) // T
+    for ms in models:
+        _check_degrees(ms, T)
     metas = models[:T]  # the model states of each tp rank (of its dp rank 0, at ZeRO-3)
     first = metas[0]
     stored = {n: Stored(first.path, f"module[{n!r}]", t) for n, t in first.module.items()}
@@ -158,6 +160,15 @@ def load(files: CheckpointFiles) -> PartitionedCheckpoint:
         for t in range(T):
             check_flat_groups(stage, [optims[d * T + t] for d in range(dp)])
     return ckpt
+
+
+def _check_degrees(ms, T: int) -> None:
+    """What the engine recorded (DeepSpeed 0.19.5 on) must be what the files show."""
+    dims = ms.raw.get(K.PARALLEL_DIMENSIONS)
+    tp = dims.get(K.TP_DEGREE) if isinstance(dims, dict) else None
+    if tp is not None and tp != T:
+        raise InconsistentCheckpointError(f"expected tp_degree {T} (the model-states files' tensor-parallel ranks), "
+                                          f"found {short_repr(tp)}", ms.path)
 
 
 def _refuse_pipeline_without_layers(files: CheckpointFiles) -> None:

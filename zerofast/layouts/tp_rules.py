@@ -185,6 +185,10 @@ class Rules:
             if s[:dim] + s[dim + 1:] != shapes[0][:dim] + shapes[0][dim + 1:]:
                 raise CorruptCheckpointError(f"the tp ranks' slices of {name!r} differ beyond dim {dim}: "
                                              f"{[list(x) for x in shapes]}", self.path)
+        rows = sum(w[t] for w in widths for t in range(T)) if dim == 0 else shapes[0][0] if shapes[0] else 0
+        if vocab is not None and vocab > rows:
+            raise UnsupportedCheckpointError(f"{ORIGINAL_VOCAB} {vocab} is larger than the {rows} rows of {name!r} "
+                                             "joined", self.path)
         blocks, full_at, shard_at = [], 0, [0] * T
         for w in widths:
             for t in range(T):
