@@ -544,3 +544,46 @@ def test_a_vocabulary_larger_than_the_rows_is_refused(tmp_path):
     root = _copy_with(BASE, tmp_path, lambda sd: sd["universal_checkpoint_info"].update(original_vocab_size=25))
     with pytest.raises(zerofast.UnsupportedCheckpointError, match="original_vocab_size 25"):
         zerofast.reconstruct(root)
+
+
+# -- to-universal: what ds_to_universal writes, tensor for tensor and field for field ---------------
+
+def _same(a, b, where: str) -> None:
+    """Equal objects: tensors bit for bit, dicts with the same keys in the same order."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert_bitwise_equal(a, b, where)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: {list(a)} != {list(b)}"
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        assert type(a).__name__ == type(b).__name__, where
+        _same(vars(a), vars(b), where)
+    else:
+        assert a == b or (a != a and b != b), f"{where}: {a!r} != {b!r}"
+
+
+UNIVERSAL = [n for n in EVERY if MEGATRON_VARIANTS.get(n, {}).get("universal_checkpoint_info") is not False]
+
+
+@pytest.mark.parametrize("layout", UNIVERSAL)
+def test_to_universal_writes_what_ds_to_universal_writes(layout, tmp_path, monkeypatch):
+    error = _ds_to_universal_error(layout)
+    if error:
+        pytest.skip(f"ds_to_universal does not run on {layout}: {error}")
+    monkeypatch.delenv("ZEROFAST_TP_REPLICATED", raising=False)
+    theirs = _universal_tag_dir(layout)
+    ours = zerofast.to_universal(_root(layout), tmp_path / "u" / theirs.name)
+    assert (tmp_path / "u" / "latest_universal").read_text() == theirs.name
+    files = sorted(p.relative_to(theirs) for p in theirs.rglob("*.pt"))
+    assert sorted(p.relative_to(ours) for p in ours.rglob("*.pt")) == files
+    for rel in files:
+        if rel.parent == Path("."):  # the source's model-states files, copied
+            assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
+            continue
+        _same(torch.load(ours / rel, weights_only=False), torch.load(theirs / rel, weights_only=False), str(rel))

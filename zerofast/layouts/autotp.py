@@ -42,7 +42,7 @@ from ..load.records import check_flat_groups, read_model_states, read_optim_stat
 from ..plan.builders import flat_entries
 from ..plan.columns import EntryTable
 from ..plan.model import Entry, FlatGroups, SourceTable, VirtualBuffer, rank_share
-from . import tp_join
+from . import tp_join, tp_rules
 from .base import PartitionedLayout
 
 _TP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -74,6 +74,16 @@ class AutoTPLayout(PartitionedLayout):
     def trainable_from(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
                        what: str) -> EntryTable:
         return trainable(ckpt, table, flats, what)
+
+    def universal_fields(self, ckpt: PartitionedCheckpoint) -> dict[str, dict] | None:
+        """Megatron-DeepSpeed saves: the fields of each rule, as ds_to_universal writes them."""
+        rules = ckpt.extra.get("rules")
+        if rules is None:
+            return None
+        T = ckpt.files.mp_size
+        shapes = [{n: tuple(v) for g in m.param_shapes or [] for n, v in g.items()} for m in ckpt.model_states[:T]]
+        return {name: tp_rules.universal_fields(rules.merge(name, [s[name] for s in shapes]), ckpt.meta.path)
+                for name in shapes[0]}
 
 
 def _files(layout: "AutoTPLayout", found: Found) -> "TensorParallelFiles":

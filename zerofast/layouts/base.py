@@ -28,7 +28,9 @@ Call order, for one checkpoint (:func:`zerofast.layouts.discover` and
    the masters, each key for the flat groups that keep it.
 
 ``writable`` says whether reshard and to-universal can write the save back at another world
-size; their writers refuse the layouts that cannot.
+size; their writers refuse the layouts that cannot. :meth:`Layout.universal_fields` lets
+to-universal alone write one more (tensor-parallel saves, whose universal files say how to cut
+each full tensor again).
 """
 from __future__ import annotations
 
@@ -89,6 +91,13 @@ class Layout:
     def refuse_unplaced(self, ckpt: LoadedCheckpoint, placed: Sequence[str], writer: str) -> None:
         """Raise ``UnplacedOptimizerStateError`` for a partitioned optimizer value outside ``placed``."""
         optimizer.refuse_unplaced(ckpt, placed, writer)
+
+    def universal_fields(self, ckpt: LoadedCheckpoint) -> dict[str, dict] | None:
+        """For a layout that ``to-universal`` writes though ``reshard`` cannot (``writable`` is
+        False): per trainable parameter, the fields ``ds_to_universal`` writes beside its
+        ``param``, in its order (a tensor-parallel save's ``cat_dim``, ``vocab_tensor``,
+        ``param_n_sub_params``). None: not such a layout."""
+        return None
 
     def report(self, ckpt: LoadedCheckpoint, plan: Plan) -> dict | None:
         """``inspect``'s header of a save that is not DeepSpeed's (its own fields); None: the ZeRO one."""

@@ -198,6 +198,23 @@ class Rules:
         return Merge("join", rule, dim, tuple(blocks), vocab)
 
 
+def universal_fields(merge: Merge, path: Path | None) -> dict:
+    """What ``ds_to_universal`` writes beside a parameter's full ``param``, in its order: a join's
+    ``cat_dim`` (with ``param_n_sub_params`` for two sub-parameters), then ``vocab_tensor``; nothing
+    for a replicated or averaged one."""
+    if merge.kind != "join":
+        return {}
+    if merge.rule == SUB_PARAMS:
+        raise UnsupportedCheckpointError("to-universal of parameters with sub-parameter widths "
+                                         "(parameter_with_sub_params) is not supported yet", path)
+    out = {"cat_dim": merge.dim}
+    if merge.rule == TWO_SUB_PARAMS:
+        out["param_n_sub_params"] = 2
+    if merge.vocab is not None:
+        out["vocab_tensor"] = True
+    return out
+
+
 def full_shape(merge: Merge, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     if merge.kind != "join":
         return shapes[0]

@@ -51,7 +51,7 @@ class Source:
     @classmethod
     def read(cls, ckpt: LoadedCheckpoint, writer: str = "reshard") -> "Source":
         """``writer`` names the command in the refusal of a value no rule places."""
-        if not ckpt.layout.writable:
+        if not ckpt.layout.writable and not (writer == "to-universal" and ckpt.layout.universal_fields(ckpt)):
             raise UnsupportedCheckpointError(
                 f"checkpoints with {ckpt.layout.title} ({ckpt.layout.name}) cannot be written back at another world "
                 "size yet; plain data-parallel ZeRO 0-3 saves can", ckpt.files.tag_dir)

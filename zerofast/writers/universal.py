@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,8 +31,8 @@ from ..base.errors import ExportError, UnplacedOptimizerStateError, UnsupportedC
 from ..layouts import discover, load_checkpoint
 from ..load import ModelStates
 from ..load.records import read_model_states
-from ..output.team import ALONE
-from ..output.transaction import Folder, copy_file, local_folder, os_error, writing
+from ..output.team import opening
+from ..output.transaction import Folder, copy_file, os_error, writing
 from ..plan import BUFFER, FROZEN, TensorPlan, build_plan
 from ..plan.optimizer import group_states
 from . import ds_pickle
@@ -67,12 +66,8 @@ def write_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
                     overwrite: bool = False, progress: "Progress | None" = None,
                     team: "Team | None" = None, follow_symlinks: bool | None = None) -> Written:
     """:func:`to_universal`, returning what it wrote and replaced."""
-    started = time.monotonic()
-    team = team or ALONE
-    out = local_folder(out_dir)
-    ckpt_dir, tag, follow_symlinks = team.checkpoint(ckpt_dir, tag, follow_symlinks, out)
-    with team.step("reading the checkpoint", out):
-        files = discover(ckpt_dir, tag, follow_symlinks=follow_symlinks)
+    with opening(ckpt_dir, out_dir, tag, follow_symlinks, team) as run:
+        files = discover(run.ckpt_dir, run.tag, follow_symlinks=run.follow_symlinks)
         ckpt = load_checkpoint(files)
         if ckpt.stage == 0:
             raise UnsupportedCheckpointError(
@@ -84,11 +79,11 @@ def write_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
     def finish(folder: Folder) -> None:
         for path in files.model_files:
             copy_file(path, folder.tmp / path.name)
-        with _latest(out):
+        with _latest(run.out):
             folder.commit([p.name for p in files.model_files] + ["zero"])
 
-    return write_checkpoint(out, files, lambda: _files(source), source.executor, command=COMMAND,
-                            overwrite=overwrite, finish=finish, team=team, progress=progress, started=started)
+    return write_checkpoint(run.out, files, lambda: _files(source), source.executor, command=COMMAND,
+                            overwrite=overwrite, finish=finish, team=run.team, progress=progress, started=run.started)
 
 
 def refuse_per_group_state(source: Source) -> None:
@@ -146,7 +141,12 @@ def _optimizer_state(source: Source) -> tuple[dict, Skeleton]:
     first = source.ckpt.optim_states[0]
     osd = first.raw[keys.OPTIMIZER_STATE_DICT]
     sk = source.new_file()
-    if source.ckpt.stage == 3:
+    if source.ckpt.stage == 3 and source.ckpt.layout.universal_fields(source.ckpt) is not None:
+        # ds_to_universal copies a tensor-parallel save's rank-0 state whole (its flat partition and
+        # moments too, though no loader reads them): the same file is written for the same save
+        out = {k: _global(source, first, k, v, sk) for k, v in osd.items()}
+        out[keys.PARAM_GROUPS] = source.copy(osd[keys.ZERO3_INNER][keys.PARAM_GROUPS], first.path, keys.PARAM_GROUPS, sk)
+    elif source.ckpt.stage == 3:
         inner = osd[keys.ZERO3_INNER]
         states = group_states(first, 3)
         reduced = {keys.STATE: {i: {k: source.copy(v, first.path, f"state.{k}", sk) for k, v in s.items()
@@ -187,24 +187,30 @@ def _param_files(source: Source):
     ckpt = source.ckpt
     stage3 = ckpt.stage == 3
     steps = _steps(source)
+    fields = ckpt.layout.universal_fields(ckpt)  # a tensor-parallel save's: how to cut each tensor again
     for name, master in source.masters.items():
         items = []
         moments = [(k, plans[name]) for k, plans in source.moments.items() if name in plans]  # its group's keys
         for key, tp in [("fp32", master)] + moments:
             sk = source.new_file()
-            items.append((key, _param_obj(tp, sk, flat=stage3), sk))
-        if name in steps:
+            items.append((key, _param_obj(tp, sk, stage3, None if fields is None else fields[name]), sk))
+        if name in steps and not (stage3 and fields is not None):  # ds_to_universal writes none there
             sk = source.new_file()
             where, value = steps[name]
             items.append(("step", source.copy(value, where, "step", sk), sk))
         yield name, items
     for name, tp in _module_entries(source).items():
         sk = source.new_file()
-        yield name, [("fp32", _param_obj(tp, sk, flat=False), sk)]
+        yield name, [("fp32", _param_obj(tp, sk, False, None), sk)]
 
 
-def _param_obj(tp: TensorPlan, sk: Skeleton, flat: bool):
-    if flat:  # DeepSpeed's tool writes stage-3 states as bare flattened tensors
+def _param_obj(tp: TensorPlan, sk: Skeleton, stage3: bool, fields: dict | None):
+    """One state of one parameter, as DeepSpeed's tool writes it: for a tensor-parallel save the
+    full tensor after the fields that say how to cut it again (at every stage); otherwise a bare
+    flattened tensor from stage 3, ``{'param', 'cat_dim': 0}`` from stages 1-2."""
+    if fields is not None:
+        return {**fields, "param": sk.tensor(tp)}
+    if stage3:
         return sk.tensor(concat(tp.name, tp.numel, tp.out_dtype, [(tp, 0, tp.numel, 0)]))
     return {"param": sk.tensor(tp), "cat_dim": 0}
 
