@@ -63,6 +63,23 @@ def test_chunks_cut_every_tensor_alike():
     assert T.cuts(T.CHUNK + 1) == [(0, T.CHUNK), (T.CHUNK, T.CHUNK + 1)]
 
 
+def test_batches_hold_every_chunk_once_and_close_at_the_byte_budget():
+    """The one batching both sources read through: chunks in order, a batch closed once it holds
+    BATCH_BYTES, the rest in a last batch (a plan's and an export's chunks line up by it)."""
+
+    class Source:
+        def meta(self, name):
+            return T.Meta(name, shape, torch.float32, "stored")
+
+    shape = (T.BATCH_BYTES // 4 * 3 // 2,)  # one and a half batches a tensor
+    found = list(T.batches(Source(), ["a", "b", "c"]))
+    assert [c for batch in found for c in batch] == [(n, lo, hi) for n in "abc" for lo, hi in T.cuts(shape[0])]
+    sizes = [sum(hi - lo for _, lo, hi in batch) * 4 for batch in found]
+    assert all(size >= T.BATCH_BYTES for size in sizes[:-1]) and all(size < T.BATCH_BYTES + T.CHUNK * 4
+                                                                      for size in sizes)
+    assert list(T.batches(Source(), [])) == []
+
+
 def test_a_value_against_a_nan_reports_a_nan_difference():
     # Python's max(0.0, nan) is 0.0: a NaN gap must not come out as "max abs 0".
     from zerofast.checks.tensors import Difference

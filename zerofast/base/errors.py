@@ -91,6 +91,7 @@ class ZeroFastError(Exception):
 
     def __init__(self, message: str, path: str | os.PathLike | None = None):
         self.path = None if path is None else os.fspath(path)
+        self.message = message  # without the path: for a report that names the file itself
         super().__init__(f"{self.path}: {message}" if self.path is not None else message)
 
 

@@ -19,12 +19,13 @@ from typing import Iterator, Sequence
 import torch
 
 from ..base import dtypes
+from ..base.errors import ExportError
 from ..hf import trainer as hf
-from ..hf.formats import FORMATS, TIED_KEY, safetensors
+from ..hf.formats import FORMATS, read_index, safetensors, tied_names
 from ..hf.run import OPTIMIZER_NAMES
 from .report import Report
 from .ranges import Located
-from .tensors import BATCH_BYTES, Chunk, Meta, ahead, cuts
+from .tensors import Chunk, Meta, ahead, batches
 
 CONFIG = "config.json"
 
@@ -85,15 +86,13 @@ class ExportFolder:
 
     def _read_index(self, index: Path) -> None:
         try:
-            doc = json.loads(index.read_text())
-            weight_map, metadata = dict(doc["weight_map"]), dict(doc.get("metadata") or {})
-        except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError) as e:
-            self.report.add("index", index.name, f"expected JSON with a 'weight_map', could not read it "
-                            f"({type(e).__name__}: {str(e)[:200]})")
+            weight_map, metadata = read_index(index)
+        except ExportError as e:
+            self.report.add("index", index.name, e.message)
             return
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():
-            by_file.setdefault(str(file), []).append(name)
+            by_file.setdefault(file, []).append(name)
         for file, names in by_file.items():
             path = self.folder / file
             if "/" in file or not path.is_file():
@@ -101,7 +100,7 @@ class ExportFolder:
                 continue
             self._read_file(path, set(names))
         self._check_total(index, metadata)
-        self._read_tied(metadata.get(TIED_KEY), index.name)
+        self._read_tied(metadata, index)
 
     def _check_total(self, index: Path, metadata: dict) -> None:
         total = metadata.get("total_size")
@@ -121,7 +120,7 @@ class ExportFolder:
             for name in sorted(set(names) - listed):
                 self.report.add("index", name, f"{path.name} holds it, but the index does not list it")
         elif metadata:
-            self._read_tied(metadata.get(TIED_KEY), path.name)
+            self._read_tied(metadata, path)
         for name, found in names.items():
             if found is not None and (listed is None or name in listed):
                 self.where[name], self.metas[name] = found
@@ -160,14 +159,11 @@ class ExportFolder:
             out[name] = (_Where(path, 0, name), Meta(name, tuple(t.shape), t.dtype, "stored"))
         return out, {}
 
-    def _read_tied(self, raw, where: str) -> None:
-        if raw is None:
-            return
+    def _read_tied(self, metadata: dict, where: Path) -> None:
         try:
-            tied = json.loads(raw) if isinstance(raw, str) else dict(raw)
-            self.aliases.update({str(a): str(s) for a, s in tied.items()})
-        except (ValueError, TypeError, AttributeError):
-            self.report.add("aliases", where, f"expected {TIED_KEY!r} to hold a JSON object {{alias: source}}")
+            self.aliases.update(tied_names(metadata, where))
+        except ExportError as e:
+            self.report.add("aliases", where.name, e.message)
 
     def _tie_shared(self) -> None:
         for alias, source in list(self.aliases.items()):
@@ -213,7 +209,7 @@ class ExportFolder:
                     for name, lo, hi in batch]
 
         try:
-            yield from ahead(read, self._batches(names))
+            yield from ahead(read, batches(self, names))
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -248,19 +244,6 @@ class ExportFolder:
         finally:
             for fd in fds.values():
                 os.close(fd)
-
-    def _batches(self, names: Sequence[str]) -> Iterator[list[tuple[str, int, int]]]:
-        batch, size = [], 0
-        for name in names:
-            meta = self.metas[name]
-            for lo, hi in cuts(meta.numel):
-                batch.append((name, lo, hi))
-                size += (hi - lo) * meta.dtype.itemsize
-                if size >= BATCH_BYTES:
-                    yield batch
-                    batch, size = [], 0
-        if batch:
-            yield batch
 
     def _read(self, where: _Where, meta: Meta, lo: int, hi: int, fds: dict, loaded: dict) -> torch.Tensor:
         if hi == lo:

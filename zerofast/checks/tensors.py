@@ -68,6 +68,22 @@ def cuts(numel: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + CHUNK, numel)) for lo in range(0, numel, CHUNK)] or [(0, 0)]
 
 
+def batches(source: TensorSource, names: Sequence[str]) -> Iterator[list[tuple[str, int, int]]]:
+    """``(name, first element, past the last)`` of each chunk of ``names``, in batches of about
+    :data:`BATCH_BYTES`: what one read hands :func:`ahead` (a tensor may span batches)."""
+    batch, size = [], 0
+    for name in names:
+        meta = source.meta(name)
+        for lo, hi in cuts(meta.numel):
+            batch.append((name, lo, hi))
+            size += (hi - lo) * meta.dtype.itemsize
+            if size >= BATCH_BYTES:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
+
+
 class PlanSource:
     """Tensors of a plan (a checkpoint's weights, optimizer states or stored model-dtype
     weights), read through ``executor``'s batch reader."""
@@ -84,36 +100,26 @@ class PlanSource:
         return Meta(name, tuple(tp.shape), tp.out_dtype, tp.kind)
 
     def chunks(self, names: Sequence[str]) -> Iterator[Chunk]:
-        return ahead(self._run, self._batches(names))
+        return ahead(self._run, batches(self, names))
 
     def located(self, names: Sequence[str]):
         return plan_located(self.plans, self.executor, names)
 
-    def _batches(self, names: Sequence[str]) -> Iterator[list[tuple[str, int, TensorPlan]]]:
-        batch: list[tuple[str, int, TensorPlan]] = []
-        size = 0
-        for name in names:
-            tp = self.plans[name]
-            for lo, hi in cuts(tp.numel):
-                piece = tp if (lo, hi) == (0, tp.numel) else tp.slice(lo, hi)
-                batch.append((name, lo, piece))
-                size += (hi - lo) * tp.out_dtype.itemsize
-                if size >= BATCH_BYTES:
-                    yield batch
-                    batch, size = [], 0
-        if batch:
-            yield batch
-
-    def _run(self, batch: list[tuple[str, int, TensorPlan]]) -> list[Chunk]:
-        todo = [tp for _, _, tp in batch if tp.numel and tp.segments]
+    def _run(self, batch: list[tuple[str, int, int]]) -> list[Chunk]:
+        pieces = [(name, lo, self._piece(name, lo, hi)) for name, lo, hi in batch]
+        todo = [tp for _, _, tp in pieces if tp.numel and tp.segments]
         made = iter(self.executor.run_all(todo)) if todo else iter(())
         out = []
-        for name, lo, tp in batch:
+        for name, lo, tp in pieces:
             if tp.numel and tp.segments:
                 out.append((name, lo, next(made).reshape(-1)))
             else:  # nothing stored for it (zero elements): zeros, as the executor would leave them
                 out.append((name, lo, torch.zeros(tp.numel, dtype=tp.out_dtype)))
         return out
+
+    def _piece(self, name: str, lo: int, hi: int) -> TensorPlan:
+        tp = self.plans[name]
+        return tp if (lo, hi) == (0, tp.numel) else tp.slice(lo, hi)
 
 
 def ahead(read: Callable[[T], list[Chunk]], batches: Iterable[T]) -> Iterator[Chunk]:

@@ -84,9 +84,7 @@ class BatchReader:
         row whose source is a view of its file (sources read from memory are left out)."""
         rows = tps.table.rows
         out: dict[str, list[tuple[int, int]]] = {}
-        if not len(rows):
-            return out
-        for src in np.unique(rows[:, 0]).tolist():
+        for src in sorted(sources_used([rows[:, 0]])):
             where = self.locations[src]
             if where is None:
                 continue

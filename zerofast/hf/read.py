@@ -2,7 +2,6 @@
 loaders, and tie the recorded aliases back together."""
 from __future__ import annotations
 
-import json
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..base.errors import ExportError, ZeroFastError, few, first_line, short_repr
-from .formats import FORMATS, TIED_KEY, WeightFormat
+from .formats import FORMATS, WeightFormat, read_index, tied_names
 
 
 def load_exported(out_dir: str | os.PathLike) -> "OrderedDict[str, torch.Tensor]":
@@ -20,7 +19,7 @@ def load_exported(out_dir: str | os.PathLike) -> "OrderedDict[str, torch.Tensor]
     for fmt in FORMATS.values():
         if (out / fmt.single).is_file():
             tensors, metadata = _read_weights(out / fmt.single, fmt)
-            return _tie(tensors, _tied_from(metadata, out / fmt.single), out / fmt.single)
+            return _tie(tensors, tied_names(metadata, out / fmt.single), out / fmt.single)
         if (out / fmt.index).is_file():
             return _load_indexed(out / fmt.index, fmt)
     names = ", ".join(f.single for f in FORMATS.values())
@@ -28,15 +27,7 @@ def load_exported(out_dir: str | os.PathLike) -> "OrderedDict[str, torch.Tensor]
 
 
 def _load_indexed(index_path: Path, fmt: WeightFormat) -> "OrderedDict[str, torch.Tensor]":
-    try:
-        index = json.loads(index_path.read_text())
-        weight_map, metadata = dict(index["weight_map"]), dict(index.get("metadata") or {})
-    except (ValueError, KeyError, TypeError, AttributeError, OSError, RecursionError) as e:
-        raise ExportError(f"expected an index with a 'weight_map', could not read it ({first_line(e)[:200]})",
-                          index_path) from None
-    odd = [v for v in weight_map.values() if not isinstance(v, str)]  # a list is unhashable, and no file name
-    if odd:
-        raise ExportError(f"expected the index to name files in its folder, found {short_repr(odd[0])}", index_path)
+    weight_map, metadata = read_index(index_path)
     merged: dict[str, torch.Tensor] = {}
     for name in dict.fromkeys(weight_map.values()):
         merged.update(_read_weights(_shard_path(index_path, name), fmt)[0])
@@ -44,7 +35,7 @@ def _load_indexed(index_path: Path, fmt: WeightFormat) -> "OrderedDict[str, torc
     if missing:
         raise ExportError(f"the index lists {len(missing)} tensors its files do not hold, e.g. {few(missing, 3)}",
                           index_path)
-    return _tie(merged, _tied_from(metadata, index_path), index_path)
+    return _tie(merged, tied_names(metadata, index_path), index_path)
 
 
 def _shard_path(index_path: Path, name: object) -> Path:
@@ -65,9 +56,8 @@ def _read_weights(path: Path, fmt: WeightFormat) -> tuple[dict[str, torch.Tensor
     try:
         tensors, metadata = fmt.read(path)
     except ZeroFastError as e:  # the format's own reader checked the file: say what it found
-        detail = str(e).removeprefix(f"{e.path}: ")
         raise ExportError(f"expected a {fmt.name} weight file as zerofast writes them, could not read it "
-                          f"({detail[:300]})", path) from None
+                          f"({e.message[:300]})", path) from None
     except Exception as e:  # the readers fail in their own ways on a file zerofast did not write
         # torch's message advises weights_only=False, which would run whatever the file holds.
         detail = "" if "weights_only" in str(e) else f": {first_line(e)[:200]}"
@@ -80,18 +70,6 @@ def _read_weights(path: Path, fmt: WeightFormat) -> tuple[dict[str, torch.Tensor
     if not isinstance(metadata, dict):
         metadata = {}
     return tensors, metadata
-
-
-def _tied_from(metadata: dict, where: Path) -> dict[str, str]:
-    raw = metadata.get(TIED_KEY)
-    if raw is None:
-        return {}
-    try:
-        tied = json.loads(raw) if isinstance(raw, str) else raw
-        return {str(a): str(s) for a, s in tied.items()}
-    except (ValueError, AttributeError, TypeError, RecursionError):
-        raise ExportError(f"expected {TIED_KEY!r} to hold a JSON object {{alias: source}}, found {short_repr(raw)}",
-                          where) from None
 
 
 def _tie(tensors: dict[str, torch.Tensor], tied: dict[str, str], where: Path) -> "OrderedDict[str, torch.Tensor]":

@@ -27,9 +27,9 @@ from ..load.reader import collector_paused
 from ..native.ops import resolve_device
 from ..execute.prepare import Prepared, plan_checkpoint, prepare
 from ..plan.optimizer import available_keys, scalar_states
-from ..output.team import ALONE
+from ..output.team import opening
 from ..output.windows import Progress, counter
-from ..output.transaction import EXPORT, checkpoint_inputs, local_folder, write_bytes, write_text
+from ..output.transaction import EXPORT, checkpoint_inputs, write_bytes, write_text
 from . import formats, trainer
 from .formats import WeightFormat
 from .shards import ShardFile, index_doc, layout, parse_size
@@ -133,18 +133,14 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     limit = parse_size(max_shard_size)
     dtype = dtypes.output_dtype(dtype)
     compute = resolve_device(device)
-    started = time.monotonic()
-    team = team or ALONE
-    out = local_folder(out_dir)
     if merge_adapters and (adapter or exclude_frozen):
         raise ValueError("merge_adapters writes the whole base model: it excludes adapter and exclude_frozen")
     if base_dtype is not None and not merge_adapters:
         raise ValueError("base_dtype chooses the base of merge_adapters: it needs merge_adapters=True")
     base_dtype = trainer.AS_STORED if base_dtype is None else base_dtype
-    ckpt_dir, tag, follow_symlinks = team.checkpoint(ckpt_dir, tag, follow_symlinks, out)
-    with team.step("reading the checkpoint", out):
-        prepared = prepare(ckpt_dir, dtype, tag=tag, exclude_frozen=exclude_frozen or adapter,
-                           warn_absent=not merge_adapters, follow_symlinks=follow_symlinks)
+    with opening(ckpt_dir, out_dir, tag, follow_symlinks, team) as run:
+        prepared = prepare(run.ckpt_dir, dtype, tag=run.tag, exclude_frozen=exclude_frozen or adapter,
+                           warn_absent=not merge_adapters, follow_symlinks=run.follow_symlinks)
         prepared, names, extras, merge_base = _hf_view(prepared, fmt, dtype, adapter, merge_adapters, base_model,
                                                        base_dtype, hf_files)
         if names != fmt.names:  # peft reads one adapter file
@@ -153,6 +149,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
                              duplicate_tied=duplicate_tied)
         optim = _optimizer_layout(prepared.checkpoint, optimizer_states, limit)
         writes = _data_writes(files, tied, fmt, prepared.streaming_executor(compute=compute), optim)
+    team, out = run.team, run.out
     index = fmt.index if len(files) > 1 else None
     extra = _optimizer_names(optim) if optim else []
     ckpt_files = prepared.checkpoint.files
@@ -173,7 +170,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
                 folder.commit([f.name for f in files] + extra + list(extras) + ([index] if index else []),
                               pointer=lambda n: n.endswith(".index.json"))
     return ExportResult(out, fmt.name, dtype, tuple(f.name for f in files), index, sum(f.nbytes for f in files),
-                        sum(len(f.tensors) for f in files), tied, time.monotonic() - started, tuple(extra),
+                        sum(len(f.tensors) for f in files), tied, time.monotonic() - run.started, tuple(extra),
                         tuple(extras), sum(f.nbytes for f in optim.files) if optim else 0, tuple(folder.replaced),
                         merge_base)
 

@@ -14,30 +14,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..base import libc
+
 PAGE = mmap.PAGESIZE
 SAMPLES = 256  # pages asked about per batch: about a millisecond, whatever the save's size
-
-_LIBC: list = []
-
-
-def _mincore():
-    if not _LIBC:
-        prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte),
-                                     use_errno=True)
-        try:
-            # Looked up in the process's own symbols (ctypes.pythonapi's handle, open since ctypes
-            # was imported): no library is loaded, which reconstruct must not do (test_hostile).
-            fn = prototype(("mincore", ctypes.pythonapi))
-        except (AttributeError, OSError):  # no such call on this platform
-            fn = None
-        _LIBC.append(fn)
-    return _LIBC[0]
-
 
 def resident_share(sources: Sequence[torch.Tensor]) -> float | None:
     """The share of ``sources``' sampled pages in memory (evenly spaced over their bytes), or
     None where it cannot be told (nothing to sample, no ``mincore``)."""
-    mincore = _mincore()
+    mincore = libc.function("mincore", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
     spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in sources if t.device.type == "cpu" and t.numel()]
     if mincore is None or not spans:
         return None

@@ -13,7 +13,7 @@ per call (:func:`native_enabled`). The kernels' knobs (reader threads, huge page
 copy_file_range) are op arguments, filled from :func:`zerofast.base.settings.settings` here, so an op
 is a function of its arguments.
 
-The native core is found, or built for the running torch, on first use (:mod:`.native.loader`),
+The native core is found, or built for the running torch, on first use (:mod:`.loader`),
 so ``import zerofast`` never fails for lack of it. Where it cannot be built, the ops run on the
 pure-torch reference (same bytes, slower), with one warning; ``ZEROFAST_NATIVE=1`` makes that an
 error instead, and ``ZEROFAST_NATIVE=0`` selects the reference.

@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 from typing import Sequence
 
+from ..base import libc
 from ..base.errors import ExportError, ZeroFastError
 from ..base.settings import settings
 from ..load.archive import READ_WHOLE_BYTES, index_archive
@@ -160,15 +161,23 @@ def pread_exact(fd: int, length: int, offset: int, path: Path) -> bytes:
     return data
 
 
-def pread_into(path: Path, view: memoryview, offset: int) -> None:
+def read_pieces(path: Path, pieces: Sequence[tuple[int, int]], view: memoryview) -> None:
+    """The ``(offset, length)`` pieces of one file, back to back into ``view``: the file opened
+    once for all of them (a chunk holds thousands of small pieces of a few files)."""
     with open(path, "rb") as f:
-        got = 0
-        while got < len(view):
-            n = os.preadv(f.fileno(), [view[got:]], offset + got)
-            if n <= 0:
-                raise ExportError(f"the file ended after {offset + got} bytes while it was read for another node",
-                                  path)
-            got += n
+        at = 0
+        for offset, length in pieces:
+            _pread_into(f.fileno(), view[at:at + length], offset, path)
+            at += length
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise ExportError(f"the file ended after {offset + got} bytes while it was read for another node", path)
+        got += n
 
 
 @contextlib.contextmanager
@@ -187,16 +196,7 @@ _FALLOC_PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 
 def punch_hole(fd: int, offset: int, length: int) -> None:
     """Free the range's disk blocks; where the filesystem cannot, the bytes stay (disk, not harm)."""
-    fallocate = getattr(_libc(), "fallocate", None)
+    fallocate = libc.function("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_longlong,
+                              ctypes.c_longlong)
     if fallocate is not None:
-        fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong)
         fallocate(fd, _FALLOC_PUNCH, offset, length)
-
-
-_LIBC = []
-
-
-def _libc():
-    if not _LIBC:
-        _LIBC.append(ctypes.CDLL(None, use_errno=True))
-    return _LIBC[0]

@@ -153,10 +153,11 @@ class NodeFiles:
         for chunk in node_bytes.chunks(self._pieces(needed, self.me)):
             buf = torch.zeros(sum(n for _, _, n in chunk), dtype=torch.uint8)
             view, at = memoryview(buf.numpy()), 0
-            for name, offset, length in chunk:
+            for name, pieces in node_bytes.by_name(chunk):
+                length = sum(n for _, n in pieces)
                 if failed is None:
                     try:
-                        node_bytes.pread_into(self.real_tag_dir / name, view[at:at + length], offset)
+                        node_bytes.read_pieces(self.real_tag_dir / name, pieces, view[at:at + length])
                     except (OSError, ExportError) as e:
                         failed = e if isinstance(e, ExportError) else ExportError(
                             f"cannot read it for another node: {e}", self.real_tag_dir / name)

@@ -9,7 +9,8 @@ share the files out. A writer calls it in this order:
    this rank reads it: itself, or where the ranks' folders hold different files (rank files on
    the nodes' local disks), a view of it whose missing bytes the team moves (:mod:`.nodes`).
 1. ``with team.step("reading the checkpoint", out):`` each rank reads the checkpoint and plans
-   every file for itself (metadata only), so no plan is sent between ranks.
+   every file for itself (metadata only), so no plan is sent between ranks. (Every writer opens
+   with steps 0 and 1 through :func:`opening`.)
 2. ``with team.output_dir(out, overwrite, ...) as folder:`` the leader opens the output folder's
    transaction (:func:`zerofast.output.transaction.output_dir`: ownership, never over the input,
    lock, temporary folder); the others get the same temporary folder, which they must see.
@@ -45,6 +46,8 @@ import hashlib
 import os
 import re
 import signal
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -53,7 +56,7 @@ import torch
 from ..base.errors import ExportError, ZeroFastError
 from ..discover import locate
 from . import node_writes, nodes
-from .transaction import Folder, output_dir
+from .transaction import Folder, local_folder, output_dir
 from ..devices import device_of
 from ..base.settings import DIST_TIMEOUT_ENV, settings
 
@@ -111,6 +114,32 @@ class Alone:
 
 
 ALONE = Alone()
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What a writer's steps 0 and 1 settle: its team, its local output folder, the save as this
+    rank reads it, and when the command started (for the time it reports)."""
+
+    team: Team | Alone
+    out: Path
+    ckpt_dir: str | os.PathLike
+    tag: str | None
+    follow_symlinks: bool | None
+    started: float
+
+
+@contextlib.contextmanager
+def opening(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: str | None,
+            follow_symlinks: bool | None, team: Team | Alone | None) -> Iterator[Opening]:
+    """Steps 0 and 1 as every writer opens them (``team`` None: :data:`ALONE`): a remote
+    ``out_dir`` refused, the save found for this rank, the body run as "reading the checkpoint"."""
+    started = time.monotonic()
+    team = team or ALONE
+    out = local_folder(out_dir)
+    ckpt_dir, tag, follow_symlinks = team.checkpoint(ckpt_dir, tag, follow_symlinks, out)
+    with team.step("reading the checkpoint", out):
+        yield Opening(team, out, ckpt_dir, tag, follow_symlinks, started)
 
 
 def _fingerprint(writes: Sequence, tag: str) -> str:

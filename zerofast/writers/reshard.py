@@ -4,7 +4,7 @@ DeepSpeed refuses to load a ZeRO checkpoint at another data-parallel size. The p
 already know where every element of the fp32 masters and of the Adam moments sits; here the
 other direction is laid out: for each target rank, the flat partitions DeepSpeed 0.19.8 builds
 at world size N, each described as a :class:`TensorPlan` over the source files, written through
-the native executor straight into the new files (see :mod:`..torch_stream`).
+the native executor straight into the new files (see :mod:`.torch_stream`).
 
 How DeepSpeed lays the partitions out at world size N:
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,8 +35,8 @@ import torch
 from ..base.errors import InconsistentCheckpointError, ReshardError, UnplacedOptimizerStateError, UnsupportedCheckpointError
 from ..layouts import discover, load_checkpoint
 from ..load import LoadedCheckpoint
-from ..output.team import ALONE
-from ..output.transaction import Folder, copy_file, local_folder, write_text
+from ..output.team import opening
+from ..output.transaction import Folder, copy_file, write_text
 from ..base import keys
 from ..plan import TensorPlan
 from ..plan.optimizer import group_states
@@ -101,12 +100,8 @@ def write_resharded(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, wor
             "writing the optimizer state into offloaded_tensors/ swap files (--keep-nvme) is not supported: DeepSpeed "
             "names them by each parameter's ds_id, which the save does not record. Without it, reshard writes a "
             "plain ZeRO-3 save, which an engine without NVMe optimizer offload loads", ckpt_dir)
-    started = time.monotonic()
-    team = team or ALONE
-    out = local_folder(out_dir)
-    ckpt_dir, tag, follow_symlinks = team.checkpoint(ckpt_dir, tag, follow_symlinks, out)
-    with team.step("reading the checkpoint", out):
-        files = discover(ckpt_dir, tag, follow_symlinks=follow_symlinks)
+    with opening(ckpt_dir, out_dir, tag, follow_symlinks, team) as run:
+        files = discover(run.ckpt_dir, run.tag, follow_symlinks=run.follow_symlinks)
         ckpt = load_checkpoint(files)
         source = Source.read(ckpt)
         writer = _LAYOUTS[ckpt.stage](source, world_size)
@@ -123,9 +118,9 @@ def write_resharded(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, wor
                 names.append(script)
         folder.commit(names, pointer=lambda n: n == "latest")
 
-    written = write_checkpoint(out, files, produce, source.executor, command=COMMAND, overwrite=overwrite,
-                               finish=finish, team=team, progress=progress, started=started)
-    return Written(out / files.tag, written.files, written.nbytes, written.seconds, written.replaced)
+    written = write_checkpoint(run.out, files, produce, source.executor, command=COMMAND, overwrite=overwrite,
+                               finish=finish, team=run.team, progress=progress, started=run.started)
+    return Written(run.out / files.tag, written.files, written.nbytes, written.seconds, written.replaced)
 
 
 def _dtype(plans: dict[str, TensorPlan]) -> torch.dtype:

@@ -6,9 +6,9 @@ shards, such as reshard, are in :mod:`zerofast.writers`.)
 from __future__ import annotations
 
 from . import safetensors, torch
-from .base import TIED_KEY, Advance, WeightFormat
+from .base import TIED_KEY, Advance, WeightFormat, read_index, tied_names
 
-__all__ = ["FORMATS", "TIED_KEY", "Advance", "WeightFormat", "get"]
+__all__ = ["FORMATS", "TIED_KEY", "Advance", "WeightFormat", "get", "read_index", "tied_names"]
 
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (safetensors.FORMAT, torch.FORMAT)}
 
