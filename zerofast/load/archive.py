@@ -83,7 +83,7 @@ def index_archive(path: Path, start: int = 0, length: int | None = None) -> Arch
     st = _regular_file(path)
     size = st.st_size
     if start == 0 and length is None and legacy.is_legacy(path):
-        return legacy.index(path, st)
+        return _legacy_index(path, st)
     end = size if length is None else start + length
     native = _native_directory(path, start, end) if 0 <= start <= end <= size else None
     if native is not None:
@@ -108,6 +108,16 @@ def index_archive(path: Path, start: int = 0, length: int | None = None) -> Arch
         raise CorruptCheckpointError(
             f"expected a torch.save zip archive; the file is truncated or not one ({first_line(e)})", path) from None
     return ArchiveIndex(path, size, prefix, entries, data, stat=st)
+
+
+def _legacy_index(path: Path, st: os.stat_result) -> ArchiveIndex:
+    """A legacy (non-zip) ``torch.save`` file indexed as an archive whose storages are entries."""
+    data, storages = legacy.read_layout(path, st.st_size)
+    entries = {}
+    for key, (offset, nbytes) in storages.items():
+        name = f"{legacy.PREFIX}/data/{key}"
+        entries[name.lower()] = _Entry(name, offset, nbytes, nbytes, False)
+    return ArchiveIndex(path, st.st_size, legacy.PREFIX, entries, data, stat=st, legacy=True)
 
 
 # Files of at most this many bytes are read whole by index_archives, not mapped: at that size

@@ -11,9 +11,10 @@ The file is five pickles and the storages' bytes, back to back:
 then, per key in that order, an 8-byte little-endian element count and that many elements of the
 storage's dtype.
 
-This module finds those offsets and gives the same :class:`~.archive.ArchiveIndex` a zip archive
-gets (entries ``archive/data/<key>``), so that the restricted unpickler reads the object with the
-same allowlist, bounds and size checks. The object's pickle is not run to learn each storage's
+This module finds those offsets; :mod:`.archive` makes of them the same index a zip archive gets
+(entries ``archive/data/<key>``), so that the restricted unpickler reads the object with the same
+allowlist, bounds and size checks. The small pickles around it (magic number, version,
+``sys_info``, the keys) are evaluated from their opcodes as plain data, with no lookup at all. The object's pickle is not run to learn each storage's
 dtype: its opcodes are walked (:mod:`pickletools`, which builds nothing) with the stack effect of
 each, the storage references read off the stack, and only their strings and numbers kept.
 """
@@ -25,6 +26,8 @@ import pickle
 import pickletools
 import struct
 from pathlib import Path
+
+import torch
 
 from ..base.errors import CorruptCheckpointError, UnsupportedCheckpointError, short_repr
 
@@ -45,22 +48,18 @@ def is_legacy(path: Path) -> bool:
         return False
 
 
-def index(path: Path, st: os.stat_result):
-    """The :class:`~.archive.ArchiveIndex` of a legacy file: the object's pickle and where each
-    storage's bytes lie, checked to lie inside the file, one after the other."""
-    from .archive import ArchiveIndex, _Entry  # noqa: PLC0415 (archive imports this module)
-
-    size = st.st_size
+def read_layout(path: Path, size: int) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The object's pickle and ``{storage key: (byte offset, byte length)}`` of a legacy file,
+    each storage checked to lie inside the file, one after the other, the last ending it."""
     with open(path, "rb") as f:
         head = f.read(min(size, MAX_HEADER))
-        at = _header(path, head)
-        f.seek(at)
-        obj_start = at
+        obj_start = _header(path, head)
+        f.seek(obj_start)
         kinds, obj_end = _storage_kinds(path, f)
         f.seek(obj_start)
         data = f.read(obj_end - obj_start)
         keys, at = _keys(path, f, obj_end)
-        entries = {}
+        storages = {}
         for key in keys:
             if key not in kinds:
                 raise CorruptCheckpointError(f"the legacy file lists storage {short_repr(key)} that its pickle never "
@@ -73,8 +72,7 @@ def index(path: Path, st: os.stat_result):
             if numel < 0 or at + 8 + nbytes > size:
                 raise CorruptCheckpointError(f"storage {short_repr(key)} of the legacy file declares {numel} "
                                              f"elements, more than the file holds", path)
-            name = f"{PREFIX}/data/{key}"
-            entries[name.lower()] = _Entry(name, at + 8, nbytes, nbytes, False)
+            storages[key] = (at + 8, nbytes)
             at += 8 + nbytes
     if at != size:
         raise CorruptCheckpointError(f"expected the legacy file to end after its {len(keys)} storages at byte {at}, "
@@ -83,7 +81,7 @@ def index(path: Path, st: os.stat_result):
     if missing:
         raise CorruptCheckpointError(f"the legacy file's pickle references storages it does not hold: "
                                      f"{short_repr(sorted(missing))}", path)
-    return ArchiveIndex(path, size, PREFIX, entries, data, stat=st, legacy=True)
+    return data, storages
 
 
 def _header(path: Path, head: bytes) -> int:
@@ -106,21 +104,51 @@ def _header(path: Path, head: bytes) -> int:
 
 
 def _small_pickle(f) -> object:
-    """A pickle of plain data (numbers, strings, dicts), read without resolving any global."""
-    from .unpickle import load_pickle  # noqa: PLC0415
-
-    start = f.tell()
-    end = None
-    for op, _, pos in pickletools.genops(f):
-        if op.name == "STOP":
-            end = f.tell()
-            break
-    if end is None:
-        raise EOFError("no STOP")
-    f.seek(start)
-    data = f.read(end - start)
-    f.seek(end)
-    return load_pickle(data, {})
+    """A pickle of plain data (numbers, strings, bools, None, lists, tuples, dicts), evaluated
+    from its opcodes: nothing is looked up or called, any other opcode is refused."""
+    stack: list = []
+    memo: dict = {}
+    for op, arg, _ in pickletools.genops(f):
+        name = op.name
+        if name == "STOP":
+            return stack.pop()
+        if name in _STRINGS or name in _NUMBERS or name == "NONE":
+            stack.append(arg)
+        elif name in ("NEWTRUE", "NEWFALSE"):
+            stack.append(name == "NEWTRUE")
+        elif name in ("EMPTY_DICT", "EMPTY_LIST"):
+            stack.append({} if name == "EMPTY_DICT" else [])
+        elif name == "MARK":
+            stack.append(_MARK)
+        elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[arg] = stack[-1]
+        elif name in ("BINGET", "LONG_BINGET", "GET"):
+            stack.append(memo[arg])
+        elif name in ("SETITEMS", "APPENDS", "TUPLE"):
+            cut = len(stack) - 1 - stack[::-1].index(_MARK)
+            items = stack[cut + 1:]
+            del stack[cut:]
+            if name == "TUPLE":
+                stack.append(tuple(items))
+            elif name == "APPENDS":
+                stack[-1].extend(items)
+            else:
+                stack[-1].update(zip(items[::2], items[1::2]))
+        elif name == "SETITEM":
+            value, key = stack.pop(), stack.pop()
+            stack[-1][key] = value
+        elif name == "APPEND":
+            stack[-2].append(stack.pop())
+        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            n = int(name[-1])
+            items = tuple(stack[-n:])
+            del stack[-n:]
+            stack.append(items)
+        elif name not in ("PROTO", "FRAME", "MEMOIZE"):
+            raise ValueError(f"opcode {name} in a pickle of plain data")
+        elif name == "MEMOIZE":
+            memo[len(memo)] = stack[-1]
+    raise EOFError("no STOP")
 
 
 _STRINGS = {"BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
@@ -131,9 +159,8 @@ _MARK = object()
 def _storage_kinds(path: Path, f) -> tuple[dict[str, int], int]:
     """``{storage key: element size}`` for the object's storage references, and where its
     pickle ends. Only the stack's shape is followed; no object is built."""
-    from .unpickle import _storage_types  # noqa: PLC0415
-
-    sizes = {name.replace(".", " ", 1): kind.dtype.itemsize for name, kind in _storage_types().items()}
+    sizes = {f"torch {name}": dtype.itemsize for dtype, name in torch.storage._dtype_to_storage_type_map().items()
+             if not name.startswith("Q")}  # the storage types the restricted unpickler resolves
     stack: list = []
     memo: dict = {}
     kinds: dict[str, int] = {}
