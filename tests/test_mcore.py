@@ -72,9 +72,47 @@ def test_export_holds_the_weights_only(root, tmp_path):
 
 
 @needs_mcore
-def test_optimizer_state_is_refused_naming_the_sharding_types(root):
-    with pytest.raises(UnsupportedCheckpointError, match="fully_sharded_model_space.*dp_reshardable"):
-        zerofast.optimizer_state(root, "exp_avg")
+def test_optimizer_state_is_mapped_to_parameter_names(root):
+    """fully_sharded_model_space (optimizer.state.<key>.<param>) comes back under the parameters'
+    names; the flat dp_reshardable buffers beside it are left out with a warning."""
+    truth = _truth(root)
+    with pytest.warns(UserWarning, match="dp_reshardable"):
+        states = zerofast.optimizer_state(root, "exp_avg", dtype=None)
+    want = {k[len("optimizer.state.exp_avg."):]: v for k, v in truth.items() if k.startswith("optimizer.state.exp_avg.")}
+    assert list(states) == list(want) and want
+    for name, value in want.items():
+        assert_bitwise_equal(states[name], value, name)
+    with pytest.raises(UnsupportedCheckpointError, match="expected optimizer state 'exp_avg_sq'"), \
+            pytest.warns(UserWarning):
+        zerofast.optimizer_state(root, "exp_avg_sq")
+
+
+@needs_mcore
+def test_unstack_layers_names_each_layer(root, tmp_path, monkeypatch):
+    """--unstack-layers / ZEROFAST_UNSTACK_LAYERS=1: a stacked key (L, ...) comes out as L tensors
+    named decoder.layers.<i>...., each the stacked tensor's slice, in the eager dict, the export and
+    the optimizer state."""
+    truth = _truth(root)
+    stacked = {k: v for k, v in truth.items() if ".layers." in k and not k.startswith("optimizer.")}
+    assert stacked
+    monkeypatch.setenv("ZEROFAST_UNSTACK_LAYERS", "1")
+    sd = zerofast.reconstruct(root, dtype=None)
+    for key, value in stacked.items():
+        head, tail = key.split("layers.", 1)
+        for i in range(value.shape[0]):
+            assert_bitwise_equal(sd[f"{head}layers.{i}.{tail}"], value[i], f"{key}[{i}]")
+    assert not set(stacked) & set(sd)
+    with pytest.warns(UserWarning):
+        moments = zerofast.optimizer_state(root, "exp_avg", dtype=None)
+    value = truth["optimizer.state.exp_avg.decoder.layers.self_attention.linear_proj.weight"]
+    for i in range(value.shape[0]):
+        assert_bitwise_equal(moments[f"decoder.layers.{i}.self_attention.linear_proj.weight"], value[i], str(i))
+    monkeypatch.delenv("ZEROFAST_UNSTACK_LAYERS")
+    assert main(["export", str(root), str(tmp_path / "hf"), "--unstack-layers"]) == 0
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(exported) == set(sd)
+    for name, value in sd.items():
+        assert_bitwise_equal(exported[name], value.float() if value.is_floating_point() else value, name)
 
 
 @needs_mcore

@@ -41,6 +41,7 @@ DIST_TIMEOUT_ENV = "ZEROFAST_DIST_TIMEOUT"
 TP_REPLICATED_ENV = "ZEROFAST_TP_REPLICATED"
 TP_REPLICATED_MODES = ("equal", "mean")
 TP_RULES_ENV = "ZEROFAST_TP_RULES"
+UNSTACK_LAYERS_ENV = "ZEROFAST_UNSTACK_LAYERS"
 # A collective waits for the slowest rank to finish its share of the files, so the timeout must
 # cover the imbalance between ranks (at most one file), not a whole export.
 DEFAULT_DIST_TIMEOUT_S = 1800
@@ -110,6 +111,10 @@ class Settings:
     # in that vocabulary, or a preset ("megatron-gpt:mlp=swiglu,vocab=50257"); see
     # zerofast/layouts/tp_rules.py. Default none. The CLI's --tp-rules sets it.
     tp_rules: str | None = None
+    # ZEROFAST_UNSTACK_LAYERS=1: a Megatron-Core save's stacked layers (one key per layer type,
+    # a leading layer dimension) come out per layer, as the model's state_dict names them
+    # (default: kept as stored). The CLI's --unstack-layers sets it.
+    unstack_layers: bool = False
 
     @cached_property  # read on every native op: strip and lower once per reading
     def mode(self) -> str:
@@ -177,6 +182,7 @@ def from_environment(env: Mapping[str, str]) -> Settings:
         nodes_chunk_bytes=_count(env.get(NODES_CHUNK_ENV)) or 64 << 20,
         tp_replicated=env.get(TP_REPLICATED_ENV, "equal"),
         tp_rules=env.get(TP_RULES_ENV) or None,
+        unstack_layers=env.get(UNSTACK_LAYERS_ENV, "0") == "1",
     )
 
 
@@ -190,7 +196,7 @@ def _count(value: str | None) -> int:
 _VARIABLES = (NATIVE_ENV, CACHE_DIR_ENV, "XDG_CACHE_HOME", "HOME", "CXX", "FORCE_CUDA", "TORCH_CUDA_ARCH_LIST",
               CUDA_KERNELS_ENV, "CUDA_HOME", "CUDA_PATH", FOLLOW_SYMLINKS_ENV, READERS_ENV, HUGEPAGES_ENV,
               COPY_FILE_RANGE_ENV, DIST_TIMEOUT_ENV, NODES_HOLE_ENV, NODES_CHUNK_ENV, TP_REPLICATED_ENV,
-              TP_RULES_ENV)
+              TP_RULES_ENV, UNSTACK_LAYERS_ENV)
 _cache: tuple[tuple, Settings] | None = None
 # The reading that stands while a public call runs (read_once), and how many such calls are in
 # flight; a plain global, not thread-local, so that the call's reader threads see it too.

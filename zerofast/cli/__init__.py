@@ -24,7 +24,7 @@ from .args import Later, Parser, Version, common_options, dtype_arg, positive, s
 from .report import model_dtype, optimizer_lines, parallelism_line, training_dtype
 from .dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines
 from ..base.errors import ZeroFastError, short_repr, some
-from ..base.settings import TP_REPLICATED_ENV, TP_RULES_ENV
+from ..base.settings import TP_REPLICATED_ENV, TP_RULES_ENV, UNSTACK_LAYERS_ENV
 from .native import add_native_commands
 from ..output.progress import ProgressBar, is_tty
 from .checks import add_verify_commands
@@ -47,7 +47,8 @@ def _main(argv: Sequence[str] | None) -> int:
             parser.print_help(sys.stderr)
             return 2
         from ..output import team as teams  # torch: only once a command runs
-        for flag, variable in (("tp_replicated", TP_REPLICATED_ENV), ("tp_rules", TP_RULES_ENV)):
+        for flag, variable in (("tp_replicated", TP_REPLICATED_ENV), ("tp_rules", TP_RULES_ENV),
+                               ("unstack_layers", UNSTACK_LAYERS_ENV)):
             if getattr(args, flag, None):  # read by the layout through the settings
                 os.environ[variable] = getattr(args, flag)
 

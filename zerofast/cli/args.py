@@ -94,6 +94,10 @@ def common_options() -> argparse.ArgumentParser:
                         help="how a tensor-parallel save's slices go together where it does not say: a JSON file of "
                              "universal_checkpoint_info's pattern lists, or megatron-gpt:mlp=swiglu|gelu,vocab=N; as "
                              "ZEROFAST_TP_RULES")
+    common.add_argument("--unstack-layers", action="store_const", const="1", default=None,
+                        help="a Megatron-Core save's stacked layers (decoder.layers.<module>..., a leading layer "
+                             "dimension) come out per layer (decoder.layers.<i>.<module>...); as "
+                             "ZEROFAST_UNSTACK_LAYERS=1")
     common.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return common
 

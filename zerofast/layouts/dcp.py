@@ -12,11 +12,14 @@ writers that write a ZeRO save back (``writable`` is False).
 Megatron-Core's ``dist_checkpointing`` (``torch_dist`` backend) writes such a folder plus a
 ``metadata.json`` naming the backend and a ``common.pt`` (never read). Its weights are the
 top-level tensors; its ``optimizer.*`` tensors are kept out of them (the optimizer-state readers
-refuse them, naming the sharding type), and ``inspect`` says the backend and the layer stacking.
+read the per-parameter ``optimizer.state.<key>.<param>`` ones and refuse the flat
+``dp_reshardable`` buffers, naming the type), stacked layers come out per layer with
+``--unstack-layers``, and ``inspect`` says the backend and the layer stacking.
 """
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,9 +27,11 @@ import torch
 
 from ..discover import CheckpointFiles, Found
 from ..base.errors import UnsupportedCheckpointError
+from ..base.settings import settings
 from ..load import LoadedCheckpoint
-from ..load.dcp import METADATA, DcpRecords, read_dcp
-from ..plan.dcp import build_dcp_plan, model_tensors, optimizer_tensors
+from ..load.dcp import METADATA, ChunkReader, DcpRecords, read_dcp
+from ..plan.dcp import (MCORE_DISTRIBUTED, STACKED, build_dcp_plan, layer_slices, mcore_states, model_tensors,
+                         optimizer_tensors, tensor_segments)
 from ..plan.model import Plan, SourceTable
 from .base import Layout
 
@@ -52,6 +57,10 @@ class DcpCheckpoint(LoadedCheckpoint):
     @property
     def meta(self):
         raise UnsupportedCheckpointError("a PyTorch DCP folder has no DeepSpeed model states", self.files.tag_dir)
+
+    @property
+    def module_names(self) -> list[str]:
+        return list(model_tensors(self.records))
 
     @property
     def ds_version(self) -> str | None:
@@ -86,22 +95,53 @@ class DcpLayout(Layout):
         if exclude_frozen:
             raise UnsupportedCheckpointError("a PyTorch DCP folder records no requires_grad; read it without "
                                              "exclude_frozen", ckpt.files.tag_dir)
-        return build_dcp_plan(ckpt.records, table, dtype)
+        return build_dcp_plan(ckpt.records, table, dtype, unstack=settings().unstack_layers)
 
     def optimizer_keys(self, ckpt: LoadedCheckpoint) -> list[str]:
+        """Megatron-Core's per-parameter optimizer state (``fully_sharded_model_space``); its flat
+        ``dp_reshardable`` buffers say nothing of which parameter an element belongs to without the
+        model's bucket layout, so they are refused (alone) or left out with a warning (beside)."""
         optim = optimizer_tensors(ckpt.records) if isinstance(ckpt, DcpCheckpoint) and ckpt.records else {}
-        if optim:
+        if not optim:
+            raise UnsupportedCheckpointError("the optimizer state of a PyTorch DCP folder is not read (only ZeRO "
+                                             "optimizer partitions and Megatron-Core's per-parameter state are)",
+                                             ckpt.files.tag_dir)
+        states = mcore_states(ckpt.records)
+        if not states:
             raise UnsupportedCheckpointError(
-                f"the optimizer state of this Megatron-Core save ({mcore_optimizer_sharding(optim)}) is not read yet; "
-                "it is kept out of the weights", ckpt.files.tag_dir)
-        raise UnsupportedCheckpointError("the optimizer state of a PyTorch DCP folder is not read (only ZeRO "
-                                         "optimizer partitions are)", ckpt.files.tag_dir)
+                f"the optimizer state of this Megatron-Core save ({mcore_optimizer_sharding(optim)}) is not mapped to "
+                "parameters: only fully_sharded_model_space (optimizer.state.<name>.<param>) is; it is kept out of "
+                "the weights", ckpt.files.tag_dir)
+        flat = [k for k in optim if k.startswith(MCORE_DISTRIBUTED)]
+        if flat:
+            warnings.warn(f"left out {len(flat)} flat dp_reshardable optimizer buffers (optimizer.distributed.*): "
+                          "they are not mapped to parameters", stacklevel=2)
+        return list(states)
 
     def optimizer_entries(self, ckpt, table, keys):
-        return self.optimizer_keys(ckpt)
+        self.optimizer_keys(ckpt)  # refused, or the flat buffers left out with their warning
+        states = mcore_states(ckpt.records)
+        reader = ChunkReader(ckpt.records)
+        out = {}
+        for key in keys:
+            if key not in states:
+                raise UnsupportedCheckpointError(f"expected optimizer state {key!r} in this Megatron-Core save, found "
+                                                 f"{sorted(states)}", ckpt.files.tag_dir)
+            out[key] = {}
+            for param, t in states[key].items():
+                segments = tensor_segments(ckpt.records, reader, table, t)
+                if settings().unstack_layers and STACKED.search(param) and len(t.shape) >= 1:
+                    out[key].update((layer, (t.shape[1:], t.dtype, part))
+                                    for layer, part in layer_slices(param, t.shape, segments))
+                else:
+                    out[key][param] = (t.shape, t.dtype, segments)
+        return out
 
     def scalar_states(self, ckpt: LoadedCheckpoint) -> dict:
-        return self.optimizer_keys(ckpt)
+        """Megatron-Core keeps the step and the param groups in ``common.pt`` (a pickle of the run's
+        arguments, not read): none here."""
+        self.optimizer_keys(ckpt)
+        return {"state": {}, "param_groups": []}
 
     def report(self, ckpt: DcpCheckpoint, plan: Plan) -> dict:
         """What ``inspect`` says besides the tensor table: format, ranks, how the model is cut."""

@@ -46,6 +46,11 @@ class LoadedCheckpoint:
         return self.model_states[0]
 
     @property
+    def module_names(self) -> list[str]:
+        """The model's own key order (its state dict's), which outputs follow."""
+        return list(self.meta.module)
+
+    @property
     def ds_version(self) -> str | None:
         return self.meta.raw.get(K.DS_VERSION)
 

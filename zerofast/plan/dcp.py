@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import torch
 
@@ -27,6 +28,8 @@ from .model import BUFFER, TRAINABLE, Plan, Segments, SourceTable, TensorPlan
 MODEL = "model"
 # Megatron-Core's optimizer state: optimizer.state.exp_avg.<key>, optimizer.distributed.<buffer>
 MCORE_OPTIMIZER = "optimizer."
+MCORE_STATE = "optimizer.state."
+MCORE_DISTRIBUTED = "optimizer.distributed."
 
 
 def model_tensors(ckpt: DcpRecords) -> dict[str, DcpTensor]:
@@ -47,21 +50,62 @@ def optimizer_tensors(ckpt: DcpRecords) -> dict[str, DcpTensor]:
     return {t.key: t for t in ckpt.tensors.values() if t.key.startswith(MCORE_OPTIMIZER)}
 
 
-def build_dcp_plan(ckpt: DcpRecords, table: SourceTable, dtype: torch.dtype | None) -> Plan:
+def mcore_states(ckpt: DcpRecords) -> dict[str, dict[str, DcpTensor]]:
+    """Megatron-Core's ``fully_sharded_model_space`` optimizer state, ``optimizer.state.<key>.<param>``:
+    ``{key: {param: tensor}}``, keys in first-seen order (``exp_avg``, ``exp_avg_sq``, ``param``)."""
+    out: dict[str, dict[str, DcpTensor]] = {}
+    for key, t in optimizer_tensors(ckpt).items():
+        if key.startswith(MCORE_STATE):
+            state, _, param = key[len(MCORE_STATE):].partition(".")
+            if param:
+                out.setdefault(state, {})[param] = t
+    return out
+
+
+def build_dcp_plan(ckpt: DcpRecords, table: SourceTable, dtype: torch.dtype | None, unstack: bool = False) -> Plan:
+    """``unstack``: a Megatron-Core save's stacked layers (``decoder.layers.mlp.linear_fc1.weight``,
+    ``(L, ...)``) come out per layer (``decoder.layers.3.mlp.linear_fc1.weight``), as its
+    ``singleton_local_shards`` saves and the model's own ``state_dict`` name them."""
     reader = ChunkReader(ckpt)
     tensors = {}
     for name, t in model_tensors(ckpt).items():
-        segments: Segments = []
-        for chunk in t.chunks:
-            if chunk.numel:
-                src = table.add(str(ckpt.folder / chunk.file), f"{t.key}@{chunk.offsets}", reader.read(t, chunk))
-                if t.real_size is None:
-                    segments.extend(box_runs(src, t.size, chunk.offsets, chunk.sizes))
-                else:
-                    segments.extend(unflattened_runs(src, t.size, t.real_size, chunk.offsets, chunk.sizes))
         kind = TRAINABLE if t.dtype.is_floating_point else BUFFER
-        tensors[name] = TensorPlan(name, t.shape, kind, t.dtype, out_dtype_for(t.dtype, dtype), tuple(segments))
+        segments = tensor_segments(ckpt, reader, table, t)
+        out_dtype = out_dtype_for(t.dtype, dtype)
+        if unstack and ckpt.mcore is not None and STACKED.search(name) and len(t.shape) >= 1:
+            for i, (layer, part) in enumerate(layer_slices(name, t.shape, segments)):
+                tensors[layer] = TensorPlan(layer, t.shape[1:], kind, t.dtype, out_dtype, part)
+        else:
+            tensors[name] = TensorPlan(name, t.shape, kind, t.dtype, out_dtype, tuple(segments))
     return Plan(PlanTensors.of(list(tensors.values())), {}, tuple(tensors), 0, ckpt.ranks)
+
+
+# "layers." followed by a module name, not a layer number: one key for every layer of a type.
+STACKED = re.compile(r"(?:^|\.)layers\.(?!\d+\.)")
+
+
+def layer_slices(name: str, shape: tuple[int, ...], segments: Segments):
+    """(per-layer name, its segments) for each index of a stacked tensor's leading dimension."""
+    at = STACKED.search(name).end()
+    inner = math.prod(shape[1:])
+    for i in range(shape[0]):
+        lo, hi = i * inner, (i + 1) * inner
+        part = tuple((src, s_off + max(d_off, lo) - d_off, max(d_off, lo) - lo, min(d_off + n, hi) - max(d_off, lo))
+                     for src, s_off, d_off, n in segments if max(d_off, lo) < min(d_off + n, hi))
+        yield f"{name[:at]}{i}.{name[at:]}", part
+
+
+def tensor_segments(ckpt: DcpRecords, reader: ChunkReader, table: SourceTable, t: DcpTensor) -> Segments:
+    """The segments that put ``t`` together from its chunks."""
+    segments: Segments = []
+    for chunk in t.chunks:
+        if chunk.numel:
+            src = table.add(str(ckpt.folder / chunk.file), f"{t.key}@{chunk.offsets}", reader.read(t, chunk))
+            if t.real_size is None:
+                segments.extend(box_runs(src, t.size, chunk.offsets, chunk.sizes))
+            else:
+                segments.extend(unflattened_runs(src, t.size, t.real_size, chunk.offsets, chunk.sizes))
+    return segments
 
 
 def box_runs(src: int, size: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Segments:

@@ -59,7 +59,7 @@ def flat_state_entries(ckpt: LoadedCheckpoint, table: SourceTable, keys: Sequenc
 
 def model_order(ckpt: LoadedCheckpoint, entries: dict) -> list[str]:
     """The module's own key order, like the model state dict; names it does not list go last."""
-    listed = [n for n in ckpt.meta.module if n in entries]
+    listed = [n for n in ckpt.module_names if n in entries]
     seen = set(listed)
     return listed + [n for n in entries if n not in seen]
 
