@@ -32,7 +32,7 @@ from pathlib import Path
 import zerofast
 from zerofast.load import reader
 from zerofast.load.archive import index_archive
-from zerofast.execute.prepare import prepare
+from zerofast.pipeline.prepare import prepare
 path, ckpt, loops = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 core = reader.native_core()
 assert core is not None, "no native core"

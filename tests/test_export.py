@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zerofast
-import zerofast.execute.prepare as pipeline
+import zerofast.pipeline.prepare as pipeline
 from zerofast.output import windows
 from zerofast.base.errors import ExportError, OutputExistsError
 from zerofast.execute import Executor

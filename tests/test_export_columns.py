@@ -1,5 +1,5 @@
-"""The export's columnar file layout (hf/shards.py, hf/formats/safetensors.py) against what it
-stands in for.
+"""The export's columnar file layout (hf/shards.py, hf/formats/safetensors_files.py) against
+what it stands in for.
 
 - ``header`` writes, byte for byte, ``json.dumps`` of the header dict the safetensors format
   defines (compact separators, the metadata first, tensors by falling itemsize, in order among
@@ -25,8 +25,8 @@ from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
 from zerofast.base.dtypes import SAFETENSORS_CODES
 from zerofast.base.errors import ExportError
-from zerofast.hf.formats import safetensors as sf
-from zerofast.execute.prepare import prepare
+from zerofast.hf.formats import safetensors_files as sf
+from zerofast.pipeline.prepare import prepare
 from zerofast.plan.columns import Placed, PlanTensors
 from zerofast.plan.model import TensorPlan
 

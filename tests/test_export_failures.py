@@ -321,7 +321,7 @@ def test_marker_that_cannot_shrink_does_not_fail_a_complete_export(ref, tmp_path
 _KILLED = textwrap.dedent("""
     import os, signal, sys, threading, time
     from zerofast.output import windows
-    from zerofast.hf.formats import safetensors as write_shards
+    from zerofast.hf.formats import safetensors_files as write_shards
     from zerofast.hf import export
 
     ckpt, out, fmt, shard, mode, value = sys.argv[1:7]

@@ -16,7 +16,7 @@ import torch
 import zerofast
 from zerofast import cli
 from zerofast.base.errors import ExportError, InconsistentCheckpointError, SettingsError
-from zerofast.hf.formats import safetensors as sf
+from zerofast.hf.formats import safetensors_files as sf
 from zerofast.base.settings import Settings
 
 

@@ -14,7 +14,7 @@ import zerofast
 from zerofast.native import ops
 import zerofast.execute.executor as executor_module
 from zerofast.execute import Executor
-from zerofast.execute.prepare import prepare
+from zerofast.pipeline.prepare import prepare
 from zerofast.plan.columns import PlanTensors
 
 from tests.conftest import HAVE_DEEPSPEED

@@ -1,7 +1,8 @@
-"""The upload ring (zerofast/execute/ring.py) on the CPU-backed stand-in device: its ordering,
-its slot reuse and its error paths run here without a GPU. Results are held bit for bit to the
-CPU path's, on real DeepSpeed checkpoints and on synthesized ones (for shapes DeepSpeed does not
-make on a CPU: tensors split over many slots)."""
+"""The upload ring (zerofast/execute/ring.py) on the CPU-backed fake device
+(zerofast/testing/fake_device.py, registered by these tests themselves): its ordering, its slot
+reuse and its error paths run here without a GPU. Results are held bit for bit to the CPU path's,
+on real DeepSpeed checkpoints and on synthesized ones (for shapes DeepSpeed does not make on a
+CPU: tensors split over many slots)."""
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -12,9 +13,9 @@ import torch
 import zerofast
 from zerofast import devices
 from zerofast.native import ops
-from zerofast.devices.stand_in import StandInError, StandInStreams
 from zerofast.execute import ring as ring_module
-from zerofast.execute.prepare import prepare
+from zerofast.pipeline.prepare import prepare
+from zerofast.testing.fake_device import FakeDeviceError, FakeStreams, device_entry
 from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize
 
 from tests.conftest import HAVE_DEEPSPEED
@@ -54,7 +55,7 @@ def _tensor_plans(prepared):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("slot_bytes", [1024, 1 << 16, 1 << 20])
 def test_ring_equals_the_cpu_path(big_save, dtype, slot_bytes):
-    streams = StandInStreams(jitter=0.002, seed=slot_bytes)
+    streams = FakeStreams(jitter=0.002, seed=slot_bytes)
     for root in _roots(big_save):
         prepared, ex, ring = _executor(root, dtype, streams, slot_bytes)
         tps = _tensor_plans(prepared)
@@ -66,9 +67,9 @@ def test_ring_equals_the_cpu_path(big_save, dtype, slot_bytes):
 
 
 def test_a_ring_that_skips_its_waits_is_caught(big_save):
-    """The stand-in's jitter makes a missing wait visible: a ring that refills a pinned slot
+    """The fake device's jitter makes a missing wait visible: a ring that refills a pinned slot
     before its upload ran hands out another chunk's bytes."""
-    class NoWaits(StandInStreams):
+    class NoWaits(FakeStreams):
         def wait(self, event):
             return None
 
@@ -87,7 +88,7 @@ def test_a_ring_that_skips_its_waits_is_caught(big_save):
 
 
 def test_slots_are_allocated_once_and_reused(big_save):
-    streams = StandInStreams()
+    streams = FakeStreams()
     prepared, ex, ring = _executor(big_save, torch.float32, streams, slot_bytes=1024, slots=3)
     tps = _tensor_plans(prepared)
     for _ in range(3):
@@ -116,7 +117,7 @@ def test_chunks_cover_each_tensor_once(big_save):
 
 @pytest.mark.parametrize("fail", [("upload", 0), ("upload", 5), ("compute", 3)])
 def test_a_failed_device_job_is_raised_after_everything_queued_ran(big_save, fail):
-    streams = StandInStreams(jitter=0.002, fail=fail)
+    streams = FakeStreams(jitter=0.002, fail=fail)
     prepared, ex, ring = _executor(big_save, torch.float32, streams, slot_bytes=512)
     tps = _tensor_plans(prepared)
     queued: list[Future] = []
@@ -128,7 +129,7 @@ def test_a_failed_device_job_is_raised_after_everything_queued_ran(big_save, fai
         return job
 
     streams._queue = spy
-    with pytest.raises(StandInError, match=f"stand-in {fail[0]} {fail[1]} failed"):
+    with pytest.raises(FakeDeviceError, match=f"fake device {fail[0]} {fail[1]} failed"):
         ring.read(tps)
     assert queued and all(job.done() for job in queued)
     streams.fail = None  # the ring stays usable
@@ -138,7 +139,7 @@ def test_a_failed_device_job_is_raised_after_everything_queued_ran(big_save, fai
 
 
 def test_a_read_error_drains_the_queue_first(big_save, monkeypatch):
-    streams = StandInStreams(jitter=0.01)
+    streams = FakeStreams(jitter=0.01)
     prepared, ex, ring = _executor(big_save, torch.float32, streams, slot_bytes=512)
     tps = _tensor_plans(prepared)
     calls = {"n": 0}
@@ -158,7 +159,7 @@ def test_a_read_error_drains_the_queue_first(big_save, monkeypatch):
 
 
 def test_read_into_casts_into_existing_outputs(big_save):
-    streams = StandInStreams(jitter=0.002)
+    streams = FakeStreams(jitter=0.002)
     prepared, ex, ring = _executor(big_save, None, streams, slot_bytes=2048)
     tps = _tensor_plans(prepared)
     outs = [torch.full(tp.shape, 7, dtype=torch.float64) for tp in tps]
@@ -169,13 +170,11 @@ def test_read_into_casts_into_existing_outputs(big_save):
 
 
 @pytest.fixture
-def stand_in_cuda(monkeypatch):
-    """The registry's "cuda" entry replaced by the stand-in: the public API runs the ring end to
-    end on the CPU (outputs are host tensors)."""
-    streams = StandInStreams(jitter=0.001)
-    entry = devices.Device("cuda", lambda: True, lambda: 1, devices._nothing, devices._stay,
-                           lambda: (lambda src, dst: dst.copy_(src)), "gloo", lambda device: streams)
-    monkeypatch.setitem(devices.DEVICES, "cuda", entry)
+def fake_cuda(monkeypatch):
+    """The fake device registered as "cuda", in place of the registry's entry: the public API
+    runs the ring end to end on the CPU (outputs are host tensors)."""
+    streams = FakeStreams(jitter=0.001)
+    monkeypatch.setitem(devices.DEVICES, "cuda", device_entry(streams, "cuda"))
     monkeypatch.setattr(ring_module, "SLOT_BYTES", 4096)
     monkeypatch.setattr(ring_module, "MIN_SLOT_BYTES", 4096)
     yield streams
@@ -183,7 +182,7 @@ def stand_in_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, None], ids=str)
-def test_reconstruct_on_the_stand_in_device(big_save, stand_in_cuda, dtype):
+def test_reconstruct_on_the_fake_device(big_save, fake_cuda, dtype):
     for root in _roots(big_save):
         want = zerofast.reconstruct(root, dtype=dtype)
         got = zerofast.reconstruct(root, dtype=dtype, device="cuda")
@@ -193,10 +192,10 @@ def test_reconstruct_on_the_stand_in_device(big_save, stand_in_cuda, dtype):
         lazy = zerofast.reconstruct(root, dtype=dtype, device="cuda", lazy=True)
         for name, value in lazy.items():
             assert_bitwise_equal(value, want[name], name)
-    assert stand_in_cuda.counts["upload"] > 0
+    assert fake_cuda.counts["upload"] > 0
 
 
-def test_export_on_the_stand_in_device(big_save, stand_in_cuda, tmp_path):
+def test_export_on_the_fake_device(big_save, fake_cuda, tmp_path):
     """export(device="cuda") without zerofast's CUDA kernels builds each tensor through the ring
     and writes the same bytes as the CPU's export."""
     zerofast.export(big_save, tmp_path / "cpu", dtype=torch.bfloat16)
@@ -205,4 +204,4 @@ def test_export_on_the_stand_in_device(big_save, stand_in_cuda, tmp_path):
     assert files == sorted(p.name for p in (tmp_path / "cuda").iterdir() if p.is_file())
     for name in files:
         assert (tmp_path / "cpu" / name).read_bytes() == (tmp_path / "cuda" / name).read_bytes(), name
-    assert stand_in_cuda.counts["upload"] > 0
+    assert fake_cuda.counts["upload"] > 0

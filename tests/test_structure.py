@@ -166,6 +166,19 @@ def test_the_input_layers_import_downward_only():
     assert not found, "\n".join(found)
 
 
+# The executor (step 4) sits on the plan: it moves bytes by plans and knows nothing of how a save
+# is found, read or planned (pipeline/prepare.py, above it and the layouts, composes steps 1-3).
+EXECUTE_MAY_IMPORT = ("zerofast.base", "zerofast.load", "zerofast.plan", "zerofast.devices", "zerofast.native.ops",
+                      "zerofast.native.reference", "zerofast.execute")
+
+
+def test_the_executor_sits_on_the_plan():
+    graph = _graph()
+    found = [f"{m} imports {target}" for m in MODULES if m == "zerofast.execute" or m.startswith("zerofast.execute.")
+             for target in graph[m] if not target.startswith(EXECUTE_MAY_IMPORT)]
+    assert not found, "\n".join(found)
+
+
 # The output side: results (in memory), output (what every writer of files shares), and the two
 # kinds of file writers on top of it, neither importing the other.
 OUTPUT_RULES = {
@@ -185,8 +198,9 @@ def test_the_output_side_imports_downward_only():
 
 
 def test_public_functions_and_their_modules_have_different_names():
-    """``import zerofast.hf.distributed`` then ``zerofast.hf.distributed.export`` works: no public
-    function shares its name with a module of the package it is exported from."""
+    """``import zerofast.hf.distributed`` then ``zerofast.hf.distributed.shared_export`` works: no
+    public function shares its name with a module of the package it is exported from, and no two
+    export functions share one name (``zerofast.export`` is the one ``export``)."""
     import importlib
 
     import zerofast
@@ -195,7 +209,8 @@ def test_public_functions_and_their_modules_have_different_names():
         assert callable(getattr(zerofast, name)), name
     for module in ("zerofast.hf.distributed", "zerofast.writers.reshard", "zerofast.writers.universal"):
         importlib.import_module(module)
-    assert callable(zerofast.hf.distributed.export)
+    assert callable(zerofast.hf.distributed.shared_export)
+    assert not hasattr(zerofast.hf.distributed, "export")  # an old call fails rather than export on every rank
     assert callable(zerofast.export)
 
 
@@ -208,7 +223,7 @@ PLAN_FORM_DOORS = {("zerofast.plan.columns", "columns_of")}
 # asked of anything else (a pickle's records) it is not about the plan.
 PLAN_MATERIAL = re.compile(r"tensors|entries|entry|plan|tps|cols|parts|layer|trainable|frozen|buffers|placed")
 # The modules that hold plans and entries; elsewhere a dict is a record read from a file.
-PLAN_MODULES = ("zerofast.plan", "zerofast.execute", "zerofast.output", "zerofast.execute.prepare", "zerofast.results",
+PLAN_MODULES = ("zerofast.plan", "zerofast.execute", "zerofast.output", "zerofast.pipeline", "zerofast.results",
                 "zerofast.load_into")
 
 

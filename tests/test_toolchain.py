@@ -267,7 +267,7 @@ def test_where_no_compiler_gives_a_sound_core_the_reference_runs_with_one_warnin
     monkeypatch.setattr(toolchain, "compiler_candidates", lambda s, path: iter([a, b]))
 
     def unsound(core, devices, archs, cxx, job):
-        raise loader.Unsound(f"{loader.NOT_SOUND}it does not link libstdc++.so.6")
+        raise loader.UnsoundBuild(f"{loader.NOT_SOUND}it does not link libstdc++.so.6")
 
     monkeypatch.setattr(loader, "_run_build", unsound)
     monkeypatch.setenv("ZEROFAST_CACHE_DIR", str(tmp_path / "cache"))

@@ -11,7 +11,7 @@ import os
 import torch
 
 from ..results import state_dict_of
-from ..execute.prepare import prepare
+from ..pipeline.prepare import prepare
 
 
 def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype | None = torch.float32,

@@ -8,7 +8,7 @@ import torch
 
 from ..native import ops
 from ..results import state_dict_of
-from ..execute.prepare import prepare
+from ..pipeline.prepare import prepare
 
 
 def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,

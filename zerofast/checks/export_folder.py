@@ -21,7 +21,7 @@ import torch
 from ..base import dtypes
 from ..base.errors import ExportError
 from ..hf import trainer as hf
-from ..hf.formats import FORMATS, read_index, safetensors, tied_names
+from ..hf.formats import FORMATS, read_index, safetensors_files, tied_names
 from ..hf.run import OPTIMIZER_NAMES
 from .report import Report
 from .ranges import Located
@@ -127,10 +127,10 @@ class ExportFolder:
 
     def _safetensors(self, path: Path):
         """The file's tensors as its header places them; every problem of the header is reported
-        (:func:`~zerofast.hf.formats.safetensors.read_header`, report-and-go-on), and tensors past
+        (:func:`~zerofast.hf.formats.safetensors_files.read_header`, report-and-go-on), and tensors past
         the end of a truncated file are left out and remembered in ``cut``."""
         try:
-            head = safetensors.read_header(path, self.report.add)
+            head = safetensors_files.read_header(path, self.report.add)
         except OSError as e:
             self.report.add("files", path.name, f"expected a safetensors file, could not read it ({e.strerror})")
             return None

@@ -160,7 +160,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.workers > 1:
         workers.launch_local(args.workers, _as_one_rank(args.argv))
         return 0
-    run = functools.partial(distributed.export, output_on_every_node=args.output_on_every_node) \
+    run = functools.partial(distributed.shared_export, output_on_every_node=args.output_on_every_node) \
         if teams.launched() else export
     leader = teams.rank() == 0
     bar = ProgressBar(enabled=leader and not args.quiet and is_tty(sys.stderr), desc="export")
@@ -335,7 +335,7 @@ def describe(ckpt_dir, tag: str | None = None, follow_symlinks: bool | None = No
     """What ``inspect`` reports, as plain JSON-ready data. Reads metadata only, no tensor data."""
     from ..base import dtypes, keys
     from ..base.dtypes import out_dtype_for
-    from ..execute.prepare import prepare
+    from ..pipeline.prepare import prepare
     from ..plan import BUFFER, FROZEN, TRAINABLE
 
     # warn_absent: the report says it instead

@@ -14,8 +14,9 @@ A pass is cut into chunks of at most :data:`SLOT_BYTES`. For chunk ``c`` in slot
 Nothing waits for a whole run: while chunk ``c`` is uploaded and cast, the host reads chunk
 ``c + 1``. Host memory stays at the ring (``SLOTS * SLOT_BYTES`` pinned), device memory at the
 outputs plus the ring. The device side is a :class:`~zerofast.devices.streams.Streams`, so the
-same ring runs on a GPU and, in tests, on the CPU-backed stand-in. No device kernel of zerofast's
-own is needed: a CUDA torch without nvcc runs this too.
+same ring runs on a GPU and, in tests, on the CPU-backed fake device
+(:mod:`zerofast.testing.fake_device`). No device kernel of zerofast's own is needed: a CUDA torch
+without nvcc runs this too.
 """
 from __future__ import annotations
 

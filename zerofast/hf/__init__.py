@@ -5,7 +5,8 @@
 - :mod:`.formats`: the registry of weight formats, one module each;
 - :mod:`.trainer`: a Trainer checkpoint's config and tokenizer files, PEFT adapters and merges;
 - :mod:`.held_dtype`: the dtype a run held the frozen base in, for ``base_dtype="as-trained"`` merges;
-- :mod:`.distributed`: the same export shared by the ranks of a torch.distributed job;
+- :mod:`.distributed`: ``shared_export()``, the same export shared by the ranks of a
+  torch.distributed job;
 - :mod:`.read`: ``load_exported``, reading a folder back.
 
 The folder is written through the output-folder transaction every writer shares

@@ -1,5 +1,5 @@
-""":func:`zerofast.export` written by several processes: the ranks of a torch.distributed job, or
-local workers (``--workers``).
+""":func:`shared_export`: :func:`zerofast.export` written by several processes, the ranks of a
+torch.distributed job or local workers (``--workers``).
 
 Every rank reads the checkpoint's metadata and computes the same layout (a pure function of the
 checkpoint and the options), so the ranks need not send each other any plan. Rank 0 opens the
@@ -19,8 +19,8 @@ from ..devices import device_of
 from ..base.errors import ExportError
 from ..native.ops import resolve_device
 from ..output.team import joined, signals_raise
+from . import run
 from .run import ExportResult
-from .run import export as export_files
 
 
 def _local_device(device: str | torch.device) -> torch.device:
@@ -38,8 +38,8 @@ def _local_device(device: str | torch.device) -> torch.device:
     return torch.device(device.type, local)
 
 
-def export(ckpt_dir, out_dir, *, device: str | torch.device = "cpu", output_on_every_node: bool = False,
-           **options) -> ExportResult:
+def shared_export(ckpt_dir, out_dir, *, device: str | torch.device = "cpu", output_on_every_node: bool = False,
+                  **options) -> ExportResult:
     """:func:`zerofast.export` shared among the ranks of a torch.distributed job; call it on every rank.
 
     Takes the same arguments and returns the same :class:`~zerofast.ExportResult` on every rank. It
@@ -51,4 +51,4 @@ def export(ckpt_dir, out_dir, *, device: str | torch.device = "cpu", output_on_e
     """
     device = resolve_device(_local_device(device))  # before NCCL needs the GPU
     with joined(device, output_on_every_node) as team, signals_raise(team):
-        return export_files(ckpt_dir, out_dir, device=device, team=team, **options)
+        return run.export(ckpt_dir, out_dir, device=device, team=team, **options)

@@ -25,7 +25,7 @@ from ..execute import Executor
 from ..load import LoadedCheckpoint
 from ..load.reader import collector_paused
 from ..native.ops import resolve_device
-from ..execute.prepare import Prepared, plan_checkpoint, prepare
+from ..pipeline.prepare import Prepared, plan_checkpoint, prepare
 from ..plan.optimizer import available_keys, scalar_states
 from ..output.team import opening
 from ..output.windows import Progress, counter
@@ -107,7 +107,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
         device: where the weights are gathered and cast: ``"cpu"``, or ``"cuda"``/``"cuda:N"``, which
             builds each tensor on the GPU and copies it back through pinned buffers to the writer.
         team: the ranks sharing this export (:class:`zerofast.output.team.Team`); None writes every
-            file here. Use :func:`zerofast.hf.distributed.export` rather than passing one.
+            file here. Use :func:`zerofast.hf.distributed.shared_export` rather than passing one.
         adapter: for a PEFT checkpoint, write only the adapter, as ``adapter_model.safetensors`` plus
             ``adapter_config.json`` under the names ``PeftModel.from_pretrained`` expects.
         merge_adapters: for a PEFT (LoRA) checkpoint, write the base model with the LoRA deltas

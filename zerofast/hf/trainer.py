@@ -25,10 +25,10 @@ import torch
 from ..base import dtypes, keys
 from ..base.errors import ExportError, PeftExportWarning, UnsupportedCheckpointError, short_repr
 from ..execute import Executor
-from ..execute.prepare import Prepared
+from ..pipeline.prepare import Prepared
 from ..base.dtypes import out_dtype_for
 from ..plan import FROZEN, TRAINABLE, Plan, TensorPlan
-from .formats import read_index, safetensors
+from .formats import read_index, safetensors_files
 from .held_dtype import training_dtype
 
 CONFIG_FILES = ("config.json", "generation_config.json")
@@ -430,5 +430,5 @@ def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
     for name in files:
         if "/" in name or name in ("", ".", ".."):
             raise ExportError(f"the index names {name!r}, not a file in this folder"[:300], index)
-        out.update(safetensors.read(folder / name)[0])
+        out.update(safetensors_files.read(folder / name)[0])
     return out

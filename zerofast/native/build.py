@@ -22,7 +22,8 @@ from . import cache, proof, toolchain
 
 
 class CoreNotSound(Exception):
-    """The core built and loaded, but is not sound: the message says why."""
+    """The core built and loaded in this child, but is not sound: the message says why (the
+    child exits with ``proof.UNSOUND``; the loader raises its ``UnsoundBuild``)."""
 
 
 def build(core: Path, devices: tuple[str, ...]) -> None:

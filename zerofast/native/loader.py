@@ -120,8 +120,9 @@ class BuildFailed(Unavailable):
     """The build ran in this process and gave no core."""
 
 
-class Unsound(BuildFailed):
-    """The core built but is not sound: its compiler is unsound for every device set."""
+class UnsoundBuild(BuildFailed):
+    """The build child's core is not sound (:mod:`.build` raised its ``CoreNotSound``, or crashed
+    checking it): its compiler is passed over for every device set."""
 
 
 class Environment(Unavailable):
@@ -181,7 +182,7 @@ def _with_compiler(tag_dir: Path, cxx: str, wanted: tuple, job: Job) -> Loaded:
         core = tag_dir / cache.core_name(devices, archs, key, nvcc)
         try:
             return _find_or_build_one(core, devices, archs, cxx, job)
-        except (Unsound, Environment, NoCompiler):
+        except (UnsoundBuild, Environment, NoCompiler):
             raise
         except Unavailable as e:
             if devices == ("cpu",):
@@ -382,7 +383,7 @@ def _failed(core: Path, cxx: str, s: Settings, returncode: int, log: Path) -> No
         said = _unsound_line(log) if returncode > 0 else f"it crashed its check ({_signal_name(-returncode)})"
         reason = f"{NOT_SOUND}{said} (log: {log})"
         cache.record_failure(core, s, reason, cxx, kind="unsound")
-        raise Unsound(reason)
+        raise UnsoundBuild(reason)
     reason = f"the build failed: {build_child.failure_line(log)} (compiler {cxx}; log: {log})"
     cache.record_failure(core, s, reason, cxx)
     raise BuildFailed(reason)

@@ -15,7 +15,7 @@ from ..plan.columns import as_dict
 from ..plan.model import Plan, TensorPlan
 
 if TYPE_CHECKING:
-    from ..execute.prepare import Prepared
+    from ..pipeline.prepare import Prepared
 
 
 def eager_state_dict(plan: Plan, executor: Executor) -> "OrderedDict[str, torch.Tensor]":

@@ -1,4 +1,7 @@
-"""A CPU-backed :class:`~zerofast.devices.streams.Streams`, for tests only (internal).
+"""A fake device for tests: a CPU-backed :class:`~zerofast.devices.streams.Streams` (the upload
+ring's side of a device), and :func:`device_entry`, the registry entry a test puts in
+``zerofast.devices.DEVICES`` itself (``monkeypatch.setitem``) to run the public API's device paths
+on the CPU. Not in the registry, and not imported by ``import zerofast``.
 
 The copy stream and the compute stream are each one worker thread taking jobs in order, events
 are the jobs' futures, and device memory is host memory. With ``jitter`` each job sleeps a random
@@ -8,6 +11,7 @@ that raises, to drive the error paths.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -16,19 +20,21 @@ from typing import Callable
 
 import torch
 
+from ..devices import Device
 
-class StandInError(RuntimeError):
+
+class FakeDeviceError(RuntimeError):
     """What a job named by ``fail`` raises."""
 
 
-class StandInStreams:
+class FakeStreams:
     def __init__(self, jitter: float = 0.0, seed: int = 0, fail: tuple[str, int] | None = None):
         self.jitter = jitter
         self.fail = fail
         self._random = random.Random(seed)
         self._lock = threading.Lock()
-        self._copy = ThreadPoolExecutor(1, thread_name_prefix="stand-in-copy")
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="stand-in-compute")
+        self._copy = ThreadPoolExecutor(1, thread_name_prefix="fake-device-copy")
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="fake-device-compute")
         self._queued: list[Future] = []
         self.counts = {"upload": 0, "compute": 0}
         self.host_buffers = 0  # how many were asked for: the ring reuses its slots
@@ -77,9 +83,16 @@ class StandInStreams:
                 after.result()  # a failed job fails the ones ordered after it, as on a stream
             time.sleep(pause)
             if self.fail == (kind, number):
-                raise StandInError(f"stand-in {kind} {number} failed")
+                raise FakeDeviceError(f"fake device {kind} {number} failed")
             fn()
 
         future = pool.submit(job)
         self._queued.append(future)
         return future
+
+
+def device_entry(streams: FakeStreams, kind: str = "cuda") -> Device:
+    """A registry entry for the device type ``kind`` whose ring runs on ``streams``: always there, one of it, no
+    device to select, results copied back as host tensors, gloo for a team."""
+    return Device(kind, lambda: True, lambda: 1, lambda device: contextlib.nullcontext(), lambda device: None,
+                  lambda: (lambda src, dst: dst.copy_(src)), "gloo", lambda device: streams)

@@ -5,12 +5,12 @@ shards, such as reshard, are in :mod:`zerofast.writers`.)
 """
 from __future__ import annotations
 
-from . import safetensors, torch
+from . import safetensors_files, torch_bin
 from .base import TIED_KEY, Advance, WeightFormat, read_index, tied_names
 
 __all__ = ["FORMATS", "TIED_KEY", "Advance", "WeightFormat", "get", "read_index", "tied_names"]
 
-FORMATS: dict[str, WeightFormat] = {f.name: f for f in (safetensors.FORMAT, torch.FORMAT)}
+FORMATS: dict[str, WeightFormat] = {f.name: f for f in (safetensors_files.FORMAT, torch_bin.FORMAT)}
 
 
 def get(name: str) -> WeightFormat:

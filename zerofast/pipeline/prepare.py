@@ -1,7 +1,18 @@
-"""Steps 1-3 composed: discover, load safely and plan. Every entry point starts here.
+"""Steps 1-3 composed: discover, load safely and plan (internal).
 
 ``prepare`` returns a :class:`Prepared`: the checkpoint read, its plan built, and the source
 tensors the plan indexes. Only the executor (step 4) moves bytes after that.
+
+The entry points that read a state dict (or one optimizer state) start here: ``reconstruct``,
+``load_into``, ``optimizer_state``, ``sequential_names``, ``export``, ``to_dcp``, ``diff`` and
+``verify`` of an export against its checkpoint; :func:`plan_checkpoint` then plans the
+optimizer's states of the checkpoint that ``prepare`` loaded, where those are asked for. Three
+do not: ``reshard`` and ``to_universal`` (``writers/reshard.py``, ``writers/universal.py``) call
+:func:`zerofast.layouts.discover` and :func:`zerofast.layouts.load_checkpoint` themselves and
+plan the masters, the optimizer's moments and the frozen weights over one source table
+(:mod:`zerofast.writers.source`), and ``verify`` of a checkpoint (``checks/checkpoint.py``) does
+the same for the plans it checks against each other, wrapping each in a :class:`Prepared` only
+to run it.
 """
 from __future__ import annotations
 
@@ -14,8 +25,8 @@ import torch
 
 from ..base import dtypes
 from ..base.errors import FrozenWeightsAbsentWarning
-from . import Executor, view_ranges
-from .read_batch import BatchReader, locate
+from ..execute import Executor, view_ranges
+from ..execute.read_batch import BatchReader, locate
 from ..layouts import discover, load_checkpoint
 from ..load import LoadedCheckpoint
 from ..load.reader import collector_paused
