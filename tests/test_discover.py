@@ -107,6 +107,11 @@ def test_tensor_parallel_without_autotp_map_and_old_moe_are_refused(stage2, tmp_
     _, tag_dir = _copy(stage2, tmp_path)
     copies = [tag_dir / "mp_rank_01_model_states.pt"]
     shutil.copy(tag_dir / "mp_rank_00_model_states.pt", copies[0])
+    for path in (tag_dir / "mp_rank_00_model_states.pt", copies[0]):
+        # The engine records its degrees (DeepSpeed 0.19.5 on): a consistent two-rank grid says 2.
+        states = torch.load(path, weights_only=False)
+        states["checkpoint_parallel_dimensions"] = {**(states.get("checkpoint_parallel_dimensions") or {}), "tp_degree": 2}
+        torch.save(states, path)
     with pytest.raises(zerofast.IncompleteCheckpointError, match="every .data-parallel, tensor-parallel. rank pair"):
         zerofast.reconstruct(tag_dir)
     for r in (0, 1):
