@@ -116,6 +116,26 @@ def test_unstack_layers_names_each_layer(root, tmp_path, monkeypatch):
 
 
 @needs_mcore
+def test_the_unstack_keyword_wins_over_the_variable(root, tmp_path, monkeypatch):
+    """unstack_layers=True with the variable unset, and False with it set: the call's keyword is
+    what counts, in the eager and lazy dicts and the export, and only for that call."""
+    stacked = [k for k in _truth(root) if ".layers." in k and not k.startswith("optimizer.")]
+    monkeypatch.delenv("ZEROFAST_UNSTACK_LAYERS", raising=False)
+    per_layer = zerofast.reconstruct(root, dtype=None, unstack_layers=True)
+    lazy = zerofast.reconstruct(root, dtype=None, lazy=True, unstack_layers=True)
+    assert list(lazy) == list(per_layer) and not set(stacked) & set(per_layer)
+    for name, value in per_layer.items():
+        assert_bitwise_equal(lazy[name], value, name)
+    result = zerofast.export(root, tmp_path / "hf", unstack_layers=True)
+    assert set(load_file(tmp_path / "hf" / result.files[0])) == set(per_layer)
+    assert set(stacked) <= set(zerofast.reconstruct(root, dtype=None))  # the call after: as stored
+    monkeypatch.setenv("ZEROFAST_UNSTACK_LAYERS", "1")
+    assert set(stacked) <= set(zerofast.reconstruct(root, dtype=None, unstack_layers=False))
+    with pytest.raises(zerofast.SettingsError, match="unstack_layers= expects True or False"):
+        zerofast.reconstruct(root, unstack_layers="yes")
+
+
+@needs_mcore
 def test_inspect_names_the_backend_and_the_layers(root, capsys):
     assert main(["inspect", str(root)]) == 0
     text = capsys.readouterr().out

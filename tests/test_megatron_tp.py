@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import re
 import subprocess
@@ -459,6 +460,61 @@ def test_no_universal_checkpoint_info_reads_with_the_preset(layout, monkeypatch,
     exported = load_file(out / "model.safetensors")
     for name in truth["state_dict_keys"]:
         assert_bitwise_equal(exported[name], truth["trainable"][name], name)
+
+
+@pytest.mark.parametrize("layout", NO_INFO)
+def test_the_rules_keyword_wins_over_the_variable(layout, monkeypatch, tmp_path):
+    """tp_rules= as a preset, a rules file's path and a dict, each read as the variable would be
+    and each winning over a variable that names other rules; lazy and to_universal too."""
+    from zerofast.layouts.tp_presets import megatron_gpt
+
+    truth = _truth(layout)
+    monkeypatch.setenv("ZEROFAST_TP_RULES", "megatron-gpt:mlp=gelu,vocab=21")  # wrong for this save
+
+    def differs() -> bool:  # the gelu rules join SwiGLU's halves in the wrong order
+        sd = zerofast.reconstruct(_root(layout), dtype=None)
+        return any(not torch.equal(sd[n], truth["trainable"][n]) for n in truth["state_dict_keys"])
+
+    assert differs()
+    rules = megatron_gpt({"mlp": "swiglu", "vocab": "21"})
+    (tmp_path / "rules.json").write_text(json.dumps(rules))
+    for given in ("megatron-gpt:mlp=swiglu,vocab=21", tmp_path / "rules.json", rules):
+        for lazy in (False, True):
+            sd = zerofast.reconstruct(_root(layout), dtype=None, lazy=lazy, tp_rules=given)
+            assert list(sd) == truth["state_dict_keys"], (given, lazy)
+            for name in truth["state_dict_keys"]:
+                assert_bitwise_equal(sd[name], expected_value(truth["trainable"][name], None), name)
+    assert differs()  # the keyword held for its call only
+    monkeypatch.delenv("ZEROFAST_TP_RULES")
+    out = zerofast.to_universal(_root(layout), tmp_path / "universal" / "step", tp_rules=rules)
+    for name in truth["state_dict_keys"]:
+        assert_bitwise_equal(_load_state(out / "zero" / name / "fp32.pt"), truth["trainable"][name], name)
+    for bad in ("", 3, ["megatron-gpt"]):
+        with pytest.raises(zerofast.SettingsError, match="tp_rules="):
+            zerofast.reconstruct(_root(layout), tp_rules=bad)
+
+
+@pytest.mark.parametrize("layout", DRIFT)
+def test_the_replicated_keyword_wins_over_the_variable(layout, monkeypatch, tmp_path):
+    truth = _truth(layout)
+    monkeypatch.setenv(TP_REPLICATED_ENV, "equal")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        sd = zerofast.reconstruct(_root(layout), dtype=None, tp_replicated="mean")
+        result = zerofast.export(_root(layout), tmp_path / "hf", tp_replicated="mean")
+    exported = {}
+    for shard in result.files:
+        exported.update(load_file(tmp_path / "hf" / shard))
+    for name in _drifted(layout):
+        assert_bitwise_equal(sd[name], _mean(truth["tp_copies"][name]), name)
+        assert_bitwise_equal(exported[name], _mean(truth["tp_copies"][name]), name)
+    with pytest.raises(zerofast.ZeroFastError):  # the variable's "equal" again, outside the call
+        zerofast.reconstruct(_root(layout), dtype=None)
+    monkeypatch.setenv(TP_REPLICATED_ENV, "mean")
+    with pytest.raises(zerofast.ZeroFastError):  # and the keyword's "equal" over the variable's mean
+        zerofast.reconstruct(_root(layout), dtype=None, tp_replicated="equal")
+    with pytest.raises(zerofast.SettingsError, match="tp_replicated= expects one of equal, mean"):
+        zerofast.reconstruct(_root(layout), tp_replicated="median")
 
 
 @pytest.mark.parametrize("dtype", [None, torch.float32], ids=str)

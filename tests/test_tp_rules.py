@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from zerofast.base.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from zerofast.layouts import tp_rules
+from zerofast.layouts import tp_presets, tp_rules
 
 
 def rules(**info):
@@ -174,12 +174,12 @@ def test_megatron_deepspeeds_own_patterns_are_accepted():
     ("language_model.embedding.word_embeddings.weight", "joined on dim 0 (first 21 rows: vocabulary)"),
 ])
 def test_the_megatron_gpt_preset_covers_both_namings(name, label):
-    r = tp_rules.read_rules(tp_rules.from_setting("megatron-gpt:mlp=swiglu,vocab=21"), None)
+    r = tp_rules.read_rules(tp_presets.from_setting("megatron-gpt:mlp=swiglu,vocab=21"), None)
     assert r.merge(name, [(12, 4), (12, 4)]).label == label
 
 
 def test_the_preset_with_gelu_joins_dense_h_to_4h_on_dim_0():
-    r = tp_rules.read_rules(tp_rules.from_setting("megatron-gpt:mlp=gelu,vocab=21"), None)
+    r = tp_rules.read_rules(tp_presets.from_setting("megatron-gpt:mlp=gelu,vocab=21"), None)
     assert r.merge("2.mlp.dense_h_to_4h.weight", [(4, 2), (4, 2)]).label == "joined on dim 0"
 
 
@@ -190,7 +190,7 @@ def test_the_preset_asks_for_what_the_shapes_cannot_tell(value):
     from zerofast.base.errors import SettingsError
 
     with pytest.raises(SettingsError, match="mlp=swiglu"):
-        tp_rules.from_setting(value)
+        tp_presets.from_setting(value)
 
 
 def test_a_rules_file_is_read_and_checked(tmp_path):
@@ -198,15 +198,15 @@ def test_a_rules_file_is_read_and_checked(tmp_path):
 
     good = tmp_path / "rules.json"
     good.write_text('{"tp_replicated_parameter_patterns": ["norm"], "original_vocab_size": 5}')
-    assert tp_rules.read_rules(tp_rules.from_setting(str(good)), None).merge("norm.w", [(2,), (2,)]).kind == "replicated"
+    assert tp_rules.read_rules(tp_presets.from_setting(str(good)), None).merge("norm.w", [(2,), (2,)]).kind == "replicated"
     (tmp_path / "list.json").write_text("[1]")
     (tmp_path / "bad.json").write_text("{")
-    (tmp_path / "huge.json").write_bytes(b" " * (tp_rules.MAX_RULES_FILE + 1))
+    (tmp_path / "huge.json").write_bytes(b" " * (tp_presets.MAX_RULES_FILE + 1))
     for name, why in (("list.json", "JSON object"), ("bad.json", "expected JSON"), ("huge.json", "at most"),
                       ("missing.json", "could not read")):
         with pytest.raises(SettingsError, match=why):
-            tp_rules.from_setting(str(tmp_path / name))
+            tp_presets.from_setting(str(tmp_path / name))
     bad_pattern = tmp_path / "backtrack.json"
     bad_pattern.write_text('{"tp_replicated_parameter_patterns": ["(a+)+"]}')
     with pytest.raises(UnsupportedCheckpointError, match="repeated group"):
-        tp_rules.read_rules(tp_rules.from_setting(str(bad_pattern)), None)
+        tp_rules.read_rules(tp_presets.from_setting(str(bad_pattern)), None)

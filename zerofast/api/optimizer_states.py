@@ -10,12 +10,15 @@ import os
 
 import torch
 
+from ..base.settings import overriding
 from ..results import state_dict_of
 from ..pipeline.prepare import prepare
 
 
 def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype | None = torch.float32,
-                    tag: str | None = None, lazy: bool = False, follow_symlinks: bool | None = None):
+                    tag: str | None = None, lazy: bool = False, follow_symlinks: bool | None = None,
+                    tp_rules: str | os.PathLike | dict | None = None, tp_replicated: str | None = None,
+                    unstack_layers: bool | None = None):
     """The full value of one per-element optimizer state for every trainable parameter.
 
     Args:
@@ -28,11 +31,13 @@ def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype
         follow_symlinks: follow symbolic links that lead out of the checkpoint folder (refused by
             default: a checkpoint from elsewhere could point zerofast at any file). None takes
             ``ZEROFAST_FOLLOW_SYMLINKS``.
+        tp_rules, tp_replicated, unstack_layers: as for :func:`zerofast.reconstruct`.
 
     Returns:
         ``{param_name: tensor}`` shaped like the parameters, in the model's order (an
         ``OrderedDict``, or a :class:`~zerofast.LazyStateDict` when ``lazy`` is set). Frozen and
         tied-alias names are absent: the optimizer keeps no state for them.
     """
-    return state_dict_of(functools.partial(prepare, ckpt_dir, dtype, tag=tag, optimizer_keys=[key],
-                                           follow_symlinks=follow_symlinks), lazy)
+    with overriding(tp_rules=tp_rules, tp_replicated=tp_replicated, unstack_layers=unstack_layers):
+        return state_dict_of(functools.partial(prepare, ckpt_dir, dtype, tag=tag, optimizer_keys=[key],
+                                               follow_symlinks=follow_symlinks), lazy)

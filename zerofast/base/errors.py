@@ -208,8 +208,8 @@ def _read_int(path: str) -> int | None:
 
 
 class SettingsError(ZeroFastError, ValueError):
-    """An environment setting (``ZEROFAST_*``) holds a value zerofast cannot use. A ValueError
-    too, as these were before they had a type of their own."""
+    """An environment setting (``ZEROFAST_*``), or the keyword that stands for one, holds a value
+    zerofast cannot use. A ValueError too, as these were before they had a type of their own."""
 
 
 class DeviceError(ZeroFastError, RuntimeError):

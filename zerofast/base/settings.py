@@ -7,7 +7,9 @@ so ``zerofast --version`` can read it. The native
 kernels never read the environment either: their knobs are op arguments, filled from here by
 :mod:`zerofast.native.ops`, so an op is a function of its arguments.
 
-A public keyword (``follow_symlinks=``) wins over its variable. A variable changed while the
+A public keyword (``follow_symlinks=``, ``tp_rules=``) wins over its variable: the reading
+functions pass theirs to :func:`overriding`, which lays them over the settings for the calls
+made in that block in the calling thread (the CLI's flags go the same way). A variable changed while the
 process runs (a test's monkeypatch) is seen at the next public call: inside one
 (:func:`read_once`, around the per-file reading of a save of thousands of files) the reading made
 where it began stands, so the files are not each charged a dozen environment lookups. The
@@ -15,6 +17,8 @@ README's "Settings" table lists the same variables.
 """
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import math
 import os
 import threading
@@ -104,16 +108,19 @@ class Settings:
     # ZEROFAST_TP_REPLICATED: what a Megatron-DeepSpeed save's tensor-parallel replicated
     # parameter whose copies differ between the tp ranks gets: "equal" (default) refuses it,
     # "mean" averages the copies as ds_to_universal averages (BLOOM's drifted layer norms). As
-    # written; ``tp_replicated_mode`` checks it where it is used. The CLI's --tp-replicated sets it.
+    # written; ``tp_replicated_mode`` checks it where it is used. The CLI's --tp-replicated and the
+    # keyword tp_replicated= override it.
     tp_replicated: str = "equal"
     # ZEROFAST_TP_RULES: how a tensor-parallel save's slices go together where the save does not
     # say (no pattern lists in universal_checkpoint_info), or instead of what it says: a JSON file
     # in that vocabulary, or a preset ("megatron-gpt:mlp=swiglu,vocab=50257"); see
-    # zerofast/layouts/tp_rules.py. Default none. The CLI's --tp-rules sets it.
-    tp_rules: str | None = None
+    # zerofast/layouts/tp_rules.py. Default none. The CLI's --tp-rules and the keyword tp_rules=
+    # (which also takes the rules as a dict) override it.
+    tp_rules: str | dict | None = None
     # ZEROFAST_UNSTACK_LAYERS=1: a Megatron-Core save's stacked layers (one key per layer type,
     # a leading layer dimension) come out per layer, as the model's state_dict names them
-    # (default: kept as stored). The CLI's --unstack-layers sets it.
+    # (default: kept as stored). The CLI's --unstack-layers and the keyword unstack_layers=
+    # override it.
     unstack_layers: bool = False
 
     @cached_property  # read on every native op: strip and lower once per reading
@@ -205,12 +212,65 @@ _holders = 0
 _HOLD_LOCK = threading.Lock()
 
 
+# What the public call running in this thread was given by keyword (overriding), as the fields
+# to replace and the last (reading, result) pair, so that settings() replaces once per reading.
+_OVERRIDES: contextvars.ContextVar[tuple[dict, list] | None] = contextvars.ContextVar("zerofast_overrides",
+                                                                                     default=None)
+# The fields a public keyword may override.
+OVERRIDABLE = ("tp_rules", "tp_replicated", "unstack_layers")
+
+
 def settings() -> Settings:
     """This process's settings. Read again only when one of the variables changed (a test's
     monkeypatch, a launcher), so a call costs a few dictionary lookups; inside :func:`read_once`,
-    one attribute read."""
+    one attribute read. What :func:`overriding` was given in this thread is laid over them."""
     held = _held
-    return held if held is not None else _read()
+    base = held if held is not None else _read()
+    given = _OVERRIDES.get()
+    if given is None:
+        return base
+    fields, last = given
+    if last[0] is not base:
+        last[:] = [base, dataclasses.replace(base, **fields)]
+    return last[1]
+
+
+@contextmanager
+def overriding(**keywords) -> Iterator[None]:
+    """Lay a public call's keywords (one of :data:`OVERRIDABLE`; None: not given) over the
+    settings, for the calls made in this block in this thread. A value of the wrong kind is a
+    :class:`SettingsError` naming the keyword."""
+    fields = {k: _checked_keyword(k, v) for k, v in keywords.items() if v is not None}
+    if not fields:
+        yield
+        return
+    outer = _OVERRIDES.get()
+    if outer is not None:
+        fields = {**outer[0], **fields}
+    token = _OVERRIDES.set((fields, [None, None]))
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def _checked_keyword(name: str, value):
+    if name not in OVERRIDABLE:
+        raise TypeError(f"overriding() got an unexpected keyword {name!r}")
+    if name == "unstack_layers":
+        if type(value) is not bool:
+            raise SettingsError(f"unstack_layers= expects True or False, got {value!r:.60}")
+        return value
+    if name == "tp_replicated":
+        if not isinstance(value, str) or value.strip().lower() not in TP_REPLICATED_MODES:
+            raise SettingsError(f"tp_replicated= expects one of {', '.join(TP_REPLICATED_MODES)}, got {value!r:.60}")
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if not isinstance(value, (str, dict)) or not value:
+        raise SettingsError("tp_rules= expects a preset (\"megatron-gpt:mlp=swiglu,vocab=N\"), the path of a JSON "
+                            f"rules file or the rules as a dict, got {value!r:.60}")
+    return value
 
 
 def _read() -> Settings:

@@ -24,7 +24,7 @@ from .args import Later, Parser, Version, common_options, dtype_arg, positive, s
 from .report import model_dtype, optimizer_lines, parallelism_line, training_dtype
 from .dcp import DCP_FORMAT, add_to_dcp, dcp_header_lines
 from ..base.errors import ZeroFastError, short_repr, some
-from ..base.settings import TP_REPLICATED_ENV, TP_RULES_ENV, UNSTACK_LAYERS_ENV
+from ..base.settings import OVERRIDABLE, overriding
 from .native import add_native_commands
 from ..output.progress import ProgressBar, is_tty
 from .checks import add_verify_commands
@@ -47,13 +47,9 @@ def _main(argv: Sequence[str] | None) -> int:
             parser.print_help(sys.stderr)
             return 2
         from ..output import team as teams  # torch: only once a command runs
-        for flag, variable in (("tp_replicated", TP_REPLICATED_ENV), ("tp_rules", TP_RULES_ENV),
-                               ("unstack_layers", UNSTACK_LAYERS_ENV)):
-            if getattr(args, flag, None):  # read by the layout through the settings
-                os.environ[variable] = getattr(args, flag)
 
     try:
-        with warnings.catch_warnings(), teams.signals_raise():
+        with warnings.catch_warnings(), teams.signals_raise(), overriding(**_overrides(args)):
             warnings.showwarning = _show_warning
             return args.run(args)
     except ZeroFastError as e:
@@ -197,6 +193,12 @@ def _as_one_rank(argv: Sequence[str]) -> list[str]:
     argv = list(argv)
     end = argv.index("--") if "--" in argv else len(argv)
     return argv[:end] + ["--workers", "1"] + argv[end:]
+
+
+def _overrides(args) -> dict:
+    """The flags that stand for a public keyword (--tp-rules: ``tp_rules=``), as the keywords;
+    a flag not given leaves the environment's setting."""
+    return {name: getattr(args, name, None) for name in OVERRIDABLE}
 
 
 def _rank_prefix() -> str:

@@ -94,7 +94,7 @@ def common_options() -> argparse.ArgumentParser:
                         help="how a tensor-parallel save's slices go together where it does not say: a JSON file of "
                              "universal_checkpoint_info's pattern lists, or megatron-gpt:mlp=swiglu|gelu,vocab=N; as "
                              "ZEROFAST_TP_RULES")
-    common.add_argument("--unstack-layers", action="store_const", const="1", default=None,
+    common.add_argument("--unstack-layers", action="store_const", const=True, default=None,
                         help="a Megatron-Core save's stacked layers (decoder.layers.<module>..., a leading layer "
                              "dimension) come out per layer (decoder.layers.<i>.<module>...); as "
                              "ZEROFAST_UNSTACK_LAYERS=1")

@@ -21,6 +21,7 @@ import torch
 
 from ..base import dtypes
 from ..base.errors import ExportError
+from ..base.settings import overriding
 from ..execute import Executor
 from ..load import LoadedCheckpoint
 from ..load.reader import collector_paused
@@ -79,7 +80,8 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
            device: str | torch.device = "cpu", team: Team | None = None, adapter: bool = False,
            merge_adapters: bool = False, base_model: str | os.PathLike | None = None,
            base_dtype: str | None = None, hf_files: bool = True,
-           follow_symlinks: bool | None = None) -> ExportResult:
+           follow_symlinks: bool | None = None, tp_rules: str | os.PathLike | dict | None = None,
+           tp_replicated: str | None = None, unstack_layers: bool | None = None) -> ExportResult:
     """Write a DeepSpeed ZeRO checkpoint out as Hugging Face-layout weight files.
 
     Args:
@@ -128,6 +130,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
             loads the folder as it is.
         follow_symlinks: as for :func:`zerofast.reconstruct`: follow symbolic links that lead out
             of the checkpoint folder (None: ``ZEROFAST_FOLLOW_SYMLINKS``).
+        tp_rules, tp_replicated, unstack_layers: as for :func:`zerofast.reconstruct`.
     """
     fmt = formats.get(format)
     limit = parse_size(max_shard_size)
@@ -138,7 +141,8 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: to
     if base_dtype is not None and not merge_adapters:
         raise ValueError("base_dtype chooses the base of merge_adapters: it needs merge_adapters=True")
     base_dtype = trainer.AS_STORED if base_dtype is None else base_dtype
-    with opening(ckpt_dir, out_dir, tag, follow_symlinks, team) as run:
+    with overriding(tp_rules=tp_rules, tp_replicated=tp_replicated, unstack_layers=unstack_layers), \
+            opening(ckpt_dir, out_dir, tag, follow_symlinks, team) as run:  # the plans are made in here
         prepared = prepare(run.ckpt_dir, dtype, tag=run.tag, exclude_frozen=exclude_frozen or adapter,
                            warn_absent=not merge_adapters, follow_symlinks=run.follow_symlinks)
         prepared, names, extras, merge_base = _hf_view(prepared, fmt, dtype, adapter, merge_adapters, base_model,

@@ -20,7 +20,7 @@ import torch
 from ..base.errors import CorruptCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
 from ..base.settings import TP_REPLICATED_ENV, settings
 from ..plan.model import Entry, SourceTable
-from . import tp_rules
+from . import tp_presets, tp_rules
 
 
 def rules_of(info: dict, path: Path, names: Sequence[str]) -> "tp_rules.Rules | None":
@@ -29,13 +29,13 @@ def rules_of(info: dict, path: Path, names: Sequence[str]) -> "tp_rules.Rules | 
     refused, with the preset named when ``names`` look like Megatron-DeepSpeed's GPT."""
     given = settings().tp_rules  # the user's rules win over the save's
     if given:
-        return tp_rules.read_rules(tp_rules.from_setting(given), path)
+        return tp_rules.read_rules(tp_presets.from_setting(given), path)
     if info.get("affine_map") is not None:  # AutoTP writes the pattern lists too, for older converters
         return None
     if tp_rules.has_rules(info):
         return tp_rules.read_rules(info, path)
     hint = ("; the names look like Megatron-DeepSpeed's GPT: --tp-rules megatron-gpt:mlp=swiglu|gelu,vocab=N "
-            "applies its patterns" if tp_rules.looks_megatron(names) else "")
+            "applies its patterns" if tp_presets.looks_megatron(names) else "")
     raise UnsupportedCheckpointError(
         "expected universal_checkpoint_info in this tensor-parallel save's model states: AutoTP's affine_map, or "
         "Megatron-DeepSpeed's parameter patterns (tp_replicated_parameter_patterns, "

@@ -21,7 +21,7 @@ from ..load.records import (agree_with_config, check_flat_groups, check_parallel
 from ..plan.build import plain_plan
 from ..plan.builders import flat_entries, master_flat_groups, stage0
 from ..plan.columns import EntryTable
-from ..plan.model import Entry, FlatGroups, Plan, SourceTable
+from ..plan.model import FlatGroups, Plan, SourceTable
 from .base import Layout
 
 

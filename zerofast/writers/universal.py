@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..base import keys
+from ..base.settings import overriding
 from ..base.errors import ExportError, UnplacedOptimizerStateError, UnsupportedCheckpointError
 from ..layouts import discover, load_checkpoint
 from ..load import ModelStates
@@ -50,16 +51,18 @@ _SHARDED = (keys.ZERO12_INNER, keys.SLICE_MAPPINGS, keys.ZERO12_FLAT)
 
 def to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag: str | None = None,
                  overwrite: bool = False, progress: "Progress | None" = None, team: "Team | None" = None,
-                 follow_symlinks: bool | None = None) -> Path:
+                 follow_symlinks: bool | None = None, tp_rules: str | os.PathLike | dict | None = None,
+                 tp_replicated: str | None = None) -> Path:
     """Write the ZeRO stage 1-3 checkpoint at ``ckpt_dir`` as a universal checkpoint in ``out_dir``
     (a tag folder: ``latest_universal`` in its parent names it). Returns ``out_dir``.
 
     ``overwrite``: write into a folder holding files this command did not write, replacing only
     the names it writes. ``progress(bytes_done, bytes_total)``: as for :func:`zerofast.export`.
     ``team``: the ranks sharing the files (:mod:`zerofast.output.team`); None writes them all.
-    ``follow_symlinks``: as for :func:`zerofast.reconstruct`."""
-    return write_universal(ckpt_dir, out_dir, tag=tag, overwrite=overwrite, progress=progress, team=team,
-                           follow_symlinks=follow_symlinks).path
+    ``follow_symlinks``, ``tp_rules``, ``tp_replicated``: as for :func:`zerofast.reconstruct`."""
+    with overriding(tp_rules=tp_rules, tp_replicated=tp_replicated):
+        return write_universal(ckpt_dir, out_dir, tag=tag, overwrite=overwrite, progress=progress, team=team,
+                               follow_symlinks=follow_symlinks).path
 
 
 def write_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag: str | None = None,
