@@ -253,6 +253,7 @@ void Scan::step(uint8_t op) {
     case POP_MARK: pop_mark(); return;
     case DUP: stack_.push_back(top()); return;
     case PROTO: take(1); return;
+    case FRAME: take(8); return;  // a length; the opcodes inside follow as usual (protocol 4)
     default: step_containers(op);
   }
 }

@@ -30,6 +30,7 @@ from ..base.errors import (CheckpointNotFoundError, CorruptCheckpointError, Inco
 from .dcp_cover import check_cover
 from .dcp_stand_ins import DCP_ALLOWED, DcpRecord
 from .pickle_bounds import BoundsExceeded
+from .reader import bounded_natively
 from .stand_ins import RefusedState
 from .unpickle import Refused, load_embedded_archive, load_pickle, map_file
 
@@ -171,7 +172,7 @@ def _unpickle_metadata(path: Path) -> DcpRecord:
     if len(data) > METADATA_LIMIT:
         raise UnsafeCheckpointError(f"refused .metadata: larger than {METADATA_LIMIT} bytes", path)
     try:
-        meta = load_pickle(data, DCP_ALLOWED)
+        meta = load_pickle(data, DCP_ALLOWED, bounded=bounded_natively(data))
     except Refused as e:
         raise UnsafeCheckpointError(f"refused pickle global {e.global_name!r}: a DCP .metadata does not need it; "
                                     "nothing was executed", path) from None

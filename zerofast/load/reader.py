@@ -46,6 +46,17 @@ def native_core() -> Callable | None:
         return None  # the first reconstruct says what is missing; reading needs no core
 
 
+def bounded_natively(data: bytes) -> bool:
+    """Whether the native core's bounds pass (the port of :mod:`.pickle_bounds`) passes ``data``:
+    then the Python pass need not run before the Python unpickler. False without a core, or
+    where it declines (the Python pass then decides and words the verdict)."""
+    try:
+        bounded = getattr(ops.native_module(), "pickle_bounded", None)
+    except NativeExtensionError:
+        return False
+    return bounded is not None and bounded(data)[0]
+
+
 def _hooks(index: ArchiveIndex) -> tuple:
     # The order csrc/load/unpickle.cpp's Hooks expects. A native zip directory is looked up in
     # C++, without a Python call per storage.
