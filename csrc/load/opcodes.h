@@ -1,6 +1,7 @@
 // The pickle opcodes the native reader knows: those torch.save writes at protocol 2, and the
 // protocol-4 forms of the same objects. Shared by the bounds pass and the builder, so that the
-// two cannot disagree on a byte.
+// two cannot disagree on a byte. FRAME is read by the bounds pass alone (DCP's .metadata is
+// framed; torch.save never frames, and the builder declines it).
 #pragma once
 
 #include <cstdint>
