@@ -56,6 +56,9 @@ MEGATRON_VARIANTS: dict[str, dict] = {
     # saved as Megatron-DeepSpeed's save_checkpoint saves (nested module, args, rng_state)
     "megatron_s1_bf16_tp2_dp2_megatron_save": {**_TP2_DP2, "stage": 1, "megatron_save": True},
     "megatron_s3_bf16_tp2_dp2_megatron_save": {**_TP2_DP2, "stage": 3, "megatron_save": True},
+    # a frozen parameter of each tensor-parallel kind: each tp rank's model states hold its shard
+    "megatron_s1_bf16_tp2_dp2_frozen": {**_TP2_DP2, "stage": 1, "frozen": True},
+    "megatron_s2_bf16_tp2_dp2_frozen": {**_TP2_DP2, "stage": 2, "frozen": True},
 }
 
 

@@ -22,6 +22,10 @@ the variants (all off by default):
 * ``average`` (with ``drift``): the same save, but ``universal_checkpoint_info`` lists those
   parameters under ``parameter_to_average_patterns`` instead;
 * ``universal_checkpoint_info: false``: the client state holds no ``universal_checkpoint_info``;
+* ``frozen`` (stages 1-2): the parameters of :data:`FROZEN` (one of each tensor-parallel kind:
+  vocabulary, column, row, SwiGLU, replicated) have ``requires_grad=False`` and are left out of
+  the optimizer, so each tp rank's model states hold its shard of them in the model dtype; the
+  truth's ``frozen`` holds each put together over the tp group (the vocabulary without padding);
 * ``megatron_save``: saved the way Megatron-DeepSpeed's ``save_checkpoint`` saves with
   ``--no-pipeline-parallel``: the module's ``state_dict`` replaced by its
   ``state_dict_for_save_checkpoint`` (a NESTED dict ``{"language_model": {"embedding":
@@ -159,7 +163,13 @@ UC_INFO = {
 _INFO_KIND = {"tp_replicated_parameter_patterns": "replicated", "parameter_to_average_patterns": "replicated",
               "vocabulary_parameter_patterns": "vocab", "parameter_with_row_parallelism_patterns": "row",
               "parameter_with_2_sub_params_cat_dim_0": "swiglu"}
-VARIANT_KEYS = ("drift", "average", "universal_checkpoint_info", "megatron_save")
+VARIANT_KEYS = ("drift", "average", "universal_checkpoint_info", "megatron_save", "frozen")
+# ``frozen``: one parameter of each tensor-parallel kind
+FROZEN = ("language_model.embedding.word_embeddings.weight",
+          "language_model.encoder.layers.0.self_attention.query_key_value.weight",
+          "language_model.encoder.layers.0.self_attention.dense.weight",
+          "language_model.encoder.layers.0.mlp.dense_h_to_4h.weight",
+          "language_model.encoder.layers.0.input_layernorm.weight")
 
 
 def uc_info(spec: dict) -> dict | None:
@@ -561,7 +571,11 @@ def train_and_save(spec, outdir, stage, steps, tag):
     mpu = MegatronMPU(tp)
     cfg = base.ds_config_for(spec)
     model = build_model(mpu)  # ZeRO-3: the engine partitions it over mpu's dp group
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
+    frozen = set(FROZEN) if spec.get("frozen") else set()
+    assert not (frozen and stage == 3), "frozen: stages 1-2 (ZeRO-3 partitions the frozen shards too)"
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.99))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, mpu=mpu)
     assert engine.checkpoint_mp_rank == mpu.tp_rank, (engine.checkpoint_mp_rank, mpu.tp_rank)
 
@@ -590,8 +604,13 @@ def train_and_save(spec, outdir, stage, steps, tag):
     params = full_params()
     trainable, opt, shard_shapes = {}, {k: {} for k in base.OPTIMIZER_KEYS}, {}
     copies, copies_opt = {}, {k: {} for k in base.OPTIMIZER_KEYS}
+    frozen_truth = {}
     for name, p in module.named_parameters():  # the same order on every rank: the gathers are collectives
         kind = params[name][1]
+        if not p.requires_grad:  # its shard as the model holds it (the model dtype), put together
+            shard_shapes[name] = list(p.shape)
+            frozen_truth[name] = gather_full(p.detach(), kind, mpu, f"{name} (frozen)")[0]
+            continue
         values = [safe_get_full_fp32_param(p)] + [base.full_optimizer_state(p, k, name) for k in opt]
         values = [v.detach().float().clone().reshape(base.full_shape(p)) for v in values]
         shard_shapes[name] = list(base.full_shape(p))
@@ -609,7 +628,7 @@ def train_and_save(spec, outdir, stage, steps, tag):
             for k, (_, c) in zip(opt, gathered[1:]):
                 copies_opt[k][name] = c
     truth = {
-        "trainable": trainable, "frozen": {}, "buffers": {}, "optimizer_states": opt,
+        "trainable": trainable, "frozen": frozen_truth, "buffers": {}, "optimizer_states": opt,
         "state_dict_keys": list(params), "tied": {},
         "optimizer_step": base.inner_optimizer_step(engine, stage),
         "layout": {"family": "megatron", "dp": mpu.dp, "tp": tp, "pp": 1},

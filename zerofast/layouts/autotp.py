@@ -75,6 +75,9 @@ class AutoTPLayout(PartitionedLayout):
                        what: str) -> EntryTable:
         return trainable(ckpt, table, flats, what)
 
+    def stored_entries(self, ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
+        return frozen_entries(ckpt, table)
+
     def universal_fields(self, ckpt: PartitionedCheckpoint) -> dict[str, dict] | None:
         """Megatron-DeepSpeed saves: the fields of each rule, as ds_to_universal writes them."""
         rules = ckpt.extra.get("rules")
@@ -228,15 +231,41 @@ def _literal(path, pattern) -> str:
 
 
 def _check_frozen(ckpt, metas, maps) -> None:
-    """Only trainable shards are composed; a frozen tensor must be whole on every tp rank."""
-    trainable = {n for g in metas[0].param_shapes or [] for n in g}
-    for name, s in ckpt.stored.items():
-        if name in trainable or name in ckpt.aliases:
-            continue
+    """A frozen tensor the layout does not put together must be whole on every tp rank: AutoTP
+    names the split ones in its affine_map, Megatron-DeepSpeed's rules cover every parameter. At
+    ZeRO-3 the frozen shards are partitioned over the dp ranks too: refused, not guessed."""
+    names = _frozen_names(ckpt, metas[0])
+    if names and ckpt.stage == 3:
+        raise UnsupportedCheckpointError(f"frozen parameters of a ZeRO-3 tensor-parallel save (among them "
+                                         f"{names[0]!r}) are not supported", metas[0].path)
+    for name in names:
         shapes = {tuple(m.module[name].shape) for m in metas if name in m.module}
-        if len(shapes) > 1:
-            raise UnsupportedCheckpointError(f"frozen tensor-parallel shard {name!r} (shapes {sorted(shapes)}) is "
-                                             "not supported", metas[0].path)
+        if name not in maps and ckpt.extra.get("rules") is None and len(shapes) > 1:
+            raise InconsistentCheckpointError(f"frozen {name!r} has the shapes {sorted(shapes)} on the tp ranks, but "
+                                              "no affine_map entry says how they go together", metas[0].path)
+
+
+def _frozen_names(ckpt, first) -> list[str]:
+    """The stored parameters no optimizer holds: not trainable, not a buffer, not a tied alias."""
+    trainable = {n for g in first.param_shapes or [] for n in g}
+    return [n for n in ckpt.stored if n not in trainable and n not in ckpt.aliases and n not in ckpt.buffers]
+
+
+def frozen_entries(ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
+    """Each frozen parameter split over the tp ranks, put together from every tp rank's model
+    states by the rule that joins the trainable ones (AutoTP's affine_map entry, or
+    Megatron-DeepSpeed's patterns; a replicated one must be equal on every rank)."""
+    T = ckpt.files.mp_size
+    metas = ckpt.model_states[:T]
+    composer = _Composer(metas, ckpt.extra["maps"], ckpt.extra["replicated"], T, 0, ckpt.extra.get("rules"))
+    out = {}
+    for name in _frozen_names(ckpt, metas[0]):
+        if composer.rules is None and name not in composer.maps:
+            continue  # whole on every rank (checked when loaded)
+        slices = [table.whole(str(m.path), f"module[{name!r}]", m.module[name]) if name in m.module else None
+                  for m in metas]
+        out[name] = composer.join(ckpt, table, name, slices, "frozen weights")
+    return out
 
 
 def trainable(ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> EntryTable:
@@ -257,15 +286,13 @@ class _Composer:
     def entries(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups, what: str) -> dict[str, Entry]:
         shards = self._zero3_shards(ckpt, table, flats) if ckpt.stage == 3 else self._zero12_shards(ckpt, table, flats,
                                                                                                   what)
-        out = {}
-        for name in shards[0]:
-            slices = [s.get(name) for s in shards]
-            if self.rules is None:
-                out[name] = self._compose(ckpt, name, slices)
-            else:
-                out[name] = tp_join.join_entry(self.rules, table, name, slices, what,
-                                               [m.path for m in self.metas])
-        return out
+        return {name: self.join(ckpt, table, name, [s.get(name) for s in shards], what) for name in shards[0]}
+
+    def join(self, ckpt, table: SourceTable, name: str, slices: list, what: str) -> Entry:
+        """The full ``name`` from its tp ranks' ``slices``: by AutoTP's map or by the rules."""
+        if self.rules is None:
+            return self._compose(ckpt, name, slices)
+        return tp_join.join_entry(self.rules, table, name, slices, what, [m.path for m in self.metas])
 
     def _zero12_shards(self, ckpt, table, flats, what) -> list[dict[str, Entry]]:
         shards = []

@@ -121,7 +121,13 @@ class PartitionedLayout(Layout):
             trainable = EntryTable.of_entries(self.stage0_masters(ckpt, table))
         else:
             trainable = self.trainable_from(ckpt, table, master_flat_groups(ckpt), "flat fp32 groups")
-        return partitioned_plan(ckpt, table, dtype, exclude_frozen, trainable)
+        return partitioned_plan(ckpt, table, dtype, exclude_frozen, trainable, self.stored_entries(ckpt, table))
+
+    def stored_entries(self, ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
+        """The frozen tensors this layout puts together from several ranks' model states (a
+        tensor-parallel save's frozen shards), by name; every other stored tensor is read whole
+        from ``ckpt.stored``."""
+        return {}
 
     def trainable_from(self, ckpt: PartitionedCheckpoint, table: SourceTable, flats: FlatGroups,
                        what: str) -> EntryTable:

@@ -39,8 +39,10 @@ def partition_entries(ckpt: PartitionedCheckpoint, table: SourceTable, flats: Fl
 
 
 def partitioned_plan(ckpt: PartitionedCheckpoint, table: SourceTable, dtype: torch.dtype | None,
-                     exclude_frozen: bool, trainable: EntryTable) -> Plan:
-    """The state dict's plan: ``trainable`` (the layout's masters) and every stored tensor."""
+                     exclude_frozen: bool, trainable: EntryTable, composed: dict[str, Entry] | None = None) -> Plan:
+    """The state dict's plan: ``trainable`` (the layout's masters) and every stored tensor, those
+    of ``composed`` (put together by the layout from several files) as given."""
+    composed = composed or {}
     if exclude_frozen and not ckpt.frozen_known:
         raise UnsupportedCheckpointError(
             "exclude_frozen: this checkpoint does not record which parameters are frozen (no optimizer names them)",
@@ -50,7 +52,10 @@ def partitioned_plan(ckpt: PartitionedCheckpoint, table: SourceTable, dtype: tor
     masters = trainable.keys()  # a dict's view: its lookups run in C
     for name, s in ckpt.stored.items():
         if name not in ckpt.aliases and name not in masters:
-            (buffers if name in ckpt.buffers else frozen)[name] = table.whole(str(s.path), s.key, s.tensor)
+            whole = composed.get(name)
+            if whole is None:
+                whole = table.whole(str(s.path), s.key, s.tensor)
+            (buffers if name in ckpt.buffers else frozen)[name] = whole
     layers = Layers(((TRAINABLE, trainable), (FROZEN, EntryTable.of_entries(frozen)),
                      (BUFFER, EntryTable.of_entries(buffers))))
     for alias, source in ckpt.aliases.items():
