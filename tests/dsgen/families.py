@@ -36,6 +36,9 @@ FAMILY_LAYOUTS: dict[str, dict] = {
     "autotp_s1_bf16_w2_tp2": {"family": "autotp", "stage": 1, "world_size": 2, "dtype": "bf16", "tp": 2},
     "autotp_s2_bf16_w4_tp2": {"family": "autotp", "stage": 2, "world_size": 4, "dtype": "bf16", "tp": 2},
     "autotp_s3_bf16_w4_tp2": {"family": "autotp", "stage": 3, "world_size": 4, "dtype": "bf16", "tp": 2},
+    # frozen column-, row-parallel and replicated parameters: each tp rank holds its shard
+    "autotp_s2_bf16_w4_tp2_frozen": {"family": "autotp", "stage": 2, "world_size": 4, "dtype": "bf16", "tp": 2,
+                                     "frozen": True},
     # -- Megatron-DeepSpeed-style GPT, --no-pipeline-parallel: tp 2 (global rank = dp * 2 + tp) --
     "megatron_s1_bf16_tp2_dp2": {"family": "megatron", "stage": 1, "world_size": 4, "dtype": "bf16", "tp": 2},
     "megatron_s2_bf16_tp2_dp2": {"family": "megatron", "stage": 2, "world_size": 4, "dtype": "bf16", "tp": 2},

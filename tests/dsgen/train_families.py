@@ -202,6 +202,12 @@ def run_pipe(spec, cfg, stage, steps):
 
 # -- AutoTP --------------------------------------------------------------------------------------
 
+# ``frozen`` (AutoTP, stages 1-2): frozen before training, so each tp rank's model states hold
+# its shard; column-, row-parallel and replicated ones (AutoTP's affine_map covers them all)
+AUTOTP_FROZEN = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                 "model.layers.0.mlp.gate_proj.weight", "model.layers.0.input_layernorm.weight")
+
+
 def run_autotp(spec, cfg, stage, steps):
     from deepspeed.module_inject.layers import TensorParallel_Layer
 
@@ -215,7 +221,11 @@ def run_autotp(spec, cfg, stage, steps):
             model = fm.build_llama()
     else:
         model = fm.build_llama()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99))
+    frozen_names = set(AUTOTP_FROZEN) if spec.get("frozen") else set()
+    assert not (frozen_names and stage == 3), "frozen: stages 1-2"
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen_names)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.99))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
     dp_rank = dist.get_rank() // tp
     gen = torch.Generator().manual_seed(1000 + dp_rank)
@@ -229,8 +239,11 @@ def run_autotp(spec, cfg, stage, steps):
     base.relink_optimizer_state(engine)
     owner = {id(p): m for m in module.modules() if isinstance(m, TensorParallel_Layer)
              for p in m.parameters(recurse=False)}
-    trainable, opt = {}, {k: {} for k in base.OPTIMIZER_KEYS}
+    trainable, frozen, opt = {}, {}, {k: {} for k in base.OPTIMIZER_KEYS}
     for name, p in module.named_parameters():
+        if not p.requires_grad:  # as the model holds it (its dtype), the shards put together
+            frozen[name] = tp_gathered(owner[id(p)], p, p.detach()) if id(p) in owner else p.detach().clone()
+            continue
         values = [safe_get_full_fp32_param(p)] + [base.full_optimizer_state(p, k, name) for k in opt]
         values = [v.detach().float().clone().reshape(base.full_shape(p)) for v in values]
         if id(p) in owner:
@@ -242,7 +255,7 @@ def run_autotp(spec, cfg, stage, steps):
     buffers = {n: b.detach().clone() for n, b in module.named_buffers() if n in persistent}
     layout = {"family": "autotp", "dp": dist.get_world_size() // tp, "tp": tp}
     return engine, {
-        "trainable": trainable, "frozen": {}, "buffers": buffers, "optimizer_states": opt,
+        "trainable": trainable, "frozen": frozen, "buffers": buffers, "optimizer_states": opt,
         "state_dict_keys": list(fm.build_llama().state_dict().keys()), "tied": {},
         "optimizer_step": base.inner_optimizer_step(engine, stage), "layout": layout,
     }
