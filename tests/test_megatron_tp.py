@@ -199,7 +199,10 @@ def _universal_tag_dir(layout: str):
 
 
 def _load_state(path):
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape  # beside parameter_with_sub_params
+
+    with torch.serialization.safe_globals([SubparamShape]):
+        obj = torch.load(path, map_location="cpu", weights_only=True)
     return obj["param"] if isinstance(obj, dict) else obj
 
 

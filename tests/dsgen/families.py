@@ -46,6 +46,16 @@ FAMILY_LAYOUTS: dict[str, dict] = {
     "megatron_s3_bf16_tp2_dp2": {"family": "megatron", "stage": 3, "world_size": 4, "dtype": "bf16", "tp": 2},
 }
 
+# DeepSpeed AutoEP (expert_parallel.autoep_size) on a tiny transformers Qwen3-MoE (train_autoep.py): kept
+# out of FAMILY_LAYOUTS (tests/test_autoep.py reads them; the ZeRO-off and ZeRO-3 saves are refused)
+AUTOEP_LAYOUTS: dict[str, dict] = {
+    "autoep_s1_bf16_w2_ep2_frozen": {"family": "autoep", "stage": 1, "world_size": 2, "dtype": "bf16", "ep": 2,
+                                     "frozen": True},
+    "autoep_s2_bf16_w4_ep2": {"family": "autoep", "stage": 2, "world_size": 4, "dtype": "bf16", "ep": 2},
+    "autoep_s0_bf16_w2_ep2": {"family": "autoep", "stage": 0, "world_size": 2, "dtype": "bf16", "ep": 2},
+    "autoep_s3_bf16_w2_ep2": {"family": "autoep", "stage": 3, "world_size": 2, "dtype": "bf16", "ep": 2},
+}
+
 _TP2_DP2 = {"family": "megatron", "world_size": 4, "dtype": "bf16", "tp": 2}
 MEGATRON_VARIANTS: dict[str, dict] = {
     # the replicated layer norms and row-parallel biases differ between the tp ranks
@@ -62,6 +72,8 @@ MEGATRON_VARIANTS: dict[str, dict] = {
     # a frozen parameter of each tensor-parallel kind: each tp rank's model states hold its shard
     "megatron_s1_bf16_tp2_dp2_frozen": {**_TP2_DP2, "stage": 1, "frozen": True},
     "megatron_s2_bf16_tp2_dp2_frozen": {**_TP2_DP2, "stage": 2, "frozen": True},
+    # SwiGLU's dense_h_to_4h under parameter_with_sub_params (universal version 0.4, shard widths)
+    "megatron_s1_bf16_tp2_dp2_sub_params": {**_TP2_DP2, "stage": 1, "sub_params": True},
 }
 
 

@@ -22,6 +22,10 @@ the variants (all off by default):
 * ``average`` (with ``drift``): the same save, but ``universal_checkpoint_info`` lists those
   parameters under ``parameter_to_average_patterns`` instead;
 * ``universal_checkpoint_info: false``: the client state holds no ``universal_checkpoint_info``;
+* ``sub_params``: ``universal_checkpoint_info`` version 0.4 declares SwiGLU's ``dense_h_to_4h``
+  under ``parameter_with_sub_params`` (two sub-parameters of FFN rows, ``sub_param_shard_widths``
+  FFN / tp each) instead of ``parameter_with_2_sub_params_cat_dim_0``: the same layout, the
+  other rule;
 * ``frozen`` (stages 1-2): the parameters of :data:`FROZEN` (one of each tensor-parallel kind:
   vocabulary, column, row, SwiGLU, replicated) have ``requires_grad=False`` and are left out of
   the optimizer, so each tp rank's model states hold its shard of them in the model dtype; the
@@ -163,7 +167,7 @@ UC_INFO = {
 _INFO_KIND = {"tp_replicated_parameter_patterns": "replicated", "parameter_to_average_patterns": "replicated",
               "vocabulary_parameter_patterns": "vocab", "parameter_with_row_parallelism_patterns": "row",
               "parameter_with_2_sub_params_cat_dim_0": "swiglu"}
-VARIANT_KEYS = ("drift", "average", "universal_checkpoint_info", "megatron_save", "frozen")
+VARIANT_KEYS = ("drift", "average", "universal_checkpoint_info", "megatron_save", "frozen", "sub_params")
 # ``frozen``: one parameter of each tensor-parallel kind
 FROZEN = ("language_model.embedding.word_embeddings.weight",
           "language_model.encoder.layers.0.self_attention.query_key_value.weight",
@@ -184,6 +188,15 @@ def uc_info(spec: dict) -> dict | None:
         info["tp_replicated_parameter_patterns"] = [p for p in info["tp_replicated_parameter_patterns"]
                                                     if p not in DRIFTING]
         info["parameter_to_average_patterns"] = list(DRIFTING)
+    if spec.get("sub_params"):
+        tp = int(spec["tp"])
+        weight, bias = info.pop("parameter_with_2_sub_params_cat_dim_0")
+        info["parameter_with_2_sub_params_cat_dim_0"] = []
+        # ds_to_universal sums tuples only: the sub-parameters' sizes are a tuple at partition_dim
+        info["parameter_with_sub_params"] = [{"patterns": [weight], "shape": ((FFN, FFN), HIDDEN), "partition_dim": 0},
+                                             {"patterns": [bias], "shape": ((FFN, FFN),), "partition_dim": 0}]
+        info["sub_param_shard_widths"] = {p: [[FFN // tp] * tp, [FFN // tp] * tp] for p in (weight, bias)}
+        info["universal_checkpoint_version"] = 0.4
     return info
 
 
@@ -192,15 +205,17 @@ def check_uc_info(info: dict | None) -> None:
     if info is None:
         return
     used = set()
+    lists = {key: info[key] for key in _INFO_KIND}
+    lists["sub_params"] = [p for entry in info.get("parameter_with_sub_params", []) for p in entry["patterns"]]
     for name, (_shape, kind) in full_params().items():
         said = []
-        for key, k in _INFO_KIND.items():
-            hits = [pat for pat in info[key] if re.match(pat, name)]
+        for key, k in {**_INFO_KIND, "sub_params": "swiglu"}.items():
+            hits = [pat for pat in lists[key] if re.match(pat, name)]
             assert len(hits) <= 1, (name, hits)
             said += [k] * len(hits)
             used.update(hits)
         assert said == ([] if kind == "column" else [kind]), (name, kind, said)
-    unused = {pat for key in _INFO_KIND for pat in info[key]} - used
+    unused = {pat for pats in lists.values() for pat in pats} - used
     assert not unused, unused
 
 

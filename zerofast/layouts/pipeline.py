@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..base import keys as K
+from ..base.settings import settings
 from ..discover import CheckpointFiles, Found, ranked
 from ..base.errors import IncompleteCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError, some
 from ..load import PartitionedCheckpoint, Partition, Stored, load_file
@@ -41,7 +42,7 @@ from ..load.records import expect_dict, expect_mapping, read_model_states, read_
 from ..plan.columns import EntryTable
 from ..plan.model import Entry, FlatGroups, SourceTable
 from ..plan.partitioned import partition_entries
-from . import tp_join
+from . import tp_join, tp_rules
 from .base import PartitionedLayout
 
 # "layer_<NN>[-model_<TT>]-model_states.pt" next to one "mp_rank_<SS>_model_states.pt" per (stage, tp).
@@ -89,6 +90,19 @@ class PipelineLayout(PartitionedLayout):
             return partition_entries(ckpt, table, flats, what)
         per_tp = [partition_entries(ckpt, table, flats, what, parts) for parts in ckpt.extra["tp_partitions"]]
         return EntryTable.of_entries(_joined(ckpt, table, per_tp, what))
+
+    def universal_fields(self, ckpt: PartitionedCheckpoint) -> dict[str, dict] | None:
+        """What ``ds_to_universal`` writes beside each trainable parameter's ``param``: the fields
+        of its tensor-parallel rule (its tp rank shapes taken over every stage), or, in a save with a
+        single tp rank and no rules, ``cat_dim`` 0 for every parameter (``--inject_missing_state``).
+        The tied module's parameters are written once, from the first stage holding them."""
+        if ckpt.stage == 0:
+            return None
+        if ckpt.files.mp_size > 1:
+            rules, per_tp = ckpt.extra["rules"], ckpt.extra["tp_shapes"]
+            return {name: tp_rules.universal_fields(rules.merge(name, [s[name] for s in per_tp]), ckpt.meta.path)
+                    for name in per_tp[0]}
+        return _single_tp_fields(ckpt)
 
 
 def _joined(ckpt: PartitionedCheckpoint, table: SourceTable, per_tp, what: str) -> dict[str, Entry]:
@@ -189,9 +203,34 @@ def _tensor_parallel(ckpt: PartitionedCheckpoint, everyone, views, shapes: list[
     ckpt.degrees["tp_rules"] = tp_join.rule_labels(rules, per_tp, first.path)
     _check_frozen(per_tp, views)
     full = tp_join.full_shapes(rules, per_tp)
-    ckpt.extra.update(rules=rules, tp_stored=[stored for stored, _ in views],
+    ckpt.extra.update(rules=rules, tp_stored=[stored for stored, _ in views], tp_shapes=per_tp,
                       tp_paths=[everyone[t].path for t in range(T)])
     return [{n: full.get(n, v) for n, v in g.items()} for g in shapes]
+
+
+def _single_tp_fields(ckpt: PartitionedCheckpoint) -> dict[str, dict]:
+    """``universal_fields`` of a pipeline save with one tp rank: ds_to_universal applies the save's
+    rules (or the user's) to the single slice, a vocabulary parameter's padding rows included,
+    which zerofast keeps at one tp rank; such a padded vocabulary is refused rather than written
+    other than DeepSpeed writes it. Without rules every parameter is joined on dim 0."""
+    shapes = {n: tuple(v) for g in ckpt.meta.param_shapes or [] for n, v in g.items()}
+    info = ckpt.meta.raw.get(K.UNIVERSAL_INFO)
+    if not (settings().tp_rules or tp_rules.has_rules(info)):
+        return {name: {"cat_dim": 0} for name in shapes}
+    rules = tp_join.rules_of(info if isinstance(info, dict) else {}, ckpt.meta.path, list(shapes))
+    if rules is None:
+        raise UnsupportedCheckpointError("to-universal of a pipeline save with AutoTP's affine_map is not supported",
+                                         ckpt.meta.path)
+    out = {}
+    for name, shape in shapes.items():
+        merge = rules.merge(name, [shape])
+        if merge.vocab is not None and shape and shape[0] != merge.vocab:
+            raise UnsupportedCheckpointError(
+                f"to-universal of {name!r}: a vocabulary parameter with {shape[0]} rows (original_vocab_size "
+                f"{merge.vocab}) in a pipeline save with one tp rank is not supported (ds_to_universal trims the "
+                "padding rows, zerofast keeps them there)", ckpt.meta.path)
+        out[name] = tp_rules.universal_fields(merge, ckpt.meta.path)
+    return out
 
 
 def _check_frozen(per_tp: list[dict], views) -> None:

@@ -30,6 +30,7 @@ backtracking).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ AVERAGE = "parameter_to_average_patterns"
 TWO_SUB_PARAMS = "parameter_with_2_sub_params_cat_dim_0"
 SUB_PARAMS = "parameter_with_sub_params"
 SUB_WIDTHS = "sub_param_shard_widths"
+SUB_PARAM_SHAPE = "sub_param_shape"  # the field ds_to_universal writes beside such a parameter
 ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
 VOCABULARY = "vocabulary_parameter_patterns"
 ORIGINAL_VOCAB = "original_vocab_size"
@@ -69,6 +71,9 @@ class Merge:
     dim: int = 0
     blocks: tuple[Block, ...] = ()
     vocab: int | None = None  # rows kept (vocabulary parameters)
+    # parameter_with_sub_params: the entry's fields as ds_to_universal records them beside the
+    # tensor (``sub_param_shape``: patterns, shape, partition_dim; a legacy count made sizes)
+    sub_shape: dict | None = None
 
     @property
     def label(self) -> str:
@@ -81,7 +86,7 @@ class Merge:
 @dataclass
 class Rules:
     lists: dict[str, list[re.Pattern]]
-    sub_params: list[tuple[list[re.Pattern], list, int]]  # (patterns, shape, partition_dim)
+    sub_params: list[tuple[list[re.Pattern], list, int, dict]]  # (patterns, shape, partition_dim, the entry)
     sub_widths: dict[str, list[list[int]]]
     original_vocab: int | None
     version: float
@@ -102,7 +107,9 @@ class Rules:
                                   halves=True)
         sub = self._sub_params(name)
         if sub is not None:
-            return self._sub_join(name, shapes, sub[2], self._widths(name, shapes, sub), SUB_PARAMS, vocab)
+            widths = self._widths(name, shapes, sub)
+            merge = self._sub_join(name, shapes, sub[2], widths, SUB_PARAMS, vocab)
+            return dataclasses.replace(merge, sub_shape=self._sub_shape(sub, widths))
         dim = 1 if self._match(ROW_PARALLEL, name) else 0
         widths = [[self._dim(name, s, dim) for s in shapes]]
         return self._sub_join(name, shapes, dim, widths, ROW_PARALLEL if dim else "join on dim 0", vocab)
@@ -127,12 +134,23 @@ class Rules:
         return self.original_vocab
 
     def _sub_params(self, name: str):
-        for patterns, shape, dim in self.sub_params:
+        for patterns, shape, dim, entry in self.sub_params:
             for p in patterns:
                 if p.match(name):
                     self.used.add(p.pattern)
-                    return p.pattern, shape, dim
+                    return p.pattern, shape, dim, entry
         return None
+
+    def _sub_shape(self, sub, widths: list[list[int]]) -> dict:
+        """The entry as ds_to_universal writes it: as the save gives it, except that a legacy
+        count of equal sub-parameters at ``partition_dim`` becomes their sizes (a tuple)."""
+        _, shape, dim, entry = sub
+        fields = {"patterns": entry["patterns"], "shape": entry["shape"], "partition_dim": dim}
+        if self.version < 0.4 and not isinstance(shape[dim], (list, tuple)):
+            normalized = list(shape)
+            normalized[dim] = tuple(sum(w) for w in widths)
+            fields["shape"] = tuple(normalized)
+        return fields
 
     # -- joins ------------------------------------------------------------------------------------
 
@@ -144,7 +162,7 @@ class Rules:
 
     def _widths(self, name, shapes, sub) -> list[list[int]]:
         """Per sub-parameter, its width on each tp rank."""
-        pattern, shape, dim = sub
+        pattern, shape, dim, _ = sub
         T = len(shapes)
         sizes = shape[dim] if dim < len(shape) else None
         if self.version >= 0.4:
@@ -203,9 +221,11 @@ def universal_fields(merge: Merge, path: Path | None) -> dict:
     for a replicated or averaged one."""
     if merge.kind != "join":
         return {}
-    if merge.rule == SUB_PARAMS:
-        raise UnsupportedCheckpointError("to-universal of parameters with sub-parameter widths "
-                                         "(parameter_with_sub_params) is not supported yet", path)
+    if merge.rule == SUB_PARAMS:  # a plain dict here: the writer pickles it as DeepSpeed's SubparamShape
+        out = {SUB_PARAM_SHAPE: merge.sub_shape}
+        if merge.vocab is not None:
+            out["vocab_tensor"] = True
+        return out
     out = {"cat_dim": merge.dim}
     if merge.rule == TWO_SUB_PARAMS:
         out["param_n_sub_params"] = 2
@@ -282,7 +302,7 @@ def read_rules(info: dict, path: Path) -> Rules:
         if type(dim) is not int or not isinstance(shape, (list, tuple)) or not 0 <= dim < len(shape) or len(shape) > 8:
             raise CorruptCheckpointError(f"expected {SUB_PARAMS} entries with patterns, shape and partition_dim, "
                                          f"found {short_repr(s)}", path)
-        subs.append((_patterns(s.get("patterns"), SUB_PARAMS, path), list(shape), dim))
+        subs.append((_patterns(s.get("patterns"), SUB_PARAMS, path), list(shape), dim, s))
     widths = info.get(SUB_WIDTHS) or {}
     if not isinstance(widths, dict):
         raise CorruptCheckpointError(f"expected {SUB_WIDTHS} to be a dict, found {short_repr(widths)}", path)

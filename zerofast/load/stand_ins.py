@@ -148,6 +148,8 @@ _RECORD_CLASSES = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.fp16.loss_scaler.LossScalerBase",
+    # ds_to_universal's record beside a parameter_with_sub_params tensor (patterns, shape, partition_dim)
+    "deepspeed.checkpoint.universal_checkpoint.SubparamShape",
 )
 
 # -- what Megatron-DeepSpeed's save_checkpoint adds: args, RNG states (numpy's), enums -----------

@@ -11,9 +11,13 @@ The layout is what ``python -m deepspeed.checkpoint.ds_to_universal`` writes and
     <out>/zero/<name>/fp32.pt              frozen params and buffers, in their own dtype
     <out>/../latest_universal              the name of <out>
 
-Unlike DeepSpeed's tool it needs no ``universal_checkpoint_info`` in the source, and it writes
-the frozen params and buffers at every stage (DeepSpeed's tool drops them at stage 3, and its
-engine never restores them: see :func:`universal_module_state`). Each tensor is planned by the
+A pipeline save's parameters keep their ``PipelineModule`` names, its tied module written once
+(from the first stage), each ``step`` taken from the stage that holds the parameter; a
+tensor-parallel save's are the full tensors after the fields of their rules
+(``Layout.universal_fields``). Unlike DeepSpeed's tool it needs no ``universal_checkpoint_info``
+in a data-parallel source, and it writes the frozen params and buffers at every stage and for
+every layout (DeepSpeed's tool drops them at stage 3 and for pipelines, and its engine never
+restores them: see :func:`universal_module_state`). Each tensor is planned by the
 same builders as ``reshard`` and written through the native executor, streaming.
 """
 from __future__ import annotations
@@ -30,11 +34,13 @@ from ..base import keys
 from ..base.settings import overriding
 from ..base.errors import ExportError, UnplacedOptimizerStateError, UnsupportedCheckpointError
 from ..layouts import discover, load_checkpoint
+from ..layouts.tp_rules import SUB_PARAM_SHAPE
 from ..load import ModelStates
 from ..load.records import read_model_states
 from ..output.team import opening
 from ..output.transaction import Folder, copy_file, os_error, writing
 from ..plan import BUFFER, FROZEN, TensorPlan, build_plan
+from ..plan.builders import master_flat_groups
 from ..plan.optimizer import group_states
 from . import ds_pickle
 from .source import Source, Written, concat, write_checkpoint
@@ -191,6 +197,8 @@ def _param_files(source: Source):
     stage3 = ckpt.stage == 3
     steps = _steps(source)
     fields = ckpt.layout.universal_fields(ckpt)  # a tensor-parallel save's: how to cut each tensor again
+    if fields is not None:
+        fields = {name: _as_deepspeed(f) for name, f in fields.items()}
     for name, master in source.masters.items():
         items = []
         moments = [(k, plans[name]) for k, plans in source.moments.items() if name in plans]  # its group's keys
@@ -205,6 +213,18 @@ def _param_files(source: Source):
     for name, tp in _module_entries(source).items():
         sk = source.new_file()
         yield name, [("fp32", _param_obj(tp, sk, False, None), sk)]
+
+
+_SUBPARAM_SHAPE = "deepspeed.checkpoint.universal_checkpoint.SubparamShape"
+
+
+def _as_deepspeed(fields: dict) -> dict:
+    """A parameter's fields with ``sub_param_shape`` (plain data from the layout) as the
+    SubparamShape object ds_to_universal pickles, which DeepSpeed's loader reads by attribute."""
+    sub = fields.get(SUB_PARAM_SHAPE)
+    if sub is None:
+        return fields
+    return {**fields, SUB_PARAM_SHAPE: ds_pickle.record_class(_SUBPARAM_SHAPE)(**sub)}
 
 
 def _param_obj(tp: TensorPlan, sk: Skeleton, stage3: bool, fields: dict | None):
@@ -225,19 +245,32 @@ def _module_entries(source: Source) -> dict[str, TensorPlan]:
 
 
 def _steps(source: Source) -> dict[str, tuple[Path, torch.Tensor]]:
-    """Each trainable parameter's scalar ``step``, from the flat group that holds it on rank 0."""
+    """Each trainable parameter's scalar ``step``, as ds_to_universal takes it: from the flat group
+    that holds the parameter's first element (the first rank holding a fragment of it; on tp rank
+    0, and for a pipeline's tied module on its first stage). A master that is no flat group's
+    (an average over tp ranks) takes the step of rank 0's group at its ``param_shapes`` place."""
     ckpt = source.ckpt
-    first = ckpt.optim_states[0]
-    states = group_states(first, ckpt.stage)
+    states = [group_states(o, ckpt.stage) for o in ckpt.optim_states]
+    group_of = {(str(o.path), t.data_ptr()): (r, g)
+                for r, (o, groups) in enumerate(zip(ckpt.optim_states, master_flat_groups(ckpt)))
+                for g, (_, t) in enumerate(groups)}
+    table = source.table
     out = {}
     for g, shapes in enumerate(ckpt.meta.param_shapes):
-        if g >= len(states):
-            break
-        step = states[g][1].get("step")
-        if step is None:
+        step = states[0][g][1].get("step") if g < len(states[0]) else None
+        if step is not None:
+            out.update((name, (ckpt.optim_states[0].path, step)) for name in shapes if name not in out)
+    for name, master in source.masters.items():
+        if not len(master.segments):
             continue
-        for name in shapes:
-            out[name] = (first.path, step)
+        src = min(master.segments, key=lambda seg: seg[2])[0]  # the source of the first element
+        owner = group_of.get((table.files[src], table.tensors[src].data_ptr()))
+        if owner is None:
+            continue
+        r, g = owner
+        step = states[r][g][1].get("step") if g < len(states[r]) else None
+        if step is not None:
+            out[name] = (ckpt.optim_states[r].path, step)
     return out
 
 
