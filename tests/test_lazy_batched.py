@@ -13,7 +13,6 @@ import torch
 import zerofast
 from zerofast.native import ops
 import zerofast.execute.executor as executor_module
-from zerofast.execute import Executor
 from zerofast.pipeline.prepare import prepare
 from zerofast.plan.columns import PlanTensors
 
@@ -38,16 +37,17 @@ def no_mapped_path(monkeypatch):
 
 
 def _calls(monkeypatch, sd) -> list[list]:
-    """The batches the mapping's executor reads (each a list of plans)."""
+    """The batches the mapping's executor reads (each a list of plans), as its path is asked for
+    them (every read of the executor, a pass or one tensor, is one such call)."""
     batches: list[list] = []
-    executor = sd._executor
-    run_all = executor.run_all
+    path = sd._executor.path
+    read = path.read
 
-    def spy(tps):
-        batches.append(list(tps))
-        return run_all(tps)
+    def spy(cols):
+        batches.append(list(cols.values()))
+        return read(cols)
 
-    monkeypatch.setattr(executor, "run_all", spy)
+    monkeypatch.setattr(path, "read", spy)
     return batches
 
 
@@ -107,7 +107,8 @@ def test_iteration_reads_ahead_in_order_within_the_budget(monkeypatch, no_mapped
         lazy[name]
     assert looked_up == list(plan.order)
     keys = [plan.aliases.get(n, n) for n in plan.order]
-    copied = [k for k in keys if not Executor.may_view(plan.tensors[k])]  # the rest are views
+    viewed = _viewed(plan.tensors)
+    copied = [k for k in keys if k not in viewed]  # the rest are views
     read = [tp.name for batch in batches for tp in batch]
     assert Counter(read) == Counter(copied)  # once per lookup: a tied name is a lookup of its own
     ahead = [[keys.index(tp.name) for tp in b] for b in batches if len(b) > 1]
@@ -142,10 +143,25 @@ def test_prefetched_values_are_fresh_memory_each_lookup():
     lazy = zerofast.reconstruct(real_root(SMALL), lazy=True)
     first = {name: lazy[name] for name in lazy}
     again = {name: lazy[name] for name in lazy}
+    viewed = _viewed(lazy.plan.tensors)
     for name in first:
-        if not Executor.may_view(lazy.plan.tensors[lazy.plan.aliases.get(name, name)]):
+        if lazy.plan.aliases.get(name, name) not in viewed:
             assert first[name].data_ptr() != again[name].data_ptr(), name
         assert_bitwise_equal(first[name], again[name], name)
+
+
+def _viewed(tensors) -> set[str]:
+    """The names of ``tensors`` (a plan's columns) that ``view_ranges`` says may be views."""
+    return {name for name, where in zip(tensors, executor_module.view_ranges(tensors)) if where is not None}
+
+
+def _may_view(tp) -> bool:
+    """The rule, one TensorPlan at a time (the test's oracle for view_ranges): one whole range of
+    one source, already in the requested dtype."""
+    if len(tp.segments) != 1 or tp.stored_dtype != tp.out_dtype:
+        return False
+    _, _, dst_off, length = tp.segments[0]
+    return dst_off == 0 and length == tp.numel
 
 
 def _reference_view(sources, tp) -> torch.Tensor:
@@ -155,14 +171,14 @@ def _reference_view(sources, tp) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, None, torch.bfloat16])
 @pytest.mark.parametrize("root_name", [SMALL, "s2_bf16_w2_frozen_tied", "s1_bf16_w2_frozen", "s0_bf16_w2"])
-def test_view_ranges_say_what_may_view_says_and_views_are_the_slices(root_name, dtype):
+def test_view_ranges_follow_the_rule_and_views_are_the_slices(root_name, dtype):
     """The whole-table answer (``view_ranges``, off the columns) is the per-tensor one, for a
     plan's columns and for the columns of plans of tuples alike; a lazy lookup's view is the
     slice-and-view of its source exactly."""
     prepared = prepare(real_root(root_name), dtype)
     ranges = executor_module.view_ranges(prepared.plan.tensors)  # off the columns, no TensorPlan made
     tps = list(prepared.plan.tensors.values())
-    assert [r is not None for r in ranges] == [Executor.may_view(tp) for tp in tps]
+    assert [r is not None for r in ranges] == [_may_view(tp) for tp in tps]
     if dtype == torch.float32 and root_name.startswith(("s2", "s3")):  # the fp32 masters are whole tensors
         assert any(r is not None for r in ranges) and not all(r is not None for r in ranges)
     as_tuples = [dataclasses.replace(tp, segments=tuple(map(tuple, tp.segments))) for tp in tps]
@@ -189,7 +205,8 @@ def test_a_view_past_its_source_is_not_handed_out():
     """A plan row past its source's end (no builder makes one) must fail as the read checks it,
     not come back as a view of whatever follows the source in its storage."""
     prepared = prepare(real_root(SMALL), torch.float32)
-    name, tp = next((n, tp) for n, tp in prepared.plan.tensors.items() if Executor.may_view(tp) and tp.numel > 1)
+    viewed = _viewed(prepared.plan.tensors)
+    name, tp = next((n, tp) for n, tp in prepared.plan.tensors.items() if n in viewed and tp.numel > 1)
     src, _, _, length = tuple(tp.segments[0])
     past = dataclasses.replace(tp, segments=((src, prepared.sources[src].numel() - length + 1, 0, length),))
     prepared = dataclasses.replace(prepared, plan=dataclasses.replace(

@@ -179,6 +179,38 @@ def test_the_executor_sits_on_the_plan():
     assert not found, "\n".join(found)
 
 
+# What a device can do is its registry entry's (zerofast/devices/__init__.py): the executor picks
+# its path from that entry, never by the name of a device type.
+DEVICE_TYPES = re.compile(r"(cpu|cuda|xpu|mps|hip|meta)(:\d+)?")
+
+
+def _device_type_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where code (not a docstring) names a device type: a string that is one, or torch.cuda."""
+    docstrings = {id(node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                and DEVICE_TYPES.fullmatch(node.value):
+            found.append((node.lineno, repr(node.value)))
+        elif isinstance(node, ast.Attribute) and node.attr == "cuda" and ast.unparse(node.value) == "torch":
+            found.append((node.lineno, "torch.cuda"))
+    return found
+
+
+def test_the_executor_names_no_device_type():
+    found = [f"{m}:{line}: {what}" for m, path in MODULES.items()
+             if m == "zerofast.execute" or m.startswith("zerofast.execute.")
+             for line, what in _device_type_names(ast.parse(path.read_text()))]
+    assert not found, "\n".join(found)
+
+
+def test_the_device_type_check_sees_each_way_of_naming_one():
+    code = ('"""A docstring naming "cpu" is fine."""\nx = "cpu"\nif d.type == "cuda:0": pass\ntorch.cuda.current_stream()\n'
+            'y = "cpus"\n')
+    assert [line for line, _ in _device_type_names(ast.parse(code))] == [2, 3, 4]
+
+
 # The output side: results (in memory), output (what every writer of files shares), and the two
 # kinds of file writers on top of it, neither importing the other.
 OUTPUT_RULES = {

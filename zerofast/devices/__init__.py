@@ -3,8 +3,16 @@
 A device is one kernel directory under ``csrc/`` (its kernels register themselves with the
 dispatcher) plus one :class:`Device` entry here, which says everything the Python side needs:
 whether one is there, how a computation is pinned to one, how results come back into host
-memory, and which ``torch.distributed`` backend ranks on it use. Nothing else in the package
-names a device type.
+memory, which ``torch.distributed`` backend ranks on it use, and its side of the upload ring.
+
+The executor (``execute/``) picks its one path from these entries (``host``, ``streams``,
+``host_copier``) and names no device type (``tests/test_structure.py`` checks that). Elsewhere a
+type is still named in three kinds of places: the native core's build (``native/loader.py``,
+``cudaplan.py``, ``proof.py``), which chooses the kernel directories of ``csrc/`` to compile by
+their names, ``"cpu"`` and ``"cuda"``, before any device is used; the public entry points'
+default ``device="cpu"``; and a few tests of ``.type == "cpu"`` above the executor
+(``pipeline/prepare.py``, ``results/``, ``api/load_into.py``, ``load/residency.py``) that an
+entry's ``host`` (or ``Executor.host``) would answer.
 """
 from __future__ import annotations
 
@@ -51,6 +59,10 @@ DEVICES: dict[str, Device] = {
     "cuda": Device("cuda", cuda.available, cuda.count, cuda.scope, cuda.select, cuda.PinnedCopy, "nccl",
                    cuda.CudaStreams),
 }
+
+
+# The host's own memory: the device of the one entry whose results need no copy back.
+HOST = torch.device(next(d.type for d in DEVICES.values() if d.host))
 
 
 def device_of(device: str | torch.device) -> Device:

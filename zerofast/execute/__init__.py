@@ -1,8 +1,9 @@
 """Step 4: the executor runs plans through the native ops (``zerofast.native.ops``).
 
-- :mod:`.executor`: one tensor plan into fresh or given memory, on the CPU or a GPU (whose
-  results come back through its :mod:`zerofast.devices` entry);
-- :mod:`.read_batch`: whole passes as one native call that preads the checkpoint files.
+- :mod:`.executor`: a plan's tensors into fresh or given memory, by the one path its device's
+  :mod:`zerofast.devices` entry gives it (the batched reader, the upload ring, or the mapped gather);
+- :mod:`.read_batch`: whole passes as one native call that preads the checkpoint files;
+- :mod:`.ring`: passes onto a device through pinned slots, cut from the plan's columns.
 """
 from .executor import Executor, view_ranges
 

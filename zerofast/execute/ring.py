@@ -1,6 +1,9 @@
 """Step 4 onto a device (a GPU): file bytes through a ring of reused pinned host buffers.
 
-A pass is cut into chunks of at most :data:`SLOT_BYTES`. For chunk ``c`` in slot ``k = c % SLOTS``:
+A pass is a plan's columns (:class:`~zerofast.plan.columns.PlanTensors`), cut into chunks of at
+most :data:`SLOT_BYTES` straight from them (element counts, stored dtypes); each slot's read table
+is its tensors' rows of the segment table, a piece of a tensor too large for a slot cut from its
+rows (:func:`piece_rows`). For chunk ``c`` in slot ``k = c % SLOTS``:
 
 1. the host waits until slot ``k``'s last upload has landed, then the batched reader
    (:class:`~zerofast.execute.read_batch.BatchReader`: several ``pread`` threads) fills pinned
@@ -28,8 +31,7 @@ import torch
 
 from ..native import ops
 from ..devices.streams import Streams
-from ..plan.columns import segment_rows
-from ..plan.model import TensorPlan
+from ..plan.columns import PlanTensors
 from .read_batch import BatchReader, sources_used
 
 # Four 64 MiB slots: a chunk is large enough that the reader threads' fork and join is a small
@@ -52,30 +54,45 @@ class Chunk:
     hi: int | None = None
 
 
-def chunks(tps: Sequence[TensorPlan], slot_bytes: int = SLOT_BYTES) -> Iterator[tuple[Chunk, int]]:
-    """The pass ``tps`` cut into chunks in order, each with the bytes it fills: runs of whole
-    tensors of one stored dtype, and pieces of a tensor larger than a slot."""
+def chunks(cols: PlanTensors, slot_bytes: int = SLOT_BYTES) -> Iterator[tuple[Chunk, int]]:
+    """The pass ``cols`` cut into chunks in order, each with the bytes it fills: runs of whole
+    tensors of one stored dtype, and pieces of a tensor larger than a slot. Read off the
+    columns (element counts, stored dtypes): no TensorPlan made."""
     run: list[int] = []
     at: list[int] = []
     used, dtype = 0, None
-    for i, tp in enumerate(tps):
-        item = tp.stored_dtype.itemsize
-        nbytes = tp.numel * item
-        if run and (tp.stored_dtype != dtype or used + nbytes > slot_bytes):
+    for i, (numel, stored) in enumerate(zip(cols.numels().tolist(), cols.stored)):
+        item = stored.itemsize
+        nbytes = numel * item
+        if run and (stored != dtype or used + nbytes > slot_bytes):
             yield Chunk(dtype, np.array(run, dtype=np.int64), np.array(at, dtype=np.int64)), used
             run, at, used = [], [], 0
         if nbytes > slot_bytes:
             step = max(1, slot_bytes // item)
-            for lo in range(0, tp.numel, step):
-                hi = min(tp.numel, lo + step)
-                yield Chunk(tp.stored_dtype, np.array([i]), np.array([0]), lo, hi), (hi - lo) * item
+            for lo in range(0, numel, step):
+                hi = min(numel, lo + step)
+                yield Chunk(stored, np.array([i]), np.array([0]), lo, hi), (hi - lo) * item
             continue
-        dtype = tp.stored_dtype
+        dtype = stored
         run.append(i)
         at.append(used // item)
         used += nbytes
     if run:
         yield Chunk(dtype, np.array(run, dtype=np.int64), np.array(at, dtype=np.int64)), used
+
+
+def piece_rows(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """One tensor's segment ``rows`` cut to its elements ``[lo, hi)``, as rows of a 1-D tensor of
+    ``hi - lo`` elements (what :meth:`~zerofast.plan.tensor.TensorPlan.slice` makes, as an array)."""
+    a = np.maximum(rows[:, 2], lo)
+    b = np.minimum(rows[:, 2] + rows[:, 3], hi)
+    keep = a < b
+    out = rows[keep].copy()
+    a, b = a[keep], b[keep]
+    out[:, 1] += a - out[:, 2]
+    out[:, 2] = a - lo
+    out[:, 3] = b - a
+    return out
 
 
 class Ring:
@@ -91,33 +108,32 @@ class Ring:
         self._host: list[torch.Tensor] = []
         self._dev: list[torch.Tensor] = []
 
-    def read(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
-        """Each of ``tps`` in fresh device memory, in its shape and ``out_dtype``."""
-        outs = [self.streams.empty(tuple(tp.shape), tp.out_dtype) for tp in tps]
-        self.read_into(tps, outs)
+    def read(self, cols: PlanTensors) -> list[torch.Tensor]:
+        """Each tensor of ``cols`` in fresh device memory, in its shape and output dtype."""
+        outs = [self.streams.empty(tuple(shape), dtype) for shape, dtype in zip(cols.shapes, cols.out)]
+        self.read_into(cols, outs)
         return outs
 
-    def read_into(self, tps: Sequence[TensorPlan], outs: Sequence[torch.Tensor]) -> None:
-        """Each of ``tps`` into the contiguous device tensor of ``outs`` beside it (of its numel;
-        any dtype: the copy casts)."""
-        if not tps:
+    def read_into(self, cols: PlanTensors, outs: Sequence[torch.Tensor]) -> None:
+        """Each tensor of ``cols`` into the contiguous device tensor of ``outs`` beside it (of its
+        numel; any dtype: the copy casts). The chunks are cut from the columns, the slots' read
+        tables from the plan's segment table as it is."""
+        if not len(cols):
             return
         flats = [o.view(-1) for o in outs]
-        rows, counts = segment_rows([tp.segments for tp in tps])
-        starts = np.zeros(len(tps) + 1, dtype=np.int64)
-        np.cumsum(counts, out=starts[1:])
-        numels = np.array([tp.numel for tp in tps], dtype=np.int64)
-        cut = list(chunks(tps, self.slot_bytes))
+        table = cols.table
+        numels = cols.numels()
+        cut = list(chunks(cols, self.slot_bytes))
         self._allocate(max(nbytes for _, nbytes in cut))
         streams = self.streams
         try:
-            with self.reader.opened(sources_used([rows[:, 0]])) as files:
-                self._run(cut, tps, flats, rows, starts, numels, files)
+            with self.reader.opened(sources_used([table.rows[:, 0]])) as files:
+                self._run(cut, flats, table.rows, table.starts, numels, files)
         finally:
             # Also after an error: no buffer may be dropped or refilled while a copy still uses it.
             streams.finish()
 
-    def _run(self, cut, tps, flats, rows, starts, numels, files) -> None:
+    def _run(self, cut, flats, rows, starts, numels, files) -> None:
         streams = self.streams
         uploaded: list[object | None] = [None] * self.slots
         copied: list[object | None] = [None] * self.slots
@@ -126,7 +142,7 @@ class Ring:
             if uploaded[k] is not None:
                 streams.wait(uploaded[k])  # the pinned slot's last upload has landed
             host = self._host[k][:nbytes]
-            self._fill(host.view(chunk.dtype), chunk, tps, rows, starts, files)
+            self._fill(host.view(chunk.dtype), chunk, rows, starts, files)
             dev = self._dev[k][:nbytes]
             uploaded[k] = streams.upload(host, dev, copied[k])
             copied[k] = streams.compute(_casts(chunk, dev.view(chunk.dtype), flats, numels), uploaded[k])
@@ -139,25 +155,25 @@ class Ring:
             self._host = [self.streams.host_buffer(size) for _ in range(self.slots)]
             self._dev = [self.streams.device_buffer(size) for _ in range(self.slots)]
 
-    def _fill(self, host: torch.Tensor, chunk: Chunk, tps: Sequence[TensorPlan], rows: np.ndarray,
-              starts: np.ndarray, files: tuple[list[int], torch.Tensor]) -> None:
-        """Read the chunk's elements into ``host`` (the pinned slot, typed), in one batched call."""
+    def _fill(self, host: torch.Tensor, chunk: Chunk, rows: np.ndarray, starts: np.ndarray,
+              files: tuple[list[int], torch.Tensor]) -> None:
+        """Read the chunk's elements into ``host`` (the pinned slot, typed), in one batched call;
+        its table is the chunk's rows of the pass's segment table, cut where it is a piece."""
+        first, last = int(starts[chunk.which[0]]), int(starts[chunk.which[-1] + 1])
         if chunk.lo is not None:
-            piece = tps[int(chunk.which[0])].slice(chunk.lo, chunk.hi)
-            table = _table(*segment_rows([piece.segments]), np.zeros(1, dtype=np.int64))
+            table = _table(piece_rows(rows[first:last], chunk.lo, chunk.hi), None, chunk.at)
         else:
-            first, last = int(starts[chunk.which[0]]), int(starts[chunk.which[-1] + 1])
             table = _table(rows[first:last], np.diff(starts[chunk.which[0]:chunk.which[-1] + 2]), chunk.at)
         if len(table):
             ops.read_cast(self.reader.sources, files[0], files[1], torch.from_numpy(table), [host])
 
 
-def _table(rows: np.ndarray, counts: np.ndarray, at: np.ndarray) -> np.ndarray:
+def _table(rows: np.ndarray, counts: np.ndarray | None, at: np.ndarray) -> np.ndarray:
     """The read op's table for one slot as its single output: each tensor's rows with their
-    output offsets moved to where the tensor sits in the slot."""
+    output offsets moved to where the tensor sits in the slot (``counts`` None: one tensor's)."""
     table = np.zeros((len(rows), 5), dtype=np.int64)
     table[:, 1:] = rows
-    table[:, 3] += np.repeat(at, counts)
+    table[:, 3] += at[0] if counts is None else np.repeat(at, counts)
     return table
 
 

@@ -93,7 +93,7 @@ class TableSegments(Sequence):
     def __getitem__(self, k):
         if not isinstance(k, int):
             return self.tuples()[k]
-        n = len(self)  # one row without the others: Executor.may_view looks at the first of each tensor
+        n = len(self)  # one row without the others
         if not -n <= k < n:
             raise IndexError("segment index out of range")
         return tuple(self.table.rows[int(self.table.starts[self.number]) + k % n].tolist())
