@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..base import dtypes
-from ..devices import device_of
+from ..devices import HOST, device_of
 from ..base.errors import LoadIntoError
 from ..execute.executor import STAGING_BYTES, in_runs
 from ..pipeline.prepare import prepare
@@ -70,9 +70,9 @@ def load_into(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, strict: bo
     pairs = [(name, tensors[plan.aliases.get(name, name)]) for name in targets if name not in missing]
     _check_shapes(pairs, targets, prepared.checkpoint.files.tag_dir)
     in_place, staged = _split(pairs, targets, dtype)
-    places = {target.device: None for _, target in in_place} | {torch.device("cpu"): None}
+    places = {target.device: None for _, target in in_place} | {HOST: None}
     executors = {place: prepared.streaming_executor(place) for place in places}
-    executor = executors[torch.device("cpu")]
+    executor = executors[HOST]
     del prepared  # the records are not needed to move the bytes (see results.state_dict_of)
     release_freed_heap(len(plan.tensors))
     with torch.no_grad():
@@ -139,5 +139,6 @@ def _planned(tp: TensorPlan, target: torch.Tensor, dtype: torch.dtype | None) ->
 
 def _writable_in_place(target: torch.Tensor, dtype: torch.dtype) -> bool:
     """Host memory the batched reader writes, or device memory its upload ring fills."""
-    reachable = target.device.type == "cpu" or device_of(target.device).streams is not None
+    entry = device_of(target.device)
+    reachable = entry.host or entry.streams is not None
     return reachable and target.dtype == dtype and target.is_contiguous()

@@ -10,9 +10,9 @@ The executor (``execute/``) picks its one path from these entries (``host``, ``s
 type is still named in three kinds of places: the native core's build (``native/loader.py``,
 ``cudaplan.py``, ``proof.py``), which chooses the kernel directories of ``csrc/`` to compile by
 their names, ``"cpu"`` and ``"cuda"``, before any device is used; the public entry points'
-default ``device="cpu"``; and a few tests of ``.type == "cpu"`` above the executor
-(``pipeline/prepare.py``, ``results/``, ``api/load_into.py``, ``load/residency.py``) that an
-entry's ``host`` (or ``Executor.host``) would answer.
+default ``device="cpu"``; and ``load/residency.py``, below this package, which asks whether a
+source tensor (a file mapping) is in host memory. Above the executor, an entry's ``host`` (or
+``Executor.host``) answers that question.
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ import torch
 
 from ..base import dtypes
 from ..base.errors import FrozenWeightsAbsentWarning
+from ..devices import device_of
 from ..execute import Executor, view_ranges
 from ..execute.read_batch import BatchReader, locate
 from ..layouts import discover, load_checkpoint
@@ -50,7 +51,7 @@ class Prepared:
         from the files in batches, as the eager dict is, so reading every tensor once keeps no
         more than what is read at once resident."""
         views = {}
-        if torch.device(device).type == "cpu":
+        if device_of(device).host:  # views of the file mappings: host memory only
             with collector_paused():  # tens of thousands of small objects made, none of them garbage
                 tensors = self.plan.tensors
                 ranges = view_ranges(tensors)

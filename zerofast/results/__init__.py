@@ -67,7 +67,7 @@ class LazyStateDict(Mapping):
         self._window: dict[str, torch.Tensor] = {}  # plan name -> tensor read ahead, not looked up yet
         self._window_end = 0  # the names before it are (or were) in the window
         self._at: int | None = None  # where the latest loop over the mapping is
-        self.read_ahead_bytes = READ_AHEAD_BYTES if executor.device.type == "cpu" else DEVICE_READ_AHEAD_BYTES
+        self.read_ahead_bytes = READ_AHEAD_BYTES if executor.host else DEVICE_READ_AHEAD_BYTES
         self._views = executor.views or {}  # plan name -> where it is viewed from
         self._tensors = as_dict(plan.tensors)  # a pass looks each name up twice
 
