@@ -1,7 +1,7 @@
 """Frozen parameters of a Megatron-DeepSpeed tensor-parallel save (issue 47).
 
-A frozen parameter is in no optimizer: each tp rank's model states hold its shard of it, in the
-model dtype, and nothing else says how the shards go together but the rules that join the
+A frozen parameter is in no optimizer: each tp rank's model states (a pipeline's: its layer
+files) hold its shard of it, in the model dtype, and nothing else says how the shards go together but the rules that join the
 trainable ones (``universal_checkpoint_info``'s patterns). Before, zerofast returned tp rank 0's
 shard as the whole tensor. tests/dsgen/train_megatron.py's ``frozen`` variant freezes one
 parameter of each kind (vocabulary, column, row, SwiGLU, replicated) and records each put
@@ -20,23 +20,30 @@ from safetensors.torch import load_file
 
 import zerofast
 from tests.conftest import needs_deepspeed
+from tests.dsgen.catalog import ensure_checkpoint
 from tests.dsgen.families import MEGATRON_VARIANTS, ensure_megatron_variant
+from tests.dsgen.megatron_pipe_layouts import MEGATRON_PIPE_LAYOUTS
 from tests.dsgen.train_megatron import FROZEN
 from tests.helpers import assert_bitwise_equal, expected_value
 
 pytestmark = needs_deepspeed
 
 LAYOUTS = sorted(n for n, spec in MEGATRON_VARIANTS.items() if spec.get("frozen"))
+PIPE = sorted(n for n, spec in MEGATRON_PIPE_LAYOUTS.items() if spec.get("frozen"))  # TP 2 x PP 2
 DTYPES = [None, torch.float32, torch.bfloat16]
+
+
+def _root(layout: str):
+    return ensure_checkpoint(layout) if layout in MEGATRON_PIPE_LAYOUTS else ensure_megatron_variant(layout)
 
 
 @functools.lru_cache(maxsize=None)
 def _truth(layout: str) -> dict:
-    return torch.load(ensure_megatron_variant(layout) / "ground_truth.pt", weights_only=True)
+    return torch.load(_root(layout) / "ground_truth.pt", weights_only=True)
 
 
 def _tag_dir(layout: str):
-    root = ensure_megatron_variant(layout)
+    root = _root(layout)
     return root / (root / "latest").read_text().strip()
 
 
@@ -58,23 +65,34 @@ def test_the_save_holds_shards_of_the_frozen_parameters(layout):
                 assert held.shape != truth["frozen"][name].shape, name
 
 
+@pytest.mark.parametrize("layout", PIPE)
+def test_the_pipeline_save_holds_shards_in_its_layer_files(layout):
+    truth = _truth(layout)
+    assert set(truth["frozen"]) and not set(truth["frozen"]) & set(truth["trainable"])
+    for t in range(2):  # the first layer is on stage 0: layer_02-model_0t
+        held = torch.load(_tag_dir(layout) / f"layer_02-model_{t:02d}-model_states.pt", weights_only=True)
+        for name in truth["frozen"]:
+            value = held[name.split(".", 1)[1]]
+            assert value.dtype == torch.bfloat16 and list(value.shape) == truth["shard_shapes"][name], name
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS + PIPE)
 def test_frozen_shards_are_put_together(layout, dtype):
     truth = _truth(layout)
     for lazy in (False, True):
-        sd = zerofast.reconstruct(ensure_megatron_variant(layout), dtype=dtype, lazy=lazy)
+        sd = zerofast.reconstruct(_root(layout), dtype=dtype, lazy=lazy)
         assert list(sd) == truth["state_dict_keys"]
         for name in truth["state_dict_keys"]:
             assert_bitwise_equal(sd[name], expected_value(_want(truth, name), dtype), name)
-    trained = zerofast.reconstruct(ensure_megatron_variant(layout), dtype=dtype, exclude_frozen=True)
+    trained = zerofast.reconstruct(_root(layout), dtype=dtype, exclude_frozen=True)
     assert list(trained) == [n for n in truth["state_dict_keys"] if n not in truth["frozen"]]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS + PIPE)
 def test_export_writes_the_whole_frozen_parameters(layout, tmp_path):
     truth = _truth(layout)
-    result = zerofast.export(ensure_megatron_variant(layout), tmp_path / "hf", dtype=None)
+    result = zerofast.export(_root(layout), tmp_path / "hf", dtype=None)
     got = {}
     for name in result.files:
         got.update(load_file(tmp_path / "hf" / name))

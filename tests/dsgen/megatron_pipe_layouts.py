@@ -16,4 +16,8 @@ MEGATRON_PIPE_LAYOUTS: dict[str, dict] = {
     # state in each mp_rank file's ``optimizer``
     "megatron_pipe_s0_fp32_tp2_pp2": {"family": "megatron_pipe", "stage": 0, "world_size": 4, "dtype": "fp32",
                                       "tp": 2, "pp": 2},
+    # ZeRO 1 with a frozen parameter of each tensor-parallel kind in the first layer: each tp rank's
+    # layer files hold its shard (tests/test_megatron_frozen.py; the other pipe tests leave it out)
+    "megatron_pipe_s1_bf16_tp2_pp2_frozen": {"family": "megatron_pipe", "stage": 1, "world_size": 4,
+                                             "dtype": "bf16", "tp": 2, "pp": 2, "frozen": True},
 }

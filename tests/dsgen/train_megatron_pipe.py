@@ -82,6 +82,12 @@ LAYER_PARAMS = [(n[len(_PREFIX0):], shape, kind) for n, (shape, kind) in tm.full
                 if n.startswith(_PREFIX0)]
 
 
+# ``frozen``: one parameter of each tensor-parallel kind in the first transformer layer
+FROZEN = tuple(f"{FIRST_LAYER}.{suffix}" for suffix in (
+    "self_attention.query_key_value.weight", "self_attention.dense.weight", "mlp.dense_h_to_4h.weight",
+    "input_layernorm.weight"))
+
+
 def full_params() -> dict:
     """Pipeline name -> (full shape, tensor-parallel kind), in the order of the consolidated state dict."""
     p = {WORD: ((PADDED_VOCAB, HIDDEN), "vocab"), POSITION: ((MAX_POS, HIDDEN), "replicated")}
@@ -235,7 +241,7 @@ def main():
     stage = int(spec["stage"])
     steps = int(spec.get("steps", 2))
     tag = spec.get("tag", f"global_step{steps}")
-    unknown = set(spec) - {"family", "stage", "world_size", "dtype", "tp", "pp", "steps", "ds_config", "tag"}
+    unknown = set(spec) - {"family", "stage", "world_size", "dtype", "tp", "pp", "steps", "ds_config", "tag", "frozen"}
     assert not unknown, f"unknown spec keys {sorted(unknown)}"
     assert stage in (0, 1), "DeepSpeed refuses ZeRO 2/3 with a PipelineModule"
     # ZeRO off reads the torch optimizer's own state: fp32 only (bf16 would wrap it)
@@ -271,8 +277,12 @@ def train_and_save(spec, outdir, stage, steps, tag):
             value = tm.shard_of(full[name], params[name][1], tp_ctx.tp_rank, tp)
             assert p.shape == value.shape, (name, p.shape, value.shape)
             p.copy_(value)
+    frozen = set(FROZEN) if spec.get("frozen") else set()
+    assert not (frozen and stage == 0), "frozen: ZeRO 1 (ZeRO off records no frozen names)"
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
     # Megatron's two groups: weight decay for the weights, none for biases and norms
-    named = list(model.named_parameters())
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     no_wd = [p for n, p in named if no_weight_decay(n)]
     wd = [p for n, p in named if not no_weight_decay(n)]
     optimizer = torch.optim.AdamW([{"params": wd, "weight_decay": 0.01}, {"params": no_wd, "weight_decay": 0.0}],
@@ -313,9 +323,13 @@ def local_truth(engine, stage, tp_ctx, params) -> dict:
     module = engine.module
     base.relink_optimizer_state(engine)
     masters = base.stage0_fp32_masters(engine, stage)
-    values, shard_shapes = {}, {}
+    values, shard_shapes, frozen = {}, {}, {}
     for name, p in module.named_parameters():  # the same order on every rank of a stage: gathers are collectives
         kind = params[name][1]
+        if not p.requires_grad:  # as the model holds it (its dtype), its shards put together
+            shard_shapes[name] = list(p.shape)
+            frozen[name] = tm.gather_full(p.detach(), kind, tp_ctx, f"{name} (frozen)")[0]
+            continue
         if stage == 0:
             state = engine.optimizer.state[p]
             per = [masters[id(p)]] + [state[k] for k in base.OPTIMIZER_KEYS]
@@ -334,6 +348,7 @@ def local_truth(engine, stage, tp_ctx, params) -> dict:
     return {
         "stage": coord.pipe, "tp_rank": tp_ctx.tp_rank, "dp_rank": coord.data,
         "values": values if tp_ctx.tp_rank == 0 and coord.data == 0 else {},
+        "frozen": frozen if tp_ctx.tp_rank == 0 and coord.data == 0 else {},
         "names": list(values), "shard_shapes": {tp_ctx.tp_rank: shard_shapes},
         "layer_stage": {i: coord.pipe for i in range(module._local_start, module._local_stop)},
         "optimizer_step": sorted(float(s) for s in steps),
@@ -372,7 +387,8 @@ def merge(everyone, spec, stage, steps, tag, tp, pp, dp) -> dict:
             trainable[name] = vals[0]
             for k, v in zip(base.OPTIMIZER_KEYS, vals[1:]):
                 opt[k][name] = v
-    assert list(trainable) != [] and set(trainable) == set(params), set(params) ^ set(trainable)
+    frozen = {n: v for r in everyone for n, v in r["frozen"].items()}
+    assert list(trainable) != [] and set(trainable) | set(frozen) == set(params), set(params) ^ set(trainable)
     assert {n: st for n, st in param_stages.items() if len(st) > 1} == {n: [0, pp - 1] for n in TIED}, param_stages
     for name, v in trainable.items():
         shape, kind = params[name]
@@ -392,8 +408,8 @@ def merge(everyone, spec, stage, steps, tag, tp, pp, dp) -> dict:
     step_values = {s for r in everyone for s in r["optimizer_step"]}
     assert len(step_values) == 1, step_values
     return {
-        "trainable": {n: trainable[n] for n in params}, "frozen": {}, "buffers": {},
-        "optimizer_states": {k: {n: opt[k][n] for n in params} for k in opt},
+        "trainable": {n: trainable[n] for n in params if n in trainable}, "frozen": frozen, "buffers": {},
+        "optimizer_states": {k: {n: opt[k][n] for n in params if n in trainable} for k in opt},
         "state_dict_keys": list(params), "tied": {},
         "optimizer_step": step_values.pop(),
         "layout": {"family": "megatron_pipe", "tp": tp, "pp": pp, "dp": dp,

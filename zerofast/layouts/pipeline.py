@@ -91,6 +91,18 @@ class PipelineLayout(PartitionedLayout):
         per_tp = [partition_entries(ckpt, table, flats, what, parts) for parts in ckpt.extra["tp_partitions"]]
         return EntryTable.of_entries(_joined(ckpt, table, per_tp, what))
 
+    def stored_entries(self, ckpt: PartitionedCheckpoint, table: SourceTable) -> dict[str, Entry]:
+        """With several tp ranks (ZeRO 1: the optimizer names the trainable ones), each frozen
+        parameter joined from every tp rank's layer files by the rules that join the trainable
+        ones; a replicated one must be equal on every rank."""
+        if ckpt.files.mp_size == 1 or ckpt.stage == 0:
+            return {}
+        trainable, per_tp = ckpt.extra["tp_shapes"][0], ckpt.extra["tp_stored"]
+        frozen = [n for n in per_tp[0] if n not in trainable and n not in ckpt.buffers]
+        rules, paths = ckpt.extra["rules"], ckpt.extra["tp_paths"]
+        return {name: tp_join.join_entry(rules, table, name, [_whole(table, stored.get(name)) for stored in per_tp],
+                                         "frozen weights", paths) for name in frozen}
+
     def universal_fields(self, ckpt: PartitionedCheckpoint) -> dict[str, dict] | None:
         """What ``ds_to_universal`` writes beside each trainable parameter's ``param``: the fields
         of its tensor-parallel rule (its tp rank shapes taken over every stage), or, in a save with a
@@ -110,6 +122,10 @@ def _joined(ckpt: PartitionedCheckpoint, table: SourceTable, per_tp, what: str) 
     rules, paths = ckpt.extra["rules"], ckpt.extra["tp_paths"]
     return {name: tp_join.join_entry(rules, table, name, [shards.get(name) for shards in per_tp], what, paths)
             for name in per_tp[0]}
+
+
+def _whole(table: SourceTable, s: Stored | None) -> Entry | None:
+    return None if s is None else table.whole(str(s.path), s.key, s.tensor)
 
 
 def _files(layout: "PipelineLayout", found: Found) -> "PipelineFiles":
@@ -201,7 +217,8 @@ def _tensor_parallel(ckpt: PartitionedCheckpoint, everyone, views, shapes: list[
         raise UnsupportedCheckpointError("a pipeline save with AutoTP's affine_map is not supported", first.path)
     ckpt.degrees["tp"] = T
     ckpt.degrees["tp_rules"] = tp_join.rule_labels(rules, per_tp, first.path)
-    _check_frozen(per_tp, views)
+    if ckpt.stage == 0:
+        _check_frozen(per_tp, views)
     full = tp_join.full_shapes(rules, per_tp)
     ckpt.extra.update(rules=rules, tp_stored=[stored for stored, _ in views], tp_shapes=per_tp,
                       tp_paths=[everyone[t].path for t in range(T)])
@@ -234,7 +251,8 @@ def _single_tp_fields(ckpt: PartitionedCheckpoint) -> dict[str, dict]:
 
 
 def _check_frozen(per_tp: list[dict], views) -> None:
-    """Only trainable shards are joined: a tensor no optimizer names must be whole on every tp rank."""
+    """Without ZeRO every floating tensor of the layer files is joined as a master; any other
+    (an integer one) must be whole on every tp rank."""
     for name, s in views[0][0].items():
         if name in per_tp[0]:
             continue
