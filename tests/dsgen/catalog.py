@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.dsgen.families import FAMILY_LAYOUTS, MEGATRON_VARIANTS
+from tests.dsgen.families import AUTOEP_LAYOUTS, FAMILY_LAYOUTS, MEGATRON_VARIANTS
 from tests.dsgen.megatron_pipe_layouts import MEGATRON_PIPE_LAYOUTS
 
 HERE = Path(__file__).resolve().parent
@@ -37,6 +37,7 @@ TRAIN = HERE / "train.py"
 MODELS = HERE / "models.py"
 FAMILY_TRAIN = HERE / "train_families.py"
 FAMILY_MODELS = HERE / "family_models.py"
+AUTOEP_TRAIN = HERE / "train_autoep.py"
 MEGATRON_TRAIN = HERE / "train_megatron.py"
 MEGATRON_PIPE_TRAIN = HERE / "train_megatron_pipe.py"
 MUON_TRAIN = HERE / "train_muon.py"
@@ -204,7 +205,7 @@ NVME_LAYOUTS: dict[str, dict] = {
 }
 
 ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS, **MUON_LAYOUTS, **RESHARD_LAYOUTS, **NVME_LAYOUTS,
-                                 **MEGATRON_VARIANTS, **MEGATRON_PIPE_LAYOUTS}
+                                 **MEGATRON_VARIANTS, **MEGATRON_PIPE_LAYOUTS, **AUTOEP_LAYOUTS}
 
 
 def _scripts(spec: dict) -> list[Path]:
@@ -213,6 +214,8 @@ def _scripts(spec: dict) -> list[Path]:
         return [MEGATRON_TRAIN, FAMILY_TRAIN, TRAIN]
     if spec.get("family") == "megatron_pipe":  # Megatron's TP layers (train_megatron.py) in a PipelineModule
         return [MEGATRON_PIPE_TRAIN, MEGATRON_TRAIN, TRAIN]
+    if spec.get("family") == "autoep":  # a transformers Qwen3-MoE; merge_truth from train_families.py
+        return [AUTOEP_TRAIN, FAMILY_TRAIN, TRAIN]
     if "family" in spec:
         return [FAMILY_TRAIN, FAMILY_MODELS, TRAIN, MODELS]
     if spec.get("optimizer") == "muon":

@@ -8,6 +8,7 @@ here plus its line in :data:`LAYOUTS`; nothing else in the package branches on t
 - :mod:`.universal`: ds_to_universal folders;
 - :mod:`.nvme`: ZeRO-Infinity saves, the optimizer state in ``offloaded_tensors/`` swap files;
 - :mod:`.moe`: mixture-of-experts saves with their expert files;
+- :mod:`.autoep`: DeepSpeed AutoEP saves (``ds_autoep_layers``), their expert files read as MoE's are;
 - :mod:`.pipeline`: pipeline-parallel saves with their layer files;
 - :mod:`.autotp`: AutoTP tensor-parallel saves;
 - :mod:`.dcp`: PyTorch Distributed Checkpoint folders (FSDP2, torchtitan), not DeepSpeed's.
@@ -19,11 +20,11 @@ import os
 from ..discover import CheckpointFiles, Found, check_all_inside, locate
 from ..base.errors import UnsupportedCheckpointError
 from ..load import LoadedCheckpoint
-from . import autotp, dcp, moe, nvme, pipeline, universal, zero
+from . import autoep, autotp, dcp, moe, nvme, pipeline, universal, zero
 from .base import Layout
 
 # Every layout, in the order their claims are asked; FALLBACK reads what none claims.
-LAYOUTS: tuple[Layout, ...] = (dcp.LAYOUT, universal.LAYOUT, moe.LAYOUT, pipeline.LAYOUT, autotp.LAYOUT,
+LAYOUTS: tuple[Layout, ...] = (dcp.LAYOUT, universal.LAYOUT, autoep.LAYOUT, moe.LAYOUT, pipeline.LAYOUT, autotp.LAYOUT,
                                nvme.LAYOUT)
 FALLBACK: Layout = zero.LAYOUT
 

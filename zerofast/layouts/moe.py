@@ -113,6 +113,10 @@ def split_expert(name: str) -> tuple[str, int, str] | None:
 
 def load(files: CheckpointFiles) -> PartitionedCheckpoint:
     first = read_model_states(files.model_files[0])
+    if first.raw.get("ds_autoep_layers") or first.raw.get("autoep_layers"):  # the AutoEP layout's, unclaimed
+        raise UnsupportedCheckpointError(
+            "this mixture-of-experts save is DeepSpeed AutoEP's ('ds_autoep_layers'), which the native MoE layout "
+            "does not read, and the AutoEP layout did not recognize it from its pickle", first.path)
     zero_off = bool(files.optim_files) and files.optim_files[0].name.startswith("expp_rank_")
     optims = [] if zero_off else [read_optim_states(p, group_counts=True) for p in files.optim_files]
     stage = settle_stage(files, [first], optims)
