@@ -59,7 +59,8 @@ sys.stdout.write("importing torch\\n")
 sys.stdout.flush()
 if os.environ["STAND_IN_MODE"] == "wait":
     import time
-    time.sleep(120)
+    for _ in range(1200):  # short sleeps: a signal landing just before one sleep's system call
+        time.sleep(0.1)    # is not seen until that call returns, and 120 s would outlast the test
 here = os.environ["STAND_IN_DIR"]
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
 del sys.modules["torch"]  # the import that runs this file returns whatever is there at its end
