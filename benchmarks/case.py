@@ -178,7 +178,7 @@ def floor(ckpt, out):
     """One plain copy of every byte the consolidation must read, into fresh buffers."""
     import torch
 
-    from zerofast.pipeline.prepare import prepare
+    from zerofast.prepare import prepare
 
     prepared = prepare(ckpt)  # metadata only: the sources stay memory-mapped
     t0 = time.perf_counter()
@@ -193,7 +193,7 @@ def dict_floor(ckpt, out):
     the names and shapes come from a file this process writes, so no plan is ever in the child."""
     import subprocess
 
-    from zerofast.pipeline.prepare import prepare
+    from zerofast.prepare import prepare
 
     tensors = prepare(ckpt).plan.tensors
     spec = {"names": list(tensors), "shapes": [list(tp.shape) for tp in tensors.values()],
@@ -243,7 +243,7 @@ def disk_write(ckpt, out):
     files like the shards, no sync (the export does not sync either)."""
     import subprocess
 
-    from zerofast.pipeline.prepare import prepare
+    from zerofast.prepare import prepare
 
     total = sum(tp.nbytes for tp in prepare(ckpt).plan.tensors.values())
     t0 = time.perf_counter()

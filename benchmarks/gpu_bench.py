@@ -120,7 +120,7 @@ def read_floor(files: list[Path], repeat: int) -> list[float]:
 
 def master_sources(ckpt: Path) -> list[torch.Tensor]:
     """The fp32 flat master partitions of the save, memory-mapped (what reconstruct reads)."""
-    from zerofast.pipeline.prepare import prepare
+    from zerofast.prepare import prepare
 
     return [s for s in prepare(ckpt).sources if s.dtype == torch.float32]
 

@@ -3,7 +3,7 @@ against --baseline, in the same run.
 
 Each round starts one fresh process per checkout (alternating); in it, after imports and one
 warm-up, ``index_archive`` + ``reader.read_native`` of FILE runs --loops times with the cyclic
-collector paused (as ``load_archive`` runs it), and ``pipeline.prepare`` of CKPT --loops times;
+collector paused (as ``load_archive`` runs it), and ``prepare`` of CKPT --loops times;
 the process reports the median of each, wall and CPU (``time.process_time``, all threads: what
 a machine shared with other jobs moves least). The table gives the median over rounds and the
 ratio baseline / this checkout, which the machine's load moves less than either figure.
@@ -32,7 +32,7 @@ from pathlib import Path
 import zerofast
 from zerofast.load import reader
 from zerofast.load.archive import index_archive
-from zerofast.pipeline.prepare import prepare
+from zerofast.prepare import prepare
 path, ckpt, loops = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 core = reader.native_core()
 assert core is not None, "no native core"

@@ -28,7 +28,7 @@ def one(ckpt: str) -> dict:
 
     import torch
 
-    from zerofast.pipeline.prepare import prepare
+    from zerofast.prepare import prepare
     from zerofast.plan import SourceTable, build_plan
     from zerofast.results import eager_state_dict
 

@@ -14,7 +14,7 @@ import torch
 from zerofast import devices
 from zerofast.execute import ring as ring_module
 from zerofast.execute.executor import Executor, HostPath, MappedGather, RingPath
-from zerofast.pipeline.prepare import prepare
+from zerofast.prepare import prepare
 from zerofast.plan.columns import PlanTensors
 from zerofast.testing.fake_device import FakeStreams, device_entry
 from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zerofast
-import zerofast.pipeline.prepare as pipeline
+import zerofast.prepare as prepare_module
 from zerofast.output import windows
 from zerofast.base.errors import ExportError, OutputExistsError
 from zerofast.execute import Executor
@@ -220,7 +220,7 @@ def test_tensors_split_across_mapping_windows_are_bit_identical(tmp_path, monkey
     through the slicing path that big models take with the real window. The window path is the
     one a GPU export takes: the batched file writer is switched off to reach it on the CPU."""
     monkeypatch.setattr(windows, "WINDOW_BYTES", 100)
-    monkeypatch.setattr(pipeline, "BatchReader", lambda *args: None)
+    monkeypatch.setattr(prepare_module, "BatchReader", lambda *args: None)
     export(_root(layout), tmp_path, dtype=None)
     _assert_bit_identical(load_exported(tmp_path), _reconstructed(layout, None))
 

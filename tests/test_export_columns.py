@@ -26,7 +26,7 @@ from tests.dsgen.catalog import ensure_checkpoint
 from zerofast.base.dtypes import SAFETENSORS_CODES
 from zerofast.base.errors import ExportError
 from zerofast.hf.formats import safetensors_files as sf
-from zerofast.pipeline.prepare import prepare
+from zerofast.prepare import prepare
 from zerofast.plan.columns import Placed, PlanTensors
 from zerofast.plan.model import TensorPlan
 

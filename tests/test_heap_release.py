@@ -14,7 +14,7 @@ import torch
 
 import zerofast
 from zerofast.execute import Executor
-from zerofast.pipeline.prepare import prepare
+from zerofast.prepare import prepare
 from tests.conftest import needs_deepspeed
 from tests.helpers import module_like, real_root
 from zerofast.load import reader

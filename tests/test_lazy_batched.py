@@ -13,7 +13,7 @@ import torch
 import zerofast
 from zerofast.native import ops
 import zerofast.execute.executor as executor_module
-from zerofast.pipeline.prepare import prepare
+from zerofast.prepare import prepare
 from zerofast.plan.columns import PlanTensors
 
 from tests.conftest import HAVE_DEEPSPEED

@@ -33,7 +33,7 @@ from zerofast.base.errors import ZeroFastError
 from zerofast.layouts import discover
 from zerofast.load.reader import load_file, load_files, native_core
 from zerofast.execute import Executor
-from zerofast.pipeline.prepare import prepare
+from zerofast.prepare import prepare
 from zerofast.plan.model import SourceTable, TensorPlan
 
 from tests.conftest import HAVE_DEEPSPEED, needs_nvme

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from zerofast.hf import export
-from zerofast.output import node_bytes
+from zerofast.load import node_bytes
 from zerofast.output.transaction import MARKER
 from zerofast.writers.reshard import reshard
 from zerofast.writers.universal import to_universal

@@ -24,7 +24,7 @@ from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
 from zerofast.plan.columns import EntryTable, Layers, PlanTensors, plan_tensors, segment_rows
 from zerofast.plan.model import SegmentTable, TableSegments, TensorPlan
-from zerofast.pipeline.prepare import prepare
+from zerofast.prepare import prepare
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 NAMES = [f"p{i}" for i in range(12)]

@@ -14,7 +14,7 @@ import zerofast
 from zerofast import devices
 from zerofast.native import ops
 from zerofast.execute import ring as ring_module
-from zerofast.pipeline.prepare import prepare
+from zerofast.prepare import prepare
 from zerofast.testing.fake_device import FakeDeviceError, FakeStreams, device_entry
 from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize
 

@@ -20,7 +20,7 @@ from tests.dsgen.catalog import LAYOUTS, ensure_checkpoint
 from tests.dsgen.families import FAMILY_LAYOUTS
 from zerofast.cli import main as cli
 from zerofast.load.unpickle import file_location
-from zerofast.pipeline.prepare import prepare
+from zerofast.prepare import prepare
 
 pytestmark = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed 0.19.8 is needed to make real checkpoints")
 

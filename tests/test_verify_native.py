@@ -15,7 +15,7 @@ from tests.conftest import HAVE_DEEPSPEED
 from tests.dsgen.catalog import ensure_checkpoint
 from tests.test_verify import _overwrite, _segments
 from zerofast.checks import checkpoint, tensors
-from zerofast.pipeline.prepare import prepare
+from zerofast.prepare import prepare
 
 pytestmark = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed 0.19.8 is needed to make real checkpoints")
 

@@ -2,8 +2,8 @@
 
 The package tree is the pipeline: ``discover`` -> ``load`` -> ``plan`` -> ``execute`` -> ``results``
 (in memory), ``hf`` (Hugging Face weight folders) or ``writers`` (DeepSpeed checkpoints), the last
-two through ``output`` (the output-folder transaction and the team protocol); ``pipeline`` composes
-the first three steps (``prepare``) for the later ones. Beside it: ``base``
+two through ``output`` (the output-folder transaction and the team protocol); ``prepare`` composes
+the first three steps for the later ones. Beside it: ``base``
 (errors, settings, dtypes, checkpoint keys: what every layer speaks), ``native`` (the compiled
 core, its ops and their pure-torch reference), ``devices``, ``layouts`` (one module per kind of
 save), ``checks`` (verify and diff), ``cli`` (every command) and ``api`` (the entry points that are

@@ -21,7 +21,7 @@ from ..base import dtypes
 from ..devices import HOST, device_of
 from ..base.errors import LoadIntoError
 from ..execute.executor import STAGING_BYTES, in_runs
-from ..pipeline.prepare import prepare
+from ..prepare import prepare
 from ..load.reader import collector_paused, release_freed_heap
 from ..base.dtypes import out_dtype_for
 from ..plan import Plan, TensorPlan

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from ..layouts.pipeline import sequential_names as _sequential
-from ..pipeline.prepare import prepare
+from ..prepare import prepare
 
 
 def sequential_names(ckpt_dir: str | os.PathLike, *, tag: str | None = None,

@@ -12,7 +12,7 @@ import torch
 
 from ..base.settings import overriding
 from ..results import state_dict_of
-from ..pipeline.prepare import prepare
+from ..prepare import prepare
 
 
 def optimizer_state(ckpt_dir: str | os.PathLike, key: str, *, dtype: torch.dtype | None = torch.float32,

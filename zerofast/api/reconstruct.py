@@ -9,7 +9,7 @@ import torch
 from ..base.settings import overriding
 from ..native import ops
 from ..results import state_dict_of
-from ..pipeline.prepare import prepare
+from ..prepare import prepare
 
 
 def reconstruct(ckpt_dir: str | os.PathLike, dtype: torch.dtype | None = torch.float32, *, tag: str | None = None,

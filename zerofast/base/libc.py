@@ -1,5 +1,5 @@
 """The C library's calls that Python's os module does not wrap (``mincore``, ``fallocate``).
-Internal: for :mod:`zerofast.load.residency` and :mod:`zerofast.output.node_bytes`.
+Internal: for :mod:`zerofast.load.residency` and :mod:`zerofast.load.node_bytes`.
 
 Each function is looked up once, with its prototype (so its argument types are set once), in the
 process's own symbols: through ``ctypes.pythonapi``'s handle, open since ctypes was imported. No

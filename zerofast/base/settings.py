@@ -98,7 +98,7 @@ class Settings:
     # ZEROFAST_DIST_TIMEOUT: seconds a rank of a shared export waits for the slowest (default
     # 1800), as written; dist_timeout_s() checks it where it is used.
     dist_timeout: str = str(DEFAULT_DIST_TIMEOUT_S)
-    # ZEROFAST_NODES_HOLE_BYTES: for a save spread over the nodes' disks (zerofast.output.nodes),
+    # ZEROFAST_NODES_HOLE_BYTES: for a save spread over the nodes' disks (zerofast.load.node_view),
     # storages of at least this many bytes are moved per output file; smaller ones go to every
     # rank with the file's pickle (default 64 KiB, at least 256 bytes; the tests set 256 to move
     # nearly every storage).

@@ -18,7 +18,7 @@ import torch
 from ..base.errors import ZeroFastError
 from ..hf import trainer as hf
 from ..hf.run import OPTIMIZER_JSON
-from ..pipeline.prepare import Prepared, plan_checkpoint, prepare
+from ..prepare import Prepared, plan_checkpoint, prepare
 from ..base import keys as K
 from ..base.dtypes import out_dtype_for
 from ..plan import FROZEN, Plan

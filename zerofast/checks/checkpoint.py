@@ -23,7 +23,7 @@ from ..base import keys as K
 from ..base.errors import ZeroFastError
 from ..layouts import discover, load_checkpoint
 from ..load import LoadedCheckpoint
-from ..pipeline.prepare import Prepared
+from ..prepare import Prepared
 from ..plan import TRAINABLE, Plan, SourceTable, TensorPlan, build_optimizer_plan, build_plan
 from ..plan.optimizer import available_keys, checked_states, scalar_states
 from .report import Report

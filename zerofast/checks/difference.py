@@ -14,7 +14,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Iterator, Sequence
 
 from ..base.errors import ExportError
-from ..pipeline.prepare import plan_checkpoint, prepare
+from ..prepare import plan_checkpoint, prepare
 from ..plan.optimizer import available_keys
 from .export_folder import ExportFolder, is_export
 from .ranges import Located, merged

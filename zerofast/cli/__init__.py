@@ -337,7 +337,7 @@ def describe(ckpt_dir, tag: str | None = None, follow_symlinks: bool | None = No
     """What ``inspect`` reports, as plain JSON-ready data. Reads metadata only, no tensor data."""
     from ..base import dtypes, keys
     from ..base.dtypes import out_dtype_for
-    from ..pipeline.prepare import prepare
+    from ..prepare import prepare
     from ..plan import BUFFER, FROZEN, TRAINABLE
 
     # warn_absent: the report says it instead

@@ -6,7 +6,7 @@ import torch
 
 from ..base import dtypes, keys
 from ..base.errors import ExportError, short_repr
-from ..pipeline.prepare import Prepared
+from ..prepare import Prepared
 from ..plan import TRAINABLE
 
 _MIXED_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -26,7 +26,7 @@ from ..execute import Executor
 from ..load import LoadedCheckpoint
 from ..load.reader import collector_paused
 from ..native.ops import resolve_device
-from ..pipeline.prepare import Prepared, plan_checkpoint, prepare
+from ..prepare import Prepared, plan_checkpoint, prepare
 from ..plan.optimizer import available_keys, scalar_states
 from ..output.team import opening
 from ..output.windows import Progress, counter

@@ -25,7 +25,7 @@ import torch
 from ..base import dtypes, keys
 from ..base.errors import ExportError, PeftExportWarning, UnsupportedCheckpointError, short_repr
 from ..execute import Executor
-from ..pipeline.prepare import Prepared
+from ..prepare import Prepared
 from ..base.dtypes import out_dtype_for
 from ..plan import FROZEN, TRAINABLE, Plan, TensorPlan
 from .formats import read_index, safetensors_files

@@ -5,7 +5,7 @@ one line in the registry (:data:`zerofast.layouts.LAYOUTS`). Nothing outside the
 what kind of save it reads: every later step asks ``ckpt.layout``.
 
 Call order, for one checkpoint (:func:`zerofast.layouts.discover` and
-:func:`zerofast.layouts.load_checkpoint` run steps 1-3; :mod:`zerofast.pipeline.prepare` the rest):
+:func:`zerofast.layouts.load_checkpoint` run steps 1-3; :mod:`zerofast.prepare` the rest):
 
 1. :meth:`Layout.claims` ``(found)``: from the tag folder's names alone, the name that shows
    this save is of this layout, or None. The registry asks every layout; see

@@ -14,7 +14,10 @@
 - :mod:`.residency`: how much of a batch's sources the page cache holds (the batched reader's
   thread count follows it);
 - :mod:`.dcp`, :mod:`.dcp_stand_ins`: a PyTorch Distributed Checkpoint folder (``.metadata``
-  and its chunk files), read as safely as a rank file.
+  and its chunk files), read as safely as a rank file;
+- :mod:`.node_view` (with :mod:`.node_bytes`, its files' bytes): a save whose rank files lie on
+  different nodes' disks, seen by each rank as one folder of links to its own files and sparse
+  stubs of the others' (what the team moves into the stubs is :mod:`zerofast.output`'s).
 
 Which files a DeepSpeed save has and how they fit together is each layout's business
 (:mod:`zerofast.layouts`): the DeepSpeed readers here know files, not kinds of save. DCP is

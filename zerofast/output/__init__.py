@@ -5,9 +5,9 @@ checkpoint writers (:mod:`zerofast.writers`):
   temporary folder, commit, what was replaced);
 - :mod:`.team`: the team protocol: the processes sharing one output, and how signals stop them;
 - :mod:`.workers`: ``--workers N``, the ranks of one command started on this machine;
-- :mod:`.nodes` (with :mod:`.node_bytes`, its files' bytes, and :mod:`.node_writes`, the writes run
-  over it): a save whose rank files lie on different nodes' disks, read where it lies and fed to
-  the writer over the process group;
+- :mod:`.node_writes`: a save whose rank files lie on different nodes' disks (each rank's view of
+  it is :mod:`zerofast.load.node_view`'s), read where it lies and fed to the writer over the
+  process group, file by file;
 - :mod:`.progress`: the progress bar a command shows on a terminal;
 - :mod:`.windows`: tensors written into a file through bounded, reserved memory-mapped windows.
 """

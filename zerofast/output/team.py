@@ -7,7 +7,8 @@ share the files out. A writer calls it in this order:
 
 0. ``ckpt_dir, tag, follow = team.checkpoint(ckpt_dir, tag, follow_symlinks, out)``: the save as
    this rank reads it: itself, or where the ranks' folders hold different files (rank files on
-   the nodes' local disks), a view of it whose missing bytes the team moves (:mod:`.nodes`).
+   the nodes' local disks), a view of it (:mod:`zerofast.load.node_view`) whose missing bytes the
+   team moves (:mod:`.node_writes`).
 1. ``with team.step("reading the checkpoint", out):`` each rank reads the checkpoint and plans
    every file for itself (metadata only), so no plan is sent between ranks. (Every writer opens
    with steps 0 and 1 through :func:`opening`.)
@@ -55,7 +56,8 @@ import torch
 
 from ..base.errors import ExportError, ZeroFastError
 from ..discover import locate
-from . import node_writes, nodes
+from ..load import node_view
+from . import node_writes
 from .transaction import Folder, local_folder, output_dir
 from ..devices import device_of
 from ..base.settings import DIST_TIMEOUT_ENV, settings
@@ -168,12 +170,12 @@ class Team:
     """
 
     def __init__(self, rank: int, size: int, gather: Callable[[object], list],
-                 wire: Callable[[], nodes.Wire] | None = None, every_node: bool = False):
+                 wire: Callable[[], node_view.Wire] | None = None, every_node: bool = False):
         self.rank = rank
         self.size = size
         self._gather_objects = gather
         self._wire = wire  # makes the byte transfers between ranks, for a save spread over the nodes
-        self.nodes: nodes.NodeFiles | None = None  # that save's view, once step 0 found one
+        self.nodes: node_writes.TeamView | None = None  # that save's view, once step 0 found one
         # With such a save: each node writes the files its ranks produced into its own output
         # folder (--output-on-every-node), and which node wrote which file, once shared out.
         self.every_node = every_node
@@ -185,14 +187,14 @@ class Team:
         same files, else this rank's view of the save the nodes hold between them."""
         with self.step("listing the checkpoint", where):
             found = locate(ckpt_dir, tag, follow_symlinks)
-            mine = nodes.listing(found)
+            mine = node_view.listing(found)
         listings = self._gather(mine, "listing the checkpoint", where)
-        if nodes.same_files(listings):
+        if node_view.same_files(listings):
             return ckpt_dir, tag, follow_symlinks
         with self.step("comparing the nodes' files", where):
             if self._wire is None:
                 raise ExportError("the ranks see different files, and this team cannot move bytes between them", where)
-            self.nodes = nodes.build(found, listings, self.rank, follow_symlinks)
+            self.nodes = node_writes.build(found, listings, self.rank, follow_symlinks)
         with self.step("reading the checkpoint from the nodes", where):
             try:
                 self.nodes.exchange(self._wire())

@@ -29,7 +29,7 @@ from ..discover import DCP_METADATA as METADATA
 from ..execute import Executor
 from ..base.keys import PARAMS
 from ..output.transaction import checkpoint_inputs, os_error, output_dir
-from ..pipeline.prepare import Prepared, plan_checkpoint, prepare
+from ..prepare import Prepared, plan_checkpoint, prepare
 from ..plan.model import TensorPlan
 from ..plan.optimizer import available_keys, scalar_states
 from .dcp_storage import storage_writer

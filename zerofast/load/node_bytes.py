@@ -1,5 +1,7 @@
 """Bytes of the files a node view is made of: skeletons, stubs, byte ranges and the reads and
-writes of their pieces. Internal to :mod:`.nodes`, which says what a view is and why."""
+writes of their pieces (pread, and the punch that frees a stub's filled holes again). Internal to
+:mod:`.node_view`, which says what a view is and why, and to the team's transfers over it
+(:mod:`zerofast.output.node_writes`)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +15,7 @@ from typing import Sequence
 from ..base import libc
 from ..base.errors import ExportError, ZeroFastError
 from ..base.settings import settings
-from ..load.archive import READ_WHOLE_BYTES, index_archive
+from .archive import READ_WHOLE_BYTES, index_archive
 
 # A file that is not a torch.save archive is sent whole, up to this size. Which storages stay holes
 # in a stub and the bytes of one message are settings (ZEROFAST_NODES_HOLE_BYTES, _CHUNK_BYTES).

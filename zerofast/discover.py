@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..base.errors import (
+from .base.errors import (
     AmbiguousTagError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -26,7 +26,7 @@ from ..base.errors import (
     short_repr,
     some,
 )
-from ..base.settings import FOLLOW_SYMLINKS_ENV, settings
+from .base.settings import FOLLOW_SYMLINKS_ENV, settings
 
 MODEL_FILE_STAGE012 = "mp_rank_00_model_states.pt"
 ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")

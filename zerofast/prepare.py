@@ -1,7 +1,10 @@
 """Steps 1-3 composed: discover, load safely and plan (internal).
 
 ``prepare`` returns a :class:`Prepared`: the checkpoint read, its plan built, and the source
-tensors the plan indexes. Only the executor (step 4) moves bytes after that.
+tensors the plan indexes. Only the executor (step 4) moves bytes after that. This module sits on
+both :mod:`zerofast.layouts` (steps 1-3 per kind of save) and :mod:`zerofast.execute` (step 4,
+which depends on :mod:`zerofast.plan` and below only); ``zerofast.prepare`` is this module, and
+the package exports no function of that name.
 
 The entry points that read a state dict (or one optimizer state) start here: ``reconstruct``,
 ``load_into``, ``optimizer_state``, ``sequential_names``, ``export``, ``to_dcp``, ``diff`` and
@@ -23,16 +26,16 @@ from typing import Sequence
 
 import torch
 
-from ..base import dtypes
-from ..base.errors import FrozenWeightsAbsentWarning
-from ..devices import device_of
-from ..execute import Executor, view_ranges
-from ..execute.read_batch import BatchReader, locate
-from ..layouts import discover, load_checkpoint
-from ..load import LoadedCheckpoint
-from ..load.reader import collector_paused
-from ..plan import Plan, SourceTable, build_optimizer_plan, build_plan
-from ..base.settings import read_once
+from .base import dtypes
+from .base.errors import FrozenWeightsAbsentWarning
+from .devices import device_of
+from .execute import Executor, view_ranges
+from .execute.read_batch import BatchReader, locate
+from .layouts import discover, load_checkpoint
+from .load import LoadedCheckpoint
+from .load.reader import collector_paused
+from .plan import Plan, SourceTable, build_optimizer_plan, build_plan
+from .base.settings import read_once
 
 
 @dataclass

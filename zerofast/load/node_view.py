@@ -1,16 +1,19 @@
-"""Rank files on the nodes' local disks: a checkpoint that no one node holds, read where it lies.
+"""Rank files on the nodes' local disks: a view of a checkpoint that no one node holds.
 
-Internal to the team protocol (:mod:`.team`). DeepSpeed's ``use_node_local_storage``, and any
-cluster without a shared filesystem, leaves each node with only its own ranks' files. The ranks
-of a job list their folders (:func:`listing`) and compare the lists; where they differ, each rank
-builds a *view* of the save (:func:`build`): a temporary tag folder holding a link to each file it
-has, and for each file only other nodes have, a sparse *stub* of the same size. A stub holds that
-file's zip directory, pickle and small storages, sent once by the file's *holder* (the lowest
-rank that has it), and holes where its large storages are. Every rank then reads and plans its
-view as it would a folder on one machine: the same offsets, the same plan. Before each output
-file, the writer asks the holders for the bytes that file reads from its stubs' holes, writes
-them in, writes the file, and punches them out again (:class:`NodeFiles`), so the stubs never
-hold more than one output file's sources and the output is what one process writes.
+DeepSpeed's ``use_node_local_storage``, and any cluster without a shared filesystem, leaves each
+node with only its own ranks' files. The ranks of a job list their folders (:func:`listing`) and
+compare the lists; where they differ, each rank builds a *view* of the save (:func:`build`): a
+temporary tag folder holding a link to each file it has, and for each file only other nodes have,
+a sparse *stub* of the same size. A stub holds that file's zip directory, pickle and small
+storages, sent once by the file's *holder* (the lowest rank that has it, :meth:`NodeView.exchange`),
+and holes where its large storages are (:mod:`.node_bytes`: the stubs' bytes and ranges). Every
+rank then reads and plans its view as it would a folder on one machine: the same offsets, the same
+plan. :meth:`NodeView.needed` says which bytes of the holes a read needs, :meth:`NodeView.fill`
+writes them in and :meth:`NodeView.punch` takes them out again.
+
+Reading only: which rank writes which output file, and the transfers that fill a writer's stubs
+before each file (so that the stubs never hold more than one output file's sources), are the team
+protocol's (:mod:`zerofast.output.node_writes`, :mod:`zerofast.output.team`).
 
 What crosses the network: each file's skeleton, once to every rank that lacks the file; then, for
 each output file, the stored bytes of its pieces that lie in files the writer's node lacks (for an
@@ -26,15 +29,13 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from ..base.errors import ExportError, IncompleteCheckpointError, ZeroFastError, few
 from ..discover import OPTIM, ZERO3_MODEL, Found, check_all_inside
 from . import node_bytes
-
-STOP = -1  # the request that ends a holder's service
 
 Ranges = dict[str, list[tuple[int, int]]]  # file name -> sorted, disjoint (byte offset, length)
 
@@ -75,8 +76,8 @@ def same_files(listings: Sequence[dict]) -> bool:
 # The view
 
 @dataclass
-class NodeFiles:
-    """This rank's view of a save spread over the nodes, and the transfers that fill its stubs.
+class NodeView:
+    """This rank's view of a save spread over the nodes.
 
     ``have[r]``: the names rank ``r`` holds; ``holder[name]``: the rank that sends ``name``'s
     bytes; ``holes[name]``: the byte ranges a stub of ``name`` leaves out (every rank knows them,
@@ -92,7 +93,6 @@ class NodeFiles:
     holes: dict[str, list[tuple[int, int]]]
     wire: Wire | None = None
     outgoing: bytes = b""  # the skeletons this rank sends (build), until exchange sends them
-    serving: bool = False  # the writer's side of a service is open: the holders wait for requests
 
     @property
     def tag_dir(self) -> Path:
@@ -124,7 +124,7 @@ class NodeFiles:
             raise ExportError(f"cannot write the view of another node's files in {self.root}: {failed}",
                               self.real_tag_dir)
 
-    # -- what a write needs ---------------------------------------------------------------
+    # -- which bytes of the holes a read needs ----------------------------------------------
 
     def needed(self, reads: dict[str, list[tuple[int, int]]], writer: int) -> Ranges:
         """The bytes of ``reads`` (file path -> ranges, as this rank's view names them) that lie in
@@ -143,77 +143,11 @@ class NodeFiles:
         """Every hole of ``writer``'s stubs: what a writer that cannot say what it reads needs."""
         return {n: list(h) for n, h in self.holes.items() if h and n not in self.have[writer]}
 
-    # -- moving the bytes -----------------------------------------------------------------
+    # -- filling and emptying the stubs' holes -------------------------------------------
 
-    def send(self, needed: Ranges, writer: int) -> None:
-        """This rank's part of ``needed``: the pieces of the files it holds, chunk by chunk. A
-        piece it cannot read goes as zeros, so that the writer is not left waiting; the error is
-        raised once everything is sent (the step then fails, and nothing is committed)."""
-        failed: ExportError | None = None
-        for chunk in node_bytes.chunks(self._pieces(needed, self.me)):
-            buf = torch.zeros(sum(n for _, _, n in chunk), dtype=torch.uint8)
-            view, at = memoryview(buf.numpy()), 0
-            for name, pieces in node_bytes.by_name(chunk):
-                length = sum(n for _, n in pieces)
-                if failed is None:
-                    try:
-                        node_bytes.read_pieces(self.real_tag_dir / name, pieces, view[at:at + length])
-                    except (OSError, ExportError) as e:
-                        failed = e if isinstance(e, ExportError) else ExportError(
-                            f"cannot read it for another node: {e}", self.real_tag_dir / name)
-                at += length
-            self.wire.send(buf, writer)
-        if failed is not None:
-            raise failed
-
-    def receive(self, needed: Ranges) -> None:
-        """Fill this rank's stubs with ``needed``, from each holder in turn. A failure to write
-        still takes every chunk off the wire, so that no holder is left blocked in a send."""
-        failed: BaseException | None = None
-        for holder in sorted({self.holder[n] for n in needed}):
-            for chunk in node_bytes.chunks(self._pieces(needed, holder)):
-                buf = torch.empty(sum(n for _, _, n in chunk), dtype=torch.uint8)
-                self.wire.recv(buf, holder)
-                if failed is None:
-                    try:
-                        self._write_pieces(chunk, memoryview(buf.numpy()))
-                    except OSError as e:
-                        failed = e
-        if failed is not None:
-            raise ExportError(f"cannot write the bytes of another node's files into {self.root}: {failed}",
-                              self.real_tag_dir)
-
-    def trade(self, needs: Sequence[tuple[int, Ranges]]) -> Ranges:
-        """Every rank at once, writer by writer in the order given: the writer receives its
-        ``needed``, the holders send theirs. Returns what this rank received, to punch once it is
-        written. A failure is raised after the last writer, so that no rank is left waiting."""
-        got: Ranges = {}
-        failed: ExportError | None = None
-        for writer, needed in needs:
-            try:
-                if writer == self.me:
-                    got = needed
-                    self.receive(needed)
-                elif any(self.holder[n] == self.me for n in needed):
-                    self.send(needed, writer)
-            except ExportError as e:
-                failed = failed or e
-        if failed is not None:
-            raise failed
-        return got
-
-    def punch(self, needed: Ranges) -> None:
-        """Give the bytes of ``needed`` back: the stubs hold one output file's sources at most."""
-        for name, ranges in needed.items():
-            path = self.tag_dir / name
-            with node_bytes.keeping_identity(path), open(path, "r+b") as f:
-                for offset, length in ranges:
-                    node_bytes.punch_hole(f.fileno(), offset, length)
-
-    def _pieces(self, needed: Ranges, holder: int) -> list[tuple[str, int, int]]:
-        return [(n, o, l) for n in sorted(needed) if self.holder[n] == holder for o, l in needed[n]]
-
-    def _write_pieces(self, chunk: Sequence[tuple[str, int, int]], data: memoryview) -> None:
+    def fill(self, chunk: Sequence[tuple[str, int, int]], data: memoryview) -> None:
+        """Write ``data``, the bytes of ``chunk``'s ``(name, offset, length)`` pieces back to back,
+        into the holes of this rank's stubs."""
         at = 0
         for name, group in node_bytes.by_name(chunk):
             path = self.tag_dir / name
@@ -222,39 +156,13 @@ class NodeFiles:
                     os.pwrite(f.fileno(), data[at:at + length], offset)
                     at += length
 
-    # -- the writer's service ---------------------------------------------------------------
-
-    def request(self, index: int, needed: Ranges) -> None:
-        """The writer asks each holder with pieces of ``needed`` for them, as write ``index``."""
-        self.serving = True
-        for holder in sorted({self.holder[n] for n in needed}):
-            self.wire.send(torch.tensor([index], dtype=torch.int64), holder)
-        self.receive(needed)
-
-    def stop(self, writer: int) -> None:
-        """The writer ends the service: every other rank leaves :meth:`serve`."""
-        if self.me == writer and self.serving:
-            self.serving = False
-            for rank in range(len(self.have)):
-                if rank != writer:
-                    self.wire.send(torch.tensor([STOP], dtype=torch.int64), rank)
-
-    def serve(self, writer: int, needed_for: Callable[[int], Ranges]) -> None:
-        """A holder's side: answer the writer's requests (a write's index) until it stops; a
-        failure is raised then, not before, since the writer goes on asking."""
-        request = torch.empty(1, dtype=torch.int64)
-        failed: ExportError | None = None
-        while True:
-            self.wire.recv(request, writer)
-            index = int(request[0])
-            if index == STOP:
-                break
-            try:
-                self.send(needed_for(index), writer)
-            except ExportError as e:
-                failed = failed or e
-        if failed is not None:
-            raise failed
+    def punch(self, needed: Ranges) -> None:
+        """Give the bytes of ``needed`` back: the stubs hold one output file's sources at most."""
+        for name, ranges in needed.items():
+            path = self.tag_dir / name
+            with node_bytes.keeping_identity(path), open(path, "r+b") as f:
+                for offset, length in ranges:
+                    node_bytes.punch_hole(f.fileno(), offset, length)
 
     # -- errors -------------------------------------------------------------------------------
 
@@ -278,10 +186,12 @@ class NodeFiles:
             return e
 
 
-def build(found: Found, listings: Sequence[dict], me: int, follow_symlinks: bool | None) -> NodeFiles:
+def build(found: Found, listings: Sequence[dict], me: int, follow_symlinks: bool | None,
+          kind: type[NodeView] = NodeView) -> NodeView:
     """This rank's view of a save whose files the ranks' listings spread over the nodes, before
-    the skeletons arrive (:meth:`NodeFiles.exchange`): the checks, the links to its own files,
-    and the skeletons it is to send. Reads only this node's files."""
+    the skeletons arrive (:meth:`NodeView.exchange`): the checks, the links to its own files,
+    and the skeletons it is to send. Reads only this node's files. ``kind``: the class made, a
+    :class:`NodeView` or one that adds to it (the team's, with the transfers of its writes)."""
     tags = sorted({l["tag"] for l in listings})
     if len(tags) > 1:
         raise ExportError(f"the nodes' folders name different tags ({few(tags)}): every node must hold the same "
@@ -292,7 +202,7 @@ def build(found: Found, listings: Sequence[dict], me: int, follow_symlinks: bool
     check_all_inside(found.root, [found.tag_dir / n for n in sorted(have[me])], follow_symlinks)
     root = Path(tempfile.mkdtemp(prefix="zerofast-nodes-"))
     try:
-        view = NodeFiles(root, found.tag, Path(os.path.abspath(found.tag_dir)), me, have,
+        view = kind(root, found.tag, Path(os.path.abspath(found.tag_dir)), me, have,
                          [l["node"] for l in listings], holder, {})
         _link_root_files(Path(os.path.abspath(found.root)), root, found.tag)
         view.tag_dir.mkdir(parents=True)

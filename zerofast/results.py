@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 
-from ..execute import Executor
-from ..load.reader import collector_paused, release_freed_heap
-from ..plan.columns import as_dict
-from ..plan.model import Plan, TensorPlan
+from .execute import Executor
+from .load.reader import collector_paused, release_freed_heap
+from .plan.columns import as_dict
+from .plan.model import Plan, TensorPlan
 
 if TYPE_CHECKING:
-    from ..pipeline.prepare import Prepared
+    from .prepare import Prepared
 
 
 def eager_state_dict(plan: Plan, executor: Executor) -> "OrderedDict[str, torch.Tensor]":
