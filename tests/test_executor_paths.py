@@ -78,6 +78,7 @@ def test_every_path_gives_the_host_paths_results(save, fake, dtype):
         _same(executor.run_all(list(cols.values())), want, cols)
         _same([executor.run(tp) for tp in cols.values()], want, cols)
     assert fake.counts["upload"] > 0
+    assert fake.counts["download"] > 0  # results made on the device come back through its buffers
 
 
 def test_the_ring_reads_selections_and_plans_of_tuples_off_their_columns(save, fake):

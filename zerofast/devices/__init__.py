@@ -2,11 +2,11 @@
 
 A device is one kernel directory under ``csrc/`` (its kernels register themselves with the
 dispatcher) plus one :class:`Device` entry here, which says everything the Python side needs:
-whether one is there, how a computation is pinned to one, how results come back into host
-memory, which ``torch.distributed`` backend ranks on it use, and its side of the upload ring.
+whether one is there, how a computation is pinned to one, which ``torch.distributed`` backend
+ranks on it use, and its side of the byte moves between host memory and its own
+(:class:`~.streams.Streams`: the upload ring, and the download of results made there).
 
-The executor (``execute/``) picks its one path from these entries (``host``, ``streams``,
-``host_copier``) and names no device type (``tests/test_structure.py`` checks that). Elsewhere a
+The executor (``execute/``) picks its one path from these entries (``host``, ``streams``) and names no device type (``tests/test_structure.py`` checks that). Elsewhere a
 type is still named in three kinds of places: the native core's build (``native/loader.py``,
 ``cudaplan.py``, ``proof.py``), which chooses the kernel directories of ``csrc/`` to compile by
 their names, ``"cpu"`` and ``"cuda"``, before any device is used; the public entry points'
@@ -34,16 +34,15 @@ class Device:
     count: Callable[[], int]  # how many this process sees (ranks are placed on LOCAL_RANK's)
     scope: Callable[[torch.device], ContextManager]  # make it the current device while work runs
     select: Callable[[torch.device], None]  # make it this process's device for good (a rank's GPU)
-    host_copier: Callable[[], Callable[[torch.Tensor, torch.Tensor], None]] | None  # (src, host dst) copier
     backend: str  # the torch.distributed backend of a team exporting on it
-    # The upload ring's side of it (streams.Streams) for one device; None: results are made in
-    # host memory by the host's own readers
+    # Its side of the upload ring and of downloads (streams.Streams) for one device; None: the
+    # host's own memory, where results are made by the host's readers
     streams: Callable[[torch.device], Streams] | None = None
 
     @property
     def host(self) -> bool:
         """The host's own memory: results need no copy back, and ranks need no device each."""
-        return self.host_copier is None
+        return self.streams is None
 
 
 def _nothing(device: torch.device) -> ContextManager:
@@ -55,9 +54,8 @@ def _stay(device: torch.device) -> None:
 
 
 DEVICES: dict[str, Device] = {
-    "cpu": Device("cpu", lambda: True, lambda: 1, _nothing, _stay, None, "gloo"),
-    "cuda": Device("cuda", cuda.available, cuda.count, cuda.scope, cuda.select, cuda.PinnedCopy, "nccl",
-                   cuda.CudaStreams),
+    "cpu": Device("cpu", lambda: True, lambda: 1, _nothing, _stay, "gloo"),
+    "cuda": Device("cuda", cuda.available, cuda.count, cuda.scope, cuda.select, "nccl", cuda.CudaStreams),
 }
 
 

@@ -1,8 +1,11 @@
-"""The protocol a device implements for the upload ring (:mod:`zerofast.execute.ring`).
+"""The protocol a device implements for moving bytes between host memory and its own: the upload
+ring (:mod:`zerofast.execute.ring`) and the download of results made there
+(:mod:`zerofast.execute.download`).
 
-A device has a host side (pinned buffers the CPU fills), a copy stream (uploads) and a compute
-stream (copies out of the uploaded slot into the outputs, casting). Work queued on one stream runs
-in order; an *event* marks a point in a stream that other streams, or the host, can wait for.
+A device has a host side (pinned buffers the CPU fills or drains), a copy stream (uploads and
+downloads) and a compute stream (copies out of the uploaded slot into the outputs, casting; or
+whatever made a result). Work queued on one stream runs in order; an *event* marks a point in a
+stream that other streams, or the host, can wait for.
 
 Call order, per pass of the ring:
 
@@ -16,6 +19,10 @@ Call order, per pass of the ring:
 
 3. ``finish()`` once, also after an error: everything queued has run (an error it raises is the
    first that a queued job raised), so the slots may be refilled or dropped.
+
+Call order of a download, per chunk in host buffer ``k`` of two: ``download(dev, host k)`` ->
+event (queued after everything the compute stream holds so far), then ``wait`` on the previous
+chunk's event and its host copy out; ``finish()`` after an error.
 """
 from __future__ import annotations
 
@@ -37,6 +44,10 @@ class Streams(Protocol):
     def upload(self, host: torch.Tensor, dev: torch.Tensor, after: object | None) -> object:
         """Queue ``dev.copy_(host)`` on the copy stream after event ``after`` (None: at once);
         return the event of its completion."""
+
+    def download(self, dev: torch.Tensor, host: torch.Tensor) -> object:
+        """Queue ``host.copy_(dev)`` on the copy stream once everything queued on the compute
+        stream so far has run (what made ``dev``); return the event of its completion."""
 
     def compute(self, fn: Callable[[], None], after: object) -> object:
         """Queue ``fn``'s device work on the compute stream after event ``after``; return the

@@ -3,7 +3,8 @@
 - :mod:`.executor`: a plan's tensors into fresh or given memory, by the one path its device's
   :mod:`zerofast.devices` entry gives it (the batched reader, the upload ring, or the mapped gather);
 - :mod:`.read_batch`: whole passes as one native call that preads the checkpoint files;
-- :mod:`.ring`: passes onto a device through pinned slots, cut from the plan's columns.
+- :mod:`.ring`: passes onto a device through pinned slots, cut from the plan's columns;
+- :mod:`.download`: results made on a device back into host memory, on the same device protocol.
 """
 from .executor import Executor, view_ranges
 

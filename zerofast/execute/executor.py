@@ -10,7 +10,7 @@ device's registry entry (:mod:`zerofast.devices`):
   and every path's fallback for an output it does not take (not contiguous, elsewhere).
 
 Every path takes the plan as columns (:class:`~zerofast.plan.columns.PlanTensors`). Nothing here
-names a device type: what a device can do is its entry's (``host``, ``streams``, ``host_copier``).
+names a device type: what a device can do is its entry's (``host``, ``streams``).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from ..devices import HOST, device_of
 from ..plan.columns import PlanTensors
 from ..plan.model import SegmentTable, TensorPlan
 
+from .download import Download
 from .ring import Ring
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class RingPath:
 class MappedGather:
     """The native gather-and-cast op over the source tensors, one tensor at a time, computed on
     ``compute``; a result for another device's memory (a GPU's for host memory) is built on
-    ``compute`` and brought back with that device's host copier (:mod:`zerofast.devices`)."""
+    ``compute`` and brought back through that device's host buffers (:class:`~.download.Download`)."""
 
     batch = None
 
@@ -102,7 +103,7 @@ class MappedGather:
         self.compute = compute
         self.streamable = streamable
         self.ring = ring  # the compute device's upload ring (None: no file reader, or no ring there)
-        self._to_host = None  # the compute device's host copier, made on first use
+        self._to_host: Download | None = None  # downloads from the compute device, made on first use
 
     def read(self, cols: PlanTensors) -> list[torch.Tensor]:
         outs = []
@@ -133,7 +134,7 @@ class MappedGather:
     def _elsewhere(self, tp: TensorPlan, sources: list[torch.Tensor], segments: torch.Tensor,
                    flat: torch.Tensor) -> None:
         """Build the tensor on the compute device, then bring it back into ``flat`` (host memory)
-        with that device's host copier."""
+        through that device's host buffers (:class:`~.download.Download`)."""
         device = device_of(self.compute)
         with device.scope(self.compute):
             # Elements no segment writes must keep what ``flat`` holds, as on the host.
@@ -147,7 +148,7 @@ class MappedGather:
                 scratch = torch.empty_like(flat, device=self.compute) if covered else flat.to(self.compute)
                 ops.gather_cast(sources, segments, scratch, stream_sources=self._streams(tp))
             if self._to_host is None:
-                self._to_host = device.host_copier()
+                self._to_host = Download(device.streams(self.compute))
             self._to_host(scratch, flat)
 
     def _streams(self, tp: TensorPlan) -> bool:
@@ -205,7 +206,7 @@ class Executor:
 
     ``compute`` (default: ``device``) is where the results are made. A GPU computing results
     for host memory (``export(..., device="cuda")``) builds each tensor there and copies it back
-    with its device's host copier (:class:`MappedGather`).
+    through its device's host buffers (:class:`MappedGather`).
 
     ``batch`` (a :class:`~zerofast.execute.read_batch.BatchReader`, kept as :attr:`reader`) makes
     reads run through native calls that ``pread`` the checkpoint files instead of touching their

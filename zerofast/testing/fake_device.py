@@ -7,7 +7,7 @@ The copy stream and the compute stream are each one worker thread taking jobs in
 are the jobs' futures, and device memory is host memory. With ``jitter`` each job sleeps a random
 moment before it runs, so a ring that forgot a wait reads or overwrites a slot too early and the
 result shows it. ``fail`` names a job (``("upload", n)`` or ``("compute", n)``, counting from 0)
-that raises, to drive the error paths.
+(or ``("download", n)``) that raises, to drive the error paths.
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ class FakeStreams:
         self._copy = ThreadPoolExecutor(1, thread_name_prefix="fake-device-copy")
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="fake-device-compute")
         self._queued: list[Future] = []
-        self.counts = {"upload": 0, "compute": 0}
+        self.counts = {"upload": 0, "compute": 0, "download": 0}
+        self._computed: Future | None = None  # the compute stream's last job
         self.host_buffers = 0  # how many were asked for: the ring reuses its slots
 
     def empty(self, shape, dtype):
@@ -53,7 +54,11 @@ class FakeStreams:
         return self._queue(self._copy, "upload", lambda: dev.copy_(host), after)
 
     def compute(self, fn: Callable[[], None], after):
-        return self._queue(self._compute, "compute", fn, after)
+        self._computed = self._queue(self._compute, "compute", fn, after)
+        return self._computed
+
+    def download(self, dev, host):
+        return self._queue(self._copy, "download", lambda: host.copy_(dev), self._computed)
 
     def wait(self, event: Future) -> None:
         event.result()
@@ -95,4 +100,4 @@ def device_entry(streams: FakeStreams, kind: str = "cuda") -> Device:
     """A registry entry for the device type ``kind`` whose ring runs on ``streams``: always there, one of it, no
     device to select, results copied back as host tensors, gloo for a team."""
     return Device(kind, lambda: True, lambda: 1, lambda device: contextlib.nullcontext(), lambda device: None,
-                  lambda: (lambda src, dst: dst.copy_(src)), "gloo", lambda device: streams)
+                  "gloo", lambda device: streams)
