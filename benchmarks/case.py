@@ -56,8 +56,8 @@ def zf_prepare(ckpt, out):
         planned.append((at, sum(tp.nbytes for tp in (tps.values() if hasattr(tps, "values") else tps))))
         raise _FirstByte
 
-    Executor.run_all = first_read
-    Executor.run_plan = first_read  # a plan's whole tensors mapping (absent from checkouts before it)
+    Executor.run_all = first_read  # where a checkout still has it (before the plan's columns went end to end)
+    Executor.run_plan = first_read
     zerofast.reconstruct  # noqa: B018 -- a lazy import; seconds are counted after imports
     t0 = time.perf_counter()
     try:

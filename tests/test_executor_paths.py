@@ -75,7 +75,7 @@ def test_every_path_gives_the_host_paths_results(save, fake, dtype):
     for executor in (prepared.streaming_executor("xpu"), prepared.streaming_executor(compute="cuda"),
                      Executor(prepared.sources, streamable=prepared.mapped)):
         _same(executor.run_plan(cols), want, cols)
-        _same(executor.run_all(list(cols.values())), want, cols)
+        _same(executor.run_plan(PlanTensors.of(list(cols.values()))), want, cols)
         _same([executor.run(tp) for tp in cols.values()], want, cols)
     assert fake.counts["upload"] > 0
     assert fake.counts["download"] > 0  # results made on the device come back through its buffers
@@ -122,15 +122,15 @@ def test_run_into_host_memory_is_one_pass(save, monkeypatch):
     want = executor.run_plan(cols)
     outs = [torch.full(tp.shape, 3, dtype=tp.out_dtype) for tp in cols.values()]
     passes, gathered = _spied(executor, monkeypatch)
-    executor.run_into(list(cols.values()), outs)
+    executor.run_into(cols, outs)
     assert passes == [list(cols.names)] and gathered == []
     _same(outs, want, cols)
 
 
 def test_run_into_splits_what_the_path_takes_from_what_it_gathers(save, fake, monkeypatch):
     """Outputs the ring does not take (here: host memory, every other one; the fake device's own
-    memory is host memory too) are built on the device one by one and copied back by its entry's
-    host copier; the ones it takes go through it in one pass."""
+    memory is host memory too) are built on the device one by one and downloaded through its
+    buffers; the ones it takes go through it in one pass."""
     prepared = prepare(save, torch.bfloat16)
     executor = prepared.streaming_executor("xpu")
     cols = prepared.plan.tensors
@@ -140,7 +140,7 @@ def test_run_into_splits_what_the_path_takes_from_what_it_gathers(save, fake, mo
     taken = {id(o) for o in outs[::2]}
     monkeypatch.setattr(executor.path, "takes", lambda out: id(out) in taken)
     passes, gathered = _spied(executor, monkeypatch)
-    executor.run_into(tps, outs)
+    executor.run_into(cols, outs)
     assert passes == [[tp.name for tp in tps[::2]]]
     assert gathered == [tp.name for tp in tps[1::2]]
     _same(outs, want, cols)

@@ -55,7 +55,7 @@ def test_each_entry_point_trims_once_before_making_outputs(entry, monkeypatch):
     target = module_like(zerofast.reconstruct(root)) if entry == "load_into" else None
     events: list = []
     monkeypatch.setattr(importlib.import_module(where), "release_freed_heap", lambda n: events.append(n))
-    for method in ("run_all", "run_plan", "run_into", "run", "view"):
+    for method in ("run_plan", "run_into", "run", "view"):
         monkeypatch.setattr(Executor, method, _noting(getattr(Executor, method), events))
     if entry == "reconstruct":
         assert zerofast.reconstruct(root)
@@ -88,8 +88,8 @@ def test_the_collector_is_paused_for_the_whole_call_and_given_back_as_found(was_
     found it, also when the call fails."""
     root = real_root("s3_bf16_w2_frozen_tied")
     seen = []
-    real_run_all = Executor.run_all
-    monkeypatch.setattr(Executor, "run_all", lambda self, tps: seen.append(gc.isenabled()) or real_run_all(self, tps))
+    real_run_plan = Executor.run_plan
+    monkeypatch.setattr(Executor, "run_plan", lambda self, cols: seen.append(gc.isenabled()) or real_run_plan(self, cols))
     real_prepare = importlib.import_module("zerofast.api.reconstruct").prepare
     monkeypatch.setattr(importlib.import_module("zerofast.api.reconstruct"), "prepare",
                         lambda *a, **k: seen.append(gc.isenabled()) or real_prepare(*a, **k))

@@ -188,7 +188,7 @@ def test_reading_the_columns_equals_reading_the_plans(layout):
     if len(set(tensors.out)) < 2:
         pytest.skip(f"{layout}: every output has one dtype (the mixed case is the point here)")
     from_columns = prepared.streaming_executor().run_plan(tensors)
-    from_plans = prepared.streaming_executor().run_all(list(tensors.values()))
+    from_plans = prepared.streaming_executor().run_plan(PlanTensors.of(list(tensors.values())))
     assert len(from_columns) == len(from_plans) == len(tensors)
     for name, a, b in zip(tensors, from_columns, from_plans):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -257,7 +257,7 @@ def test_reading_in_many_calls_equals_reading_in_one(layout, monkeypatch):
     many = prepared.streaming_executor().run_plan(tensors)
     assert len(calls) > len(set(tensors.out)) and sum(calls) == len(tensors)
     calls.clear()
-    from_plans = prepared.streaming_executor().run_all(list(tensors.values()))  # the TensorPlan groups
+    from_plans = prepared.streaming_executor().run_plan(PlanTensors.of(list(tensors.values())))  # the TensorPlan groups
     assert len(calls) > len(set(tensors.out)) and sum(calls) == len(tensors)
     for name, a, b, c in zip(tensors, many, one, from_plans):
         assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape, name
@@ -279,7 +279,7 @@ def test_reading_into_and_writing_in_many_calls_equal_one(layout, monkeypatch, t
         monkeypatch.setattr(read_batch, "CALL_ROWS", rows)
         executor = prepared.streaming_executor()
         outs = [torch.full((tp.numel,), 7, dtype=tp.out_dtype) for tp in tps]
-        executor.run_into(tps, outs)
+        executor.run_into(prepared.plan.tensors, outs)
         placed, at = [], 0
         for tp in tps:
             placed.append((tp, at))

@@ -7,12 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from .execute import Executor
 from .load.reader import collector_paused, release_freed_heap
-from .plan.columns import as_dict
-from .plan.model import Plan, TensorPlan
+from .plan.model import Plan
 
 if TYPE_CHECKING:
     from .prepare import Prepared
@@ -64,24 +64,28 @@ class LazyStateDict(Mapping):
     def __init__(self, plan: Plan, executor: Executor):
         self._plan = plan
         self._executor = executor
-        self._window: dict[str, torch.Tensor] = {}  # plan name -> tensor read ahead, not looked up yet
+        self._window: dict[int, torch.Tensor] = {}  # tensor number -> read ahead, not looked up yet
         self._window_end = 0  # the names before it are (or were) in the window
         self._at: int | None = None  # where the latest loop over the mapping is
         self.read_ahead_bytes = READ_AHEAD_BYTES if executor.host else DEVICE_READ_AHEAD_BYTES
         self._views = executor.views or {}  # plan name -> where it is viewed from
-        self._tensors = as_dict(plan.tensors)  # a pass looks each name up twice
+        self._cols = plan.tensors
+        self._index = plan.tensors.index  # name -> tensor number: a pass looks each name up twice
+        self._nbytes: list[int] | None = None  # each tensor's output bytes, made on the first loop
 
     def __getitem__(self, name: str) -> torch.Tensor:
         key = self._plan.aliases.get(name, name)
-        tp = self._tensors[key]
+        i = self._index[key]
         at = self._at
         if at is not None and at >= self._window_end and self._plan.order[at] == name:
             self._window_end = self._read_ahead(at)
-        ahead = self._window.pop(key, None)
+        ahead = self._window.pop(i, None)
         if ahead is not None:
             return ahead
         where = self._views.get(key)
-        return self._executor.run(tp) if where is None else self._executor.view(tp, where)
+        if where is not None:
+            return self._executor.view(self._cols.plan_of(i), where)
+        return self._executor.run_plan(self._cols.select(np.array([i], dtype=np.int64)))[0]
 
     def __iter__(self) -> Iterator[str]:
         self._window_end = 0
@@ -96,25 +100,30 @@ class LazyStateDict(Mapping):
     def _read_ahead(self, start: int) -> int:
         """Replace the window with the tensors of ``order[start:end]`` and return ``end``."""
         self._window.clear()
+        if self._nbytes is None:
+            self._nbytes = self._cols.nbytes().tolist()
         order, budget = self._plan.order, self.read_ahead_bytes
-        picked: dict[str, TensorPlan] = {}
+        picked: dict[int, None] = {}
         size, end = 0, start
-        viewed, aliases, tensors, count = self._views, self._plan.aliases, self._tensors, len(order)
+        viewed, aliases, index, sizes, count = self._views, self._plan.aliases, self._index, self._nbytes, len(order)
         while end < count and len(picked) < READ_AHEAD_TENSORS:  # once per tensor: no call it can spare
             key = aliases.get(order[end], order[end])
-            tp = tensors[key]
-            nbytes = tp.nbytes
+            i = index[key]
+            nbytes = sizes[i]
             if nbytes > budget or key in viewed:
                 end += 1  # read alone (or viewed) when looked up
                 continue
             if size + nbytes > budget:
                 break
-            picked[key] = tp
+            picked[i] = None
             size += nbytes
             end += 1
         if picked:
-            self._window = dict(zip(picked, self._executor.run_all(list(picked.values()))))
+            self._window = dict(zip(picked, self._run(list(picked))))
         return max(end, start + 1)
+
+    def _run(self, numbers: list[int]) -> list[torch.Tensor]:
+        return self._executor.run_plan(self._cols.select(np.array(numbers, dtype=np.int64)))
 
     def materialize(self, names: Iterable[str]) -> "OrderedDict[str, torch.Tensor]":
         """The tensors of ``names`` in fresh memory, read in one batch, in the order given; tied
@@ -122,20 +131,20 @@ class LazyStateDict(Mapping):
         names = list(names)
         keys = [self._plan.aliases.get(n, n) for n in names]
         for name, key in zip(names, keys):
-            if key not in self._tensors:
+            if key not in self._index:
                 raise KeyError(name)
-        unique = list(dict.fromkeys(keys))
-        made = dict(zip(unique, self._executor.run_all([self._tensors[k] for k in unique])))
-        return OrderedDict((name, made[key]) for name, key in zip(names, keys))
+        unique = list(dict.fromkeys(self._index[k] for k in keys))
+        made = dict(zip(unique, self._run(unique))) if unique else {}
+        return OrderedDict((name, made[self._index[key]]) for name, key in zip(names, keys))
 
     def __len__(self) -> int:
         return len(self._plan.order)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._tensors or name in self._plan.aliases
+        return name in self._index or name in self._plan.aliases
 
     def meta(self, name: str) -> TensorMeta:
-        tp = self._tensors[self._plan.aliases.get(name, name)]
+        tp = self._cols.plan_of(self._index[self._plan.aliases.get(name, name)])
         return TensorMeta(torch.Size(tp.shape), tp.out_dtype, tp.kind, tp.nbytes)
 
     @property

@@ -11,9 +11,10 @@ swapping in new tensors) is also what keeps tied parameters tied and optimizers 
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import NamedTuple
+
+import numpy as np
 
 import torch
 
@@ -24,8 +25,8 @@ from ..execute.executor import STAGING_BYTES, in_runs
 from ..prepare import prepare
 from ..load.reader import collector_paused, release_freed_heap
 from ..base.dtypes import out_dtype_for
-from ..plan import Plan, TensorPlan
-from ..plan.columns import as_dict
+from ..plan import Plan
+from ..plan.columns import PlanTensors
 
 
 class IncompatibleKeys(NamedTuple):
@@ -66,39 +67,49 @@ def load_into(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, strict: bo
     if strict and (result.missing_keys or result.unexpected_keys):
         raise LoadIntoError(_describe(result), prepared.checkpoint.files.tag_dir)
     missing = set(result.missing_keys)
-    tensors = as_dict(plan.tensors)
-    pairs = [(name, tensors[plan.aliases.get(name, name)]) for name in targets if name not in missing]
-    _check_shapes(pairs, targets, prepared.checkpoint.files.tag_dir)
-    in_place, staged = _split(pairs, targets, dtype)
-    places = {target.device: None for _, target in in_place} | {HOST: None}
+    index = plan.tensors.index
+    pairs = [(name, index[plan.aliases.get(name, name)]) for name in targets if name not in missing]
+    _check_shapes(plan.tensors, pairs, targets, prepared.checkpoint.files.tag_dir)
+    in_place, staged = _split(plan.tensors, pairs, targets, dtype)
+    places = {target.device: None for target in in_place[1]} | {HOST: None}
     executors = {place: prepared.streaming_executor(place) for place in places}
     executor = executors[HOST]
     del prepared  # the records are not needed to move the bytes (see results.state_dict_of)
     release_freed_heap(len(plan.tensors))
     with torch.no_grad():
+        cols, outs = in_place
         for place, mover in executors.items():
-            here = [(tp, target) for tp, target in in_place if target.device == place]
-            mover.run_into([tp for tp, _ in here], [target.data for _, target in here])
+            here = [i for i, target in enumerate(outs) if target.device == place]
+            if here:
+                mover.run_into(cols.select(np.array(here, dtype=np.int64)), [outs[i].data for i in here])
+        cols, outs = staged
         done = 0
-        for run in in_runs([tp for tp, _ in staged], STAGING_BYTES):
-            for value, (_, target) in zip(executor.run_all(run), staged[done:done + len(run)]):
+        for run in in_runs(cols, STAGING_BYTES):
+            for value, target in zip(executor.run_plan(run), outs[done:done + len(run)]):
                 target.copy_(value)
             done += len(run)
     return result
 
 
-def _split(pairs, targets: dict, dtype: torch.dtype | None):
-    """The plans to run, each with its target: those written in place, those staged. A tied
-    tensor (the model lists it under each of its names) is written once."""
-    in_place, staged, seen = [], [], set()
-    for name, tp in pairs:
+def _split(tensors: PlanTensors, pairs, targets: dict, dtype: torch.dtype | None):
+    """The tensors to run, as columns in the dtypes they are made in, each list beside its
+    targets: those written in place, those staged. A tied tensor (the model lists it under each
+    of its names) is written once."""
+    parts: dict[bool, tuple[list[int], list[torch.dtype], list[torch.Tensor]]] = {True: ([], [], []),
+                                                                                False: ([], [], [])}
+    seen = set()
+    for name, i in pairs:
         target = targets[name]
         if id(target) in seen:
             continue
         seen.add(id(target))
-        planned = _planned(tp, target, dtype)
-        (in_place if _writable_in_place(target, planned.out_dtype) else staged).append((planned, target))
-    return in_place, staged
+        made_in = _made_in(tensors.stored[i], target, dtype)
+        numbers, made, outs = parts[_writable_in_place(target, made_in)]
+        numbers.append(i)
+        made.append(made_in)
+        outs.append(target)
+    return tuple((tensors.select(np.array(numbers, dtype=np.int64)).retyped(made), outs)
+                 for numbers, made, outs in (parts[True], parts[False]))
 
 
 def _compare_names(plan: Plan, targets: dict) -> IncompatibleKeys:
@@ -123,18 +134,18 @@ def _names(names: list[str]) -> str:
     return f"{len(names)} name{'s' if len(names) != 1 else ''} ({shown}{more})"
 
 
-def _check_shapes(pairs, targets: dict, where) -> None:
-    wrong = [f"{name}: checkpoint {tuple(tp.shape)}, model {tuple(targets[name].shape)}"
-             for name, tp in pairs if tuple(tp.shape) != tuple(targets[name].shape)]
+def _check_shapes(tensors: PlanTensors, pairs, targets: dict, where) -> None:
+    wrong = [f"{name}: checkpoint {tuple(tensors.shapes[i])}, model {tuple(targets[name].shape)}"
+             for name, i in pairs if tuple(tensors.shapes[i]) != tuple(targets[name].shape)]
     if wrong:
         raise LoadIntoError(f"shapes differ for {len(wrong)} tensor(s): " + "; ".join(wrong[:8]), where)
 
 
-def _planned(tp: TensorPlan, target: torch.Tensor, dtype: torch.dtype | None) -> TensorPlan:
-    value_dtype = target.dtype if dtype is None else out_dtype_for(tp.stored_dtype, dtype)
-    if not dtypes.castable(tp.stored_dtype, value_dtype):
-        value_dtype = tp.stored_dtype  # e.g. an int64 buffer into a float one: torch's copy_ casts
-    return tp if tp.out_dtype == value_dtype else dataclasses.replace(tp, out_dtype=value_dtype)
+def _made_in(stored: torch.dtype, target: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor is made in for ``target``: the target's own (or ``dtype``'s rule), unless
+    the reader cannot cast to it (an int64 buffer into a float one: torch's copy_ casts then)."""
+    value_dtype = target.dtype if dtype is None else out_dtype_for(stored, dtype)
+    return value_dtype if dtypes.castable(stored, value_dtype) else stored
 
 
 def _writable_in_place(target: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..execute import Executor
+from ..plan.columns import PlanTensors
 from ..plan.model import TensorPlan
 from .ranges import CHUNK, NATIVE_DTYPES, can_check, figures, plan_located
 # At most this much output per native call. Two calls are in flight per source and two sources
@@ -108,7 +109,7 @@ class PlanSource:
     def _run(self, batch: list[tuple[str, int, int]]) -> list[Chunk]:
         pieces = [(name, lo, self._piece(name, lo, hi)) for name, lo, hi in batch]
         todo = [tp for _, _, tp in pieces if tp.numel and tp.segments]
-        made = iter(self.executor.run_all(todo)) if todo else iter(())
+        made = iter(self.executor.run_plan(PlanTensors.of(todo))) if todo else iter(())
         out = []
         for name, lo, tp in pieces:
             if tp.numel and tp.segments:

@@ -255,41 +255,37 @@ class Executor:
         shape and order, read off the columns."""
         return self.path.read(tensors)
 
-    def run_all(self, tps: Sequence[TensorPlan]) -> list[torch.Tensor]:
-        """Every tensor of ``tps`` (plans picked one by one: a lazy window, a staged run) as
-        :meth:`run_plan` makes them, their columns made once here (``PlanTensors.of``)."""
-        return self.path.read(PlanTensors.of(tps))
-
     def file_ranges(self, tps: PlanTensors) -> dict[str, list[tuple[int, int]]]:
         """Which bytes of which files running ``tps`` reads (:meth:`BatchReader.file_ranges`);
         nothing for an executor without a file reader."""
         return self.reader.file_ranges(tps) if self.reader is not None else {}
 
-    def run_into(self, tps: Sequence[TensorPlan], outs: Sequence[torch.Tensor]) -> None:
-        """Each of ``tps`` into the tensor of ``outs`` beside it, as :meth:`run` with ``out``:
-        the outputs the path takes (contiguous, in its memory) in one pass, the rest one by one
-        through the mapped gather."""
-        for tp, out in zip(tps, outs):
-            _check_out(tp, out)  # its numel and dtype: no flat view needed to ask
+    def run_into(self, cols: PlanTensors, outs: Sequence[torch.Tensor]) -> None:
+        """Each tensor of ``cols`` into the tensor of ``outs`` beside it, as :meth:`run` with
+        ``out``: the outputs the path takes (contiguous, in its memory) in one pass, the rest one
+        by one through the mapped gather."""
+        numels = cols.numels().tolist()
+        for name, numel, dtype, out in zip(cols.names, numels, cols.out, outs):
+            _check_out(name, numel, dtype, out)  # no flat view needed to ask
         takes = self.path.takes
         mine = [i for i, out in enumerate(outs) if takes(out)]
         if len(mine) == len(outs):
             if outs:
-                self.path.read_into(PlanTensors.of(tps), outs)
+                self.path.read_into(cols, outs)
             return
         if mine:
-            self.path.read_into(PlanTensors.of([tps[i] for i in mine]), [outs[i] for i in mine])
+            self.path.read_into(cols.select(np.array(mine, dtype=np.int64)), [outs[i] for i in mine])
         taken = set(mine)
-        for i, (tp, out) in enumerate(zip(tps, outs)):
+        for i, out in enumerate(outs):
             if i not in taken:
-                self.gather.into(tp, out.view(-1))
+                self.gather.into(cols.plan_of(i), out.view(-1))
 
     def run(self, tp: TensorPlan, out: torch.Tensor | None = None) -> torch.Tensor:
         """Write ``tp`` into ``out`` (a fresh tensor when None) and return it in its shape."""
         if out is None:
             return self.path.read(PlanTensors.of([tp]))[0]
         flat = out.view(-1)
-        _check_out(tp, flat)
+        _check_out(tp.name, tp.numel, tp.out_dtype, flat)
         if self.path.takes(out):
             self.path.read_into(PlanTensors.of([tp]), [flat])
         else:
@@ -307,10 +303,9 @@ class Executor:
         return source.as_strided(shape, contiguous_strides(shape), source.storage_offset() + where[1])
 
 
-def _check_out(tp: TensorPlan, out: torch.Tensor) -> None:
-    if out.numel() != tp.numel or out.dtype != tp.out_dtype:
-        raise ValueError(f"out for {tp.name!r} must hold {tp.numel} x {tp.out_dtype}, got "
-                         f"{out.numel()} x {out.dtype}")
+def _check_out(name: str, numel: int, dtype: torch.dtype, out: torch.Tensor) -> None:
+    if out.numel() != numel or out.dtype != dtype:
+        raise ValueError(f"out for {name!r} must hold {numel} x {dtype}, got {out.numel()} x {out.dtype}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -355,15 +350,13 @@ def _whole_rows(table: SegmentTable, which: np.ndarray, numels: np.ndarray) -> t
 STAGING_BYTES = 256 << 20
 
 
-def in_runs(tps: Sequence[TensorPlan], budget: int) -> Iterator[list[TensorPlan]]:
-    """``tps`` in order, in runs of at most ``budget`` bytes (a larger tensor is a run of its own)."""
-    run: list[TensorPlan] = []
-    size = 0
-    for tp in tps:
-        if run and size + tp.nbytes > budget:
-            yield run
-            run, size = [], 0
-        run.append(tp)
-        size += tp.nbytes
-    if run:
-        yield run
+def in_runs(cols: PlanTensors, budget: int) -> Iterator[PlanTensors]:
+    """``cols`` in order, in spans of at most ``budget`` bytes (a larger tensor is a span of its own)."""
+    lo, size = 0, 0
+    for i, nbytes in enumerate(cols.nbytes().tolist()):
+        if i > lo and size + nbytes > budget:
+            yield cols.span(lo, i)
+            lo, size = i, 0
+        size += nbytes
+    if lo < len(cols):
+        yield cols.span(lo, len(cols))

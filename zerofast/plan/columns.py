@@ -185,6 +185,13 @@ class PlanTensors(_Named):
         part._numels = None if self._numels is None else self._numels[lo:hi]
         return part
 
+    def retyped(self, out: list[torch.dtype]) -> "PlanTensors":
+        """The same tensors made in the output dtypes ``out`` (one per tensor): a model's own
+        dtypes, where ``load_into`` writes into its tensors."""
+        part = PlanTensors(self.names, self.shapes, self.kinds, self.stored, list(out), self.table)
+        part._numels = self._numels
+        return part
+
     def numels(self) -> np.ndarray:
         """Each tensor's element count, as an int64 array (made once: a file's batches ask it)."""
         if self._numels is None:
