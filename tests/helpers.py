@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Iterator
@@ -15,6 +16,13 @@ import torch
 import zerofast
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def ctrl_c_as_in_a_terminal() -> None:
+    """``preexec_fn`` for a child a test interrupts: Ctrl-C's default action, as a terminal gives
+    it. A suite started in the background of a non-interactive shell (``make test &``) inherits
+    SIGINT ignored, and Python then keeps it ignored in every child."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ import zerofast
 from zerofast.cli import main
 from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize
 
+from tests.helpers import ctrl_c_as_in_a_terminal
+
 REPO = Path(__file__).resolve().parent.parent
 CHILD_ENV = dict(os.environ, PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1", ZEROFAST_NATIVE="0")
 INTERRUPTED = "zerofast: interrupted\n"
@@ -81,7 +83,7 @@ def _interrupt_the_import(stand_in: Path, mode: str, args: list[str], delay: flo
     its exit code and stderr."""
     env = dict(CHILD_ENV, PYTHONPATH=f"{stand_in}{os.pathsep}{REPO}", STAND_IN_DIR=str(stand_in), STAND_IN_MODE=mode)
     proc = subprocess.Popen([sys.executable, "-m", "zerofast", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ctrl_c_as_in_a_terminal)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 60)
         assert ready and proc.stdout.readline() == "importing torch\n", "the command never imported torch"

@@ -31,7 +31,7 @@ from zerofast.output.transaction import MARKER
 from zerofast.testing.synthesize import LayoutSpec, ParamSpec, synthesize
 
 from tests.conftest import needs_deepspeed
-from tests.helpers import assert_bitwise_equal, assert_same_state, real_root, small_tmpfs
+from tests.helpers import assert_bitwise_equal, assert_same_state, ctrl_c_as_in_a_terminal, real_root, small_tmpfs
 
 SMALL = "s2_bf16_w2_frozen_tied"
 REPO = Path(__file__).resolve().parent.parent
@@ -186,7 +186,8 @@ _SIGNALLED = textwrap.dedent("""
 
 def _signalled(signum: int, at: int, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _SIGNALLED, str(signum), str(at), *map(str, args)], cwd=REPO,
-                          env=CHILD_ENV, capture_output=True, text=True, timeout=120)
+                          env=CHILD_ENV, capture_output=True, text=True, timeout=120,
+                          preexec_fn=ctrl_c_as_in_a_terminal)
 
 
 def _count_calls(monkeypatch, argv: list[str]) -> int:
@@ -275,7 +276,8 @@ SLOW_ENV = dict(CHILD_ENV, ZEROFAST_COPY_FILE_RANGE="0")
 def _stop_latency(command: list[str], out: Path, signum: int, delay: float) -> float | None:
     """Seconds from the signal to the child's ``interrupted`` line; None if it finished first."""
     proc = subprocess.Popen([sys.executable, "-m", "zerofast", *command], cwd=REPO, env=SLOW_ENV,
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            preexec_fn=ctrl_c_as_in_a_terminal)
     try:
         deadline = time.monotonic() + 120
         while not _tmp_folders(out) and proc.poll() is None and time.monotonic() < deadline:
