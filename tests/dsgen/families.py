@@ -56,6 +56,23 @@ AUTOEP_LAYOUTS: dict[str, dict] = {
     "autoep_s3_bf16_w2_ep2": {"family": "autoep", "stage": 3, "world_size": 2, "dtype": "bf16", "ep": 2},
 }
 
+# Megatron-DeepSpeed's MoE GPT (train_megatron_moe.py): the GPT of train_megatron.py with a native
+# deepspeed.moe.layer.MoE as its second layer's MLP, tp 2 (an mpu), world 4. Kept out of FAMILY_LAYOUTS
+# (tests/test_megatron_moe.py reads them). expert_tp: the experts are tensor-parallel too (their
+# groups made from the mpu); without it, whole experts over expert groups of the global ranks.
+_MOE_TP2 = {"family": "megatron_moe", "world_size": 4, "dtype": "bf16", "tp": 2}
+MEGATRON_MOE_LAYOUTS: dict[str, dict] = {
+    "megatron_moe_s1_bf16_tp2_ep2_expert_tp": {**_MOE_TP2, "stage": 1, "ep": 2, "expert_tp": True},
+    # a frozen dense row-parallel weight and every expert's dense_h_to_4h.weight
+    "megatron_moe_s2_bf16_tp2_ep2_expert_tp_frozen": {**_MOE_TP2, "stage": 2, "ep": 2, "expert_tp": True,
+                                                      "frozen": True},
+    "megatron_moe_s2_bf16_tp2_ep2_frozen": {**_MOE_TP2, "stage": 2, "ep": 2, "expert_tp": False, "frozen": True},
+    # ep 1: every expert on every rank, its group partitioned over all four ranks (across the tp ranks).
+    # DeepSpeed writes no mp_rank_01_model_states.pt here (tp rank 1's writer is not expert-data-parallel
+    # rank 0): zerofast refuses it, naming the missing file
+    "megatron_moe_s1_bf16_tp2_ep1_frozen": {**_MOE_TP2, "stage": 1, "ep": 1, "expert_tp": False, "frozen": True},
+}
+
 _TP2_DP2 = {"family": "megatron", "world_size": 4, "dtype": "bf16", "tp": 2}
 MEGATRON_VARIANTS: dict[str, dict] = {
     # the replicated layer norms and row-parallel biases differ between the tp ranks

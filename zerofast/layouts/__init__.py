@@ -9,6 +9,8 @@ here plus its line in :data:`LAYOUTS`; nothing else in the package branches on t
 - :mod:`.nvme`: ZeRO-Infinity saves, the optimizer state in ``offloaded_tensors/`` swap files;
 - :mod:`.moe`: mixture-of-experts saves with their expert files;
 - :mod:`.autoep`: DeepSpeed AutoEP saves (``ds_autoep_layers``), their expert files read as MoE's are;
+- :mod:`.moe_tp`: mixture-of-experts with Megatron-DeepSpeed tensor parallelism, composed of :mod:`.moe`
+  and :mod:`.autotp`;
 - :mod:`.pipeline`: pipeline-parallel saves with their layer files;
 - :mod:`.autotp`: AutoTP tensor-parallel saves;
 - :mod:`.dcp`: PyTorch Distributed Checkpoint folders (FSDP2, torchtitan), not DeepSpeed's.
@@ -20,12 +22,12 @@ import os
 from ..discover import CheckpointFiles, Found, check_all_inside, locate
 from ..base.errors import UnsupportedCheckpointError
 from ..load import LoadedCheckpoint
-from . import autoep, autotp, dcp, moe, nvme, pipeline, universal, zero
+from . import autoep, autotp, dcp, moe, moe_tp, nvme, pipeline, universal, zero
 from .base import Layout
 
 # Every layout, in the order their claims are asked; FALLBACK reads what none claims.
-LAYOUTS: tuple[Layout, ...] = (dcp.LAYOUT, universal.LAYOUT, autoep.LAYOUT, moe.LAYOUT, pipeline.LAYOUT, autotp.LAYOUT,
-                               nvme.LAYOUT)
+LAYOUTS: tuple[Layout, ...] = (dcp.LAYOUT, universal.LAYOUT, autoep.LAYOUT, moe_tp.LAYOUT, moe.LAYOUT, pipeline.LAYOUT,
+                               autotp.LAYOUT, nvme.LAYOUT)
 FALLBACK: Layout = zero.LAYOUT
 
 

@@ -97,7 +97,7 @@ def _probe(path: Path) -> bool:
 class AutoEPLayout(PartitionedLayout):
     name = "autoep"
     title = "AutoEP mixture-of-experts"
-    subsumes = ("moe", "autotp")  # its expert files are MoE's names; AutoEP+AutoTP writes mp_rank_01
+    subsumes = ("moe", "autotp", "moe_tp")  # MoE's expert file names; AutoEP+AutoTP writes mp_rank_01
 
     def claims(self, found: Found) -> str | None:
         names = set(found.names)

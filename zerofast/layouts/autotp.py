@@ -43,7 +43,7 @@ from ..plan.builders import flat_entries
 from ..plan.columns import EntryTable
 from ..plan.model import Entry, FlatGroups, SourceTable, VirtualBuffer, rank_share
 from . import tp_join, tp_rules
-from .base import PartitionedLayout
+from .base import Layout, PartitionedLayout
 
 _TP_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _TP_MODEL_Z3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -66,7 +66,7 @@ class AutoTPLayout(PartitionedLayout):
         return other_model_parallel_rank(found.names)
 
     def list_files(self, found: Found) -> TensorParallelFiles:
-        return _files(self, found)
+        return tp_files(self, found)
 
     def load(self, files: TensorParallelFiles) -> PartitionedCheckpoint:
         return load(files)
@@ -89,7 +89,7 @@ class AutoTPLayout(PartitionedLayout):
                 for name in shapes[0]}
 
 
-def _files(layout: "AutoTPLayout", found: Found) -> "TensorParallelFiles":
+def tp_files(layout: Layout, found: Found) -> TensorParallelFiles:
     """Model-states files per tensor-parallel rank (per rank at ZeRO-3), optimizer files per
     (data-parallel, tensor-parallel) rank; both listed in global-rank order ``dp * T + tp``."""
     root, tag, tag_dir, names = found.root, found.tag, found.tag_dir, found.names
@@ -144,13 +144,27 @@ def load(files: CheckpointFiles) -> PartitionedCheckpoint:
     if stage == 0:
         raise UnsupportedCheckpointError("tensor-parallel checkpoints without ZeRO are not supported", files.tag_dir)
     dp = len(optims) // T
-    for ms in models:
+    ckpt = PartitionedCheckpoint(files, stage, dp * T, models, optims)
+    read_shards(ckpt, dp)
+    ckpt.partition_ends = frozenset((dp - 1) * T + t for t in range(T))
+    if stage != 3:
+        for t in range(T):
+            check_flat_groups(stage, [optims[d * T + t] for d in range(dp)])
+    return ckpt
+
+
+def read_shards(ckpt: PartitionedCheckpoint, dp: int) -> None:
+    """What the tp ranks' model states say, into ``ckpt``: the stored tensors (tp rank 0's module),
+    the rule or map joining each parameter's shards, the degrees; the frozen shards checked. The
+    optimizer files play no part, so a universal conversion, which keeps only the model states,
+    is read the same way (:mod:`.universal_parallel`)."""
+    T = ckpt.files.mp_size
+    for ms in ckpt.model_states:
         _check_degrees(ms, T)
-    metas = models[:T]  # the model states of each tp rank (of its dp rank 0, at ZeRO-3)
+    metas = ckpt.model_states[:T]  # the model states of each tp rank (of its dp rank 0, at ZeRO-3)
     first = metas[0]
-    stored = {n: Stored(first.path, f"module[{n!r}]", t) for n, t in first.module.items()}
-    ckpt = PartitionedCheckpoint(files, stage, dp * T, models, optims,
-                            stored=stored, aliases=dict(first.shared_params), buffers=frozenset(first.buffer_names))
+    ckpt.stored = {n: Stored(first.path, f"module[{n!r}]", t) for n, t in first.module.items()}
+    ckpt.aliases, ckpt.buffers = dict(first.shared_params), frozenset(first.buffer_names)
     # Not ``or``: the truth of a tensor the file put here raises.
     info = first.raw.get(K.UNIVERSAL_INFO)
     info = info if isinstance(info, dict) else {}
@@ -166,13 +180,7 @@ def load(files: CheckpointFiles) -> PartitionedCheckpoint:
         replicated = info.get("tp_replicated_parameter_patterns")
         replicated = [] if replicated is None else replicated if isinstance(replicated, (list, tuple)) else [replicated]
         ckpt.extra = {"maps": maps, "replicated": {_literal(first.path, p) for p in replicated}, "rules": None}
-    maps = ckpt.extra["maps"]
-    ckpt.partition_ends = frozenset((dp - 1) * T + t for t in range(T))
-    _check_frozen(ckpt, metas, maps)
-    if stage != 3:
-        for t in range(T):
-            check_flat_groups(stage, [optims[d * T + t] for d in range(dp)])
-    return ckpt
+    _check_frozen(ckpt, metas, ckpt.extra["maps"])
 
 
 def _check_degrees(ms, T: int) -> None:

@@ -148,20 +148,27 @@ def _expert_file(path: Path, tree: Any) -> tuple[int, int, Path, dict]:
 
 def _expert_layers(files: CheckpointFiles, num_experts: list[int]) -> dict[str, tuple[list, int]]:
     """``{name prefix up to the expert id: ([(global id, file, {name: tensor})...], experts in layer)}``."""
+    return expert_layers(load_files(files.expert_files, _expert_file), num_experts, files.tag_dir)
+
+
+def expert_layers(items, num_experts: list[int], where: Path, what: str = "") -> dict[str, tuple[list, int]]:
+    """:func:`_expert_layers` of expert files already read, ``(layer, global id, file, {name:
+    tensor})`` each: every layer of ``num_experts`` and each of its experts exactly once (``what``
+    says which of the save's expert files, in messages)."""
     by_layer: dict[int, list] = {}
-    for layer, expert, path, tensors in load_files(files.expert_files, _expert_file):
+    for layer, expert, path, tensors in items:
         by_layer.setdefault(layer, []).append((expert, path, tensors))
     if sorted(by_layer) != list(range(len(num_experts))):
         raise InconsistentCheckpointError(
-            f"expected expert files for MoE layers 0..{len(num_experts) - 1} ('num_experts' {num_experts}), found "
-            f"layers {sorted(by_layer)}", files.tag_dir)
+            f"expected expert files{what} for MoE layers 0..{len(num_experts) - 1} ('num_experts' {num_experts}), "
+            f"found layers {sorted(by_layer)}", where)
     out = {}
     for layer, experts in sorted(by_layer.items()):
         ids = sorted(e for e, _, _ in experts)
         if ids != list(range(num_experts[layer])):
             raise InconsistentCheckpointError(
-                f"expected experts 0..{num_experts[layer] - 1} of MoE layer {layer}, found files for {ids}",
-                files.tag_dir)
+                f"expected experts 0..{num_experts[layer] - 1} of MoE layer {layer}{what}, found files for {ids}",
+                where)
         out[_layer_prefix(experts)] = (sorted(experts, key=lambda x: x[0]), num_experts[layer])
     return out
 

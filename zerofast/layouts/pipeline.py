@@ -43,7 +43,7 @@ from ..plan.columns import EntryTable
 from ..plan.model import Entry, FlatGroups, SourceTable
 from ..plan.partitioned import partition_entries
 from . import tp_join, tp_rules
-from .base import PartitionedLayout
+from .base import Layout, PartitionedLayout
 
 # "layer_<NN>[-model_<TT>]-model_states.pt" next to one "mp_rank_<SS>_model_states.pt" per (stage, tp).
 PIPE_LAYER = re.compile(r"^layer_(\d+)-(?:model_(\d+)-)?model_states\.pt$")
@@ -73,7 +73,7 @@ class PipelineLayout(PartitionedLayout):
         return next((n for n in found.names if PIPE_LAYER.match(n)), None)
 
     def list_files(self, found: Found) -> PipelineFiles:
-        return _files(self, found)
+        return pipeline_files(self, found)
 
     def load(self, files: PipelineFiles) -> PartitionedCheckpoint:
         return load(files)
@@ -128,7 +128,7 @@ def _whole(table: SourceTable, s: Stored | None) -> Entry | None:
     return None if s is None else table.whole(str(s.path), s.key, s.tensor)
 
 
-def _files(layout: "PipelineLayout", found: Found) -> "PipelineFiles":
+def pipeline_files(layout: Layout, found: Found) -> PipelineFiles:
     """One model-states file per stage, optimizer files per (stage, data-parallel rank), layer files."""
     root, tag, tag_dir, names = found.root, found.tag, found.tag_dir, found.names
     stages = ranked(tag_dir, names, PIPE_MODEL, group=1)
@@ -176,17 +176,7 @@ def load(files: PipelineFiles) -> PartitionedCheckpoint:
     stage = settle_stage(files, everyone, optims)
     dp = len(optims) // (P * T) if optims else int(everyone[0].dp_world_size or 1)
     _check_partition_counts(optims, dp)
-    known = [_known_names(everyone[t::T]) for t in range(T)]
-    if stage == 0:  # no names recorded: the tied module's are those the save calls pipeline-replicated
-        for k in known:
-            k.update(dict.fromkeys(_pipeline_replicated(everyone[0]), None))
-    views = [_layer_tensors(files.layers_of(t), known[t]) for t in range(T)]
-    stored, tied_layers = views[0]
-    stages = everyone[0::T]  # tp rank 0's pipeline: its structure is every tp rank's
-    ckpt = PartitionedCheckpoint(files, stage, dp * P * T, everyone, optims, stored=stored,
-                                 buffers=frozenset(n for ms in everyone for n in ms.buffer_names))
-    ckpt.degrees = {"family": "pipeline-parallel", "dp": dp, "pp": P,
-                    "stages": [_stage_layers(ms, tied_layers) for ms in stages], "tied_layers": tied_layers}
+    ckpt = PartitionedCheckpoint(files, stage, dp * P * T, everyone, optims)
     if stage == 0:
         ckpt.frozen_known = False
     else:
@@ -195,11 +185,34 @@ def load(files: PipelineFiles) -> PartitionedCheckpoint:
         ckpt.partition_ends = frozenset(p.ranks[-1] for p in ckpt.partitions)
         check_partitions(ckpt)
         ckpt.extra["tp_partitions"] = by_tp
+    read_layers(ckpt, dp)
+    return ckpt
+
+
+def read_layers(ckpt: PartitionedCheckpoint, dp: int) -> None:
+    """What the stages' model states and the layer files say, into ``ckpt``: the stored tensors under
+    their PipelineModule names (tp rank 0's), the degrees and structure, the tp rules, and ``meta``
+    merged over the stages (full shapes). The optimizer files play no part, so a universal
+    conversion, which keeps the model states (and the layer files, where they were copied), is read
+    the same way (:mod:`.universal_parallel`)."""
+    files, T, everyone = ckpt.files, ckpt.files.mp_size, ckpt.model_states
+    P = len(everyone) // T
+    for ms in everyone:
+        _check_degree(ms, P, T)
+    known = [_known_names(everyone[t::T]) for t in range(T)]
+    if ckpt.stage == 0:  # no names recorded: the tied module's are those the save calls pipeline-replicated
+        for k in known:
+            k.update(dict.fromkeys(_pipeline_replicated(everyone[0]), None))
+    views = [_layer_tensors(files.layers_of(t), known[t]) for t in range(T)]
+    stored, tied_layers = views[0]
+    stages = everyone[0::T]  # tp rank 0's pipeline: its structure is every tp rank's
+    ckpt.stored, ckpt.buffers = stored, frozenset(n for ms in everyone for n in ms.buffer_names)
+    ckpt.degrees = {"family": "pipeline-parallel", "dp": dp, "pp": P,
+                    "stages": [_stage_layers(ms, tied_layers) for ms in stages], "tied_layers": tied_layers}
     shapes = [g for ms in stages for g in (ms.param_shapes or [])]
     if T > 1:
         shapes = _tensor_parallel(ckpt, everyone, views, shapes)
     ckpt.model_states = [merged_meta(stages[0], stored, ckpt.buffers, {}, shapes), *everyone[1:]]
-    return ckpt
 
 
 def _tensor_parallel(ckpt: PartitionedCheckpoint, everyone, views, shapes: list[dict]) -> list[dict]:

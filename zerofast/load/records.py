@@ -390,11 +390,9 @@ def check_parallelism(meta: ModelStates, universal: bool) -> None:
                                ("tp_degree", dims.get(K.TP_DEGREE), "tensor-parallel")):
         if degree is None or (type(degree) is int and degree == 1):
             continue
-        if universal:  # ds_to_universal keeps neither a pipeline's layer files nor the tp ranks apart
-            raise UnsupportedCheckpointError(
-                f"universal checkpoints of {kind} saves are not supported yet (expected {what} 1, found "
-                f"{short_repr(degree, 40)})", meta.path)
-        missing = ("the layer_*-model_states.pt files of this pipeline-parallel save are missing" if kind[0] == "p"
+        missing = ("the other model-parallel ranks' model-states files (mp_rank_01, ...) of this universal "
+                   "conversion are missing" if universal else
+                   "the layer_*-model_states.pt files of this pipeline-parallel save are missing" if kind[0] == "p"
                    else "the other tensor-parallel ranks' files of this save are missing")
         raise IncompleteCheckpointError(f"expected {what} 1 in a folder with only mp_rank_00 files, found "
                                         f"{short_repr(degree, 40)}: {missing}", meta.path)
