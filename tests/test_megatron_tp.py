@@ -439,6 +439,40 @@ def test_averaged_parameters_equal_ds_to_universal(layout, monkeypatch):
             assert_bitwise_equal(got[name], want, f"{name} {key}")
 
 
+@pytest.mark.parametrize("layout", AVERAGE + DRIFT)
+def test_export_optimizer_states_of_averaged_parameters(layout, tmp_path, monkeypatch):
+    """export with optimizer_states where replicated copies are averaged (named for it, or drifted
+    with the keyword tp_replicated="mean" alone): the averaged moments, and each parameter's step
+    the truth's, bit for bit, and what to-universal and ds_to_universal write. An average is no
+    flat group's: its step is rank 0's group's (issue 47: a KeyError; the keyword was not in force
+    when the JSON was written)."""
+    monkeypatch.delenv(TP_REPLICATED_ENV, raising=False)
+    truth = _truth(layout)
+    mean = {} if layout in AVERAGE else {"tp_replicated": "mean"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        zerofast.export(_root(layout), tmp_path / "e", dtype=None, optimizer_states=True, **mean)
+        ours = zerofast.to_universal(_root(layout), tmp_path / "u" / "global_step2_universal", **mean)
+    states = load_file(tmp_path / "e" / "optimizer.safetensors")
+    for key in KEYS:
+        for name, value in truth["optimizer_states"][key].items():
+            copies = truth["tp_copies_optimizer"][key].get(name)
+            assert_bitwise_equal(states[f"{name}.{key}"], value if copies is None else _mean(copies), f"{name}.{key}")
+    doc = json.loads((tmp_path / "e" / "optimizer_state.json").read_text())
+    trainable = sorted(truth["optimizer_states"]["exp_avg"])
+    assert sorted(doc["state"]) == trainable
+    assert sorted(n for group in doc["param_groups"] for n in group["params"]) == trainable
+    step = truth["optimizer_step"]
+    theirs = None if layout in DRIFT else _universal_tag_dir(layout)  # ds_to_universal refuses drift
+    for name in trainable:
+        assert doc["state"][name] == {"step": step} and type(doc["state"][name]["step"]) is type(step), name
+        for folder in (ours, theirs) if _spec(layout)["stage"] != 3 else ():  # ZeRO 3: no step.pt
+            if folder is not None:
+                written = torch.load(folder / "zero" / name / "step.pt", weights_only=True)
+                assert written.item() == step and written.dim() == 0, (folder, name)
+    assert _drifted(layout) and set(_drifted(layout)) <= set(trainable)
+
+
 @pytest.mark.parametrize("layout", NO_INFO)
 def test_no_universal_checkpoint_info_is_refused(layout):
     with pytest.raises(zerofast.UnsupportedCheckpointError, match="universal_checkpoint_info") as e:

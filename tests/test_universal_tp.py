@@ -138,8 +138,6 @@ def test_export_matches_the_truth_and_the_saves_own_export(layout, tmp_path):
     for key in KEYS:
         for name, value in truth["optimizer_states"][key].items():
             assert_bitwise_equal(states[f"{name}.{key}"], value, f"{name}.{key}")
-    if MEGATRON_VARIANTS.get(layout, {}).get("average"):
-        return  # the save's own export with optimizer_states fails there (KeyError in flat_scalar_states)
     zerofast.export(real_root(layout), tmp_path / "src", dtype=None, optimizer_states=True)
     doc, source_doc = (json.loads((tmp_path / d / OPTIMIZER_JSON).read_text()) for d in ("u", "src"))
     assert doc.pop("tag") != source_doc.pop("tag")

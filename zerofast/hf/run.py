@@ -257,6 +257,7 @@ class _OptimizerFiles:
     prepared: Prepared
     files: list[ShardFile]
     keys: list[str]
+    scalars: dict  # step per parameter and param groups, read under the export's tp settings
 
 
 def _optimizer_layout(ckpt: LoadedCheckpoint, wanted: bool | Sequence[str], max_bytes: int) -> _OptimizerFiles | None:
@@ -270,7 +271,7 @@ def _optimizer_layout(ckpt: LoadedCheckpoint, wanted: bool | Sequence[str], max_
                           ckpt.files.tag_dir)
     prepared = plan_checkpoint(ckpt, None, optimizer_keys=keys, qualified=True)
     files, _ = layout(prepared.plan, OPTIMIZER_NAMES[:2], max_bytes, aliases_in_files=False)
-    return _OptimizerFiles(prepared, files, keys)
+    return _OptimizerFiles(prepared, files, keys, scalar_states(ckpt))
 
 
 def _optimizer_names(optim: _OptimizerFiles) -> list[str]:
@@ -288,5 +289,5 @@ def _write_optimizer_index(tmp: Path, optim: _OptimizerFiles) -> None:
         _write_index(tmp, formats.get("safetensors"), OPTIMIZER_NAMES[2], optim.files, {})
     ckpt = optim.prepared.checkpoint
     doc = {"keys": optim.keys, "tensors": names[-2], "stage": ckpt.stage, "world_size": ckpt.world_size,
-           "tag": ckpt.files.tag, **scalar_states(ckpt)}
+           "tag": ckpt.files.tag, **optim.scalars}
     write_text(tmp / OPTIMIZER_JSON, json.dumps(doc, indent=2) + "\n")

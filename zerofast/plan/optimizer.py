@@ -317,9 +317,36 @@ def flat_scalar_states(ckpt: LoadedCheckpoint) -> dict:
     entries = ckpt.layout.trainable_from(ckpt, table, masters, "flat fp32 groups")
     group_of = {table.add(str(o.path), where, t): (r, g)
                 for r, (o, groups) in enumerate(zip(ckpt.optim_states, masters)) for g, (where, t) in enumerate(groups)}
-    owner = {name: group_of[entries[name][2][0][0]] for name in model_order(ckpt, entries) if entries[name][2]}
+    placed = _rank0_places(ckpt, states)
+    owner = {}
+    for name in model_order(ckpt, entries):
+        segs = entries[name][2]
+        if segs:
+            owner[name] = group_of.get(segs[0][0]) or _computed_owner(ckpt, name, placed)
     found = {name: scalars(states[r][g][1]) for name, (r, g) in owner.items()}
     return {"state": found, "param_groups": _param_groups(ckpt, owner)}
+
+
+def _rank0_places(ckpt: LoadedCheckpoint, states: list[list[_GroupState]]) -> dict[str, tuple[int, int]]:
+    """Each parameter that rank 0's ``param_shapes`` lists, with rank 0's flat group at that place."""
+    out: dict[str, tuple[int, int]] = {}
+    for g, shapes in enumerate((ckpt.meta.param_shapes or [])[:len(states[0]) if states else 0]):
+        for name in shapes:
+            out.setdefault(name, (0, g))
+    return out
+
+
+def _computed_owner(ckpt: LoadedCheckpoint, name: str, placed: dict[str, tuple[int, int]]) -> tuple[int, int]:
+    """The flat group whose scalars (``step``) a parameter takes when its master is no flat group's
+    elements but a value made while planning: the mean of a tensor-parallel save's replicated copies
+    (``parameter_to_average_patterns``, ``--tp-replicated mean``). Every tp rank's copy sits in a
+    group stepped with the others; like ds_to_universal (tp rank 0's step) and to-universal, the
+    parameter takes rank 0's group at its ``param_shapes`` place."""
+    if name in placed:
+        return placed[name]
+    raise InconsistentCheckpointError(
+        f"{name!r} is planned from a value computed over several ranks (their mean), and rank 0's 'param_shapes' do "
+        "not list it, so which flat group's scalar state (step) it takes is not known", ckpt.meta.path)
 
 
 def hyperparameters(group: dict) -> dict:
