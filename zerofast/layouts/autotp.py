@@ -79,14 +79,56 @@ class AutoTPLayout(PartitionedLayout):
         return frozen_entries(ckpt, table)
 
     def universal_fields(self, ckpt: PartitionedCheckpoint) -> dict[str, dict] | None:
-        """Megatron-DeepSpeed saves: the fields of each rule, as ds_to_universal writes them."""
+        """The fields ds_to_universal writes beside each trainable parameter: by its rule
+        (Megatron-DeepSpeed saves), or by AutoTP's affine_map (:func:`_affine_fields`)."""
         rules = ckpt.extra.get("rules")
         if rules is None:
-            return None
+            return _affine_fields(ckpt)
         T = ckpt.files.mp_size
         shapes = [{n: tuple(v) for g in m.param_shapes or [] for n, v in g.items()} for m in ckpt.model_states[:T]]
         return {name: tp_rules.universal_fields(rules.merge(name, [s[name] for s in shapes]), ckpt.meta.path)
                 for name in shapes[0]}
+
+
+def _affine_fields(ckpt: PartitionedCheckpoint) -> dict[str, dict]:
+    """AutoTP at ZeRO 1-2, as ``merge_tp_slices`` of DeepSpeed 0.19.8 writes it: a parameter its
+    ``affine_map`` names is rebuilt from the pieces with no field of a rule (not ``cat_dim``); one
+    named tp-replicated without a map entry is rank 0's copy, also bare; either gets
+    ``vocab_tensor`` when a vocabulary pattern names it. Refused: ZeRO-3 (the converter fails
+    there), what the save marks unconvertible (as the converter refuses it), a parameter neither
+    mapped nor named replicated (the converter would join the copies, which zerofast reads as one
+    whole tensor), and a vocabulary with rows past ``original_vocab_size`` (the converter cuts them)."""
+    first = ckpt.model_states[0]
+    if ckpt.stage == 3:
+        raise UnsupportedCheckpointError(
+            "to-universal of an AutoTP save at ZeRO-3 is not supported: DeepSpeed 0.19.8's ds_to_universal fails on "
+            "such saves, so there is no universal layout of them to write", first.path)
+    info = first.raw.get(K.UNIVERSAL_INFO)
+    info = info if isinstance(info, dict) else {}
+    unsupported = info.get("autotp_unsupported_parameter_patterns")
+    if unsupported:
+        raise UnsupportedCheckpointError(f"to-universal: the save marks parameters AutoTP cannot convert "
+                                         f"(autotp_unsupported_parameter_patterns: {short_repr(unsupported)})",
+                                         first.path)
+    vocab = info.get("vocabulary_parameter_patterns") or []
+    vocab = {_literal(first.path, p) for p in (vocab if isinstance(vocab, (list, tuple)) else [vocab])}
+    rows = info.get("original_vocab_size")
+    maps, replicated = ckpt.extra["maps"], ckpt.extra["replicated"]
+    out = {}
+    for name, shape in ((n, tuple(v)) for g in first.param_shapes or [] for n, v in g.items()):
+        if name not in maps and name not in replicated:
+            raise UnsupportedCheckpointError(
+                f"to-universal of {name!r}: the affine_map has no entry for it and the save does not name it "
+                "tp-replicated, so ds_to_universal would concatenate the tp ranks' copies; not written", first.path)
+        out[name] = {}
+        if name in vocab:
+            full = tuple(maps[name].get("logical_shape") or shape) if name in maps else shape
+            if type(rows) is not int or len(full) != 2 or full[0] > rows:
+                raise UnsupportedCheckpointError(
+                    f"to-universal of {name!r}: a vocabulary parameter of shape {list(full)} with original_vocab_size "
+                    f"{short_repr(rows)} (ds_to_universal cuts the rows past it, zerofast keeps them)", first.path)
+            out[name] = {"vocab_tensor": True}
+    return out
 
 
 def tp_files(layout: Layout, found: Found) -> TensorParallelFiles:
@@ -359,6 +401,10 @@ class _Composer:
         covered = 0
         for t, shard in enumerate(shards):
             for piece in entry["ranks"][t].get("pieces", []):
+                if piece.get("scale", 1.0) != 1.0:  # the shard holds the block times scale: never read as is
+                    raise UnsupportedCheckpointError(f"{name!r} has affine_map pieces with a scale "
+                                                     f"({short_repr(piece.get('scale'))}): not supported",
+                                                     self.metas[t].path)
                 if min(piece.get("locations") or [t]) != t:
                     continue  # a replicated piece: read from the first rank holding it
                 if shard is None:

@@ -113,7 +113,9 @@ def read(ckpt: PartitionedCheckpoint, pp: int) -> tuple[dict[str, tuple], list[l
             "the universal folder of an AutoTP save at ZeRO-3 is not supported (DeepSpeed 0.19.8's ds_to_universal "
             "fails on such saves, so none was ever checked)", first.path)
     full = tp_join.full_shapes(rules, shards) if rules is not None else _mapped_shapes(ckpt, shards)
-    return full, [list(g) for g in first.param_shapes or []], autotp.LAYOUT.universal_fields(ckpt)
+    # AutoTP's parameters are rebuilt from the map, which leaves no field of a rule to check
+    fields = autotp.LAYOUT.universal_fields(ckpt) if rules is not None else None
+    return full, [list(g) for g in first.param_shapes or []], fields
 
 
 def _mapped_shapes(ckpt: PartitionedCheckpoint, shards: list[dict]) -> dict[str, tuple]:

@@ -14,7 +14,8 @@ The layout is what ``python -m deepspeed.checkpoint.ds_to_universal`` writes and
 A pipeline save's parameters keep their ``PipelineModule`` names, its tied module written once
 (from the first stage), each ``step`` taken from the stage that holds the parameter; a
 tensor-parallel save's are the full tensors after the fields of their rules
-(``Layout.universal_fields``). Unlike DeepSpeed's tool it needs no ``universal_checkpoint_info``
+(``Layout.universal_fields``; an AutoTP save's rebuilt by its ``affine_map`` have none but
+``vocab_tensor``). Unlike DeepSpeed's tool it needs no ``universal_checkpoint_info``
 in a data-parallel source, and it writes the frozen params and buffers at every stage and for
 every layout (DeepSpeed's tool drops them at stage 3 and for pipelines, and its engine never
 restores them: see :func:`universal_module_state`). Each tensor is planned by the
