@@ -34,7 +34,8 @@ RESUME = ["copy_files", "zf_reshard", "zf_to_universal", "ds_to_universal"]
 TO_DCP = ["copy_files", "zf_to_dcp"]
 FROM_DCP = ["zf_export_dcp", "torch_dcp_to_torch_save"]
 # With --baseline: the same zerofast cases run on another checkout, in the same rounds.
-BASELINE = {"base_eager": "zf_eager", "base_export": "zf_export"}
+BASELINE = {"base_eager": "zf_eager", "base_lazy": "zf_lazy", "base_load_into": "zf_load_into",
+            "base_export": "zf_export"}
 
 
 def drop_caches() -> bool:
@@ -172,7 +173,7 @@ def main() -> None:
             small = workload in SMALL_PARAMS or workload in REAL  # metadata-bound: eager cases, warm only
             for cold in modes if not small else [False]:
                 print(f"{workload} ({'cold' if cold else 'warm'} cache)", flush=True)
-                wanted = cases if not small else [c for c in cases if c in EAGER or c == "base_eager"]
+                wanted = cases if not small else [c for c in cases if c in EAGER or BASELINE.get(c) in EAGER]
                 if REAL.get(workload, {}).get("family") == "moe":
                     wanted = [c for c in MANY_FILES if c in cases or c == "cat_files"] + \
                              [c for c in ("base_eager", "base_export") if c in cases]
