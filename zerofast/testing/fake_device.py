@@ -35,7 +35,8 @@ class FakeStreams:
         self._lock = threading.Lock()
         self._copy = ThreadPoolExecutor(1, thread_name_prefix="fake-device-copy")
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="fake-device-compute")
-        self._queued: list[Future] = []
+        self._queued: list[Future] = []  # since the last finish()
+        self.jobs: list[Future] = []  # every job ever queued: a test checks that all of them ran
         self.counts = {"upload": 0, "compute": 0, "download": 0}
         self._computed: Future | None = None  # the compute stream's last job
         self.host_buffers = 0  # how many were asked for: the ring reuses its slots
@@ -93,6 +94,7 @@ class FakeStreams:
 
         future = pool.submit(job)
         self._queued.append(future)
+        self.jobs.append(future)
         return future
 
 
