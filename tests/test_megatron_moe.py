@@ -208,17 +208,17 @@ def test_zero_off_is_refused_by_name(tmp_path):
         zerofast.reconstruct(root)
 
 
-def test_experts_in_pipeline_stages_are_refused(tmp_path):
-    """DeepSpeed's MoE save of a PipelineModule writes no layer files: each stage's module goes into
-    its mp_rank_XX file, its experts into layer_{L}_expert_{E}_mp_rank_XX with L counted per stage.
-    Only checkpoint_parallel_dimensions tells it from tensor parallelism: refused by it."""
+def test_a_tensor_parallel_save_marked_as_stages_is_refused(tmp_path):
+    """Only checkpoint_parallel_dimensions tells a pipeline's MoE save (read by layouts/moe_pipe.py)
+    from tensor parallelism. A tp save whose pp_degree says 2 goes there, and its two "stages"
+    holding the same dense names are refused, not read as stages."""
     root, tag = _copy(SPLIT[0], tmp_path)
     for t in range(T):
         path = tag / f"mp_rank_{t:02d}_model_states.pt"
         states = torch.load(path, weights_only=False)
         states["checkpoint_parallel_dimensions"] = {"pp_degree": 2, "tp_degree": 1}
         torch.save(states, path)
-    with pytest.raises(zerofast.UnsupportedCheckpointError, match=r"pipeline parallelism \(pp_degree 2\)"):
+    with pytest.raises(zerofast.InconsistentCheckpointError, match="in the module of two stages"):
         zerofast.reconstruct(root)
 
 

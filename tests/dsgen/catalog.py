@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.dsgen.families import AUTOEP_LAYOUTS, FAMILY_LAYOUTS, MEGATRON_MOE_LAYOUTS, MEGATRON_VARIANTS
+from tests.dsgen.families import (AUTOEP_LAYOUTS, FAMILY_LAYOUTS, MEGATRON_MOE_LAYOUTS, MEGATRON_VARIANTS,
+                                  MOE_PIPE_LAYOUTS)
 from tests.dsgen.megatron_pipe_layouts import MEGATRON_PIPE_LAYOUTS
 
 HERE = Path(__file__).resolve().parent
@@ -41,6 +42,7 @@ AUTOEP_TRAIN = HERE / "train_autoep.py"
 MEGATRON_TRAIN = HERE / "train_megatron.py"
 MEGATRON_PIPE_TRAIN = HERE / "train_megatron_pipe.py"
 MEGATRON_MOE_TRAIN = HERE / "train_megatron_moe.py"
+MOE_PIPE_TRAIN = HERE / "train_moe_pipe.py"
 MUON_TRAIN = HERE / "train_muon.py"
 NVME_TRAIN = HERE / "train_nvme.py"
 TIMEOUT_S = float(os.environ.get("ZEROFAST_DSGEN_TIMEOUT", "300"))
@@ -206,7 +208,8 @@ NVME_LAYOUTS: dict[str, dict] = {
 }
 
 ALL_LAYOUTS: dict[str, dict] = {**LAYOUTS, **FAMILY_LAYOUTS, **MUON_LAYOUTS, **RESHARD_LAYOUTS, **NVME_LAYOUTS,
-                                 **MEGATRON_VARIANTS, **MEGATRON_PIPE_LAYOUTS, **AUTOEP_LAYOUTS, **MEGATRON_MOE_LAYOUTS}
+                                 **MEGATRON_VARIANTS, **MEGATRON_PIPE_LAYOUTS, **AUTOEP_LAYOUTS, **MEGATRON_MOE_LAYOUTS,
+                                 **MOE_PIPE_LAYOUTS}
 
 
 def _scripts(spec: dict) -> list[Path]:
@@ -217,6 +220,8 @@ def _scripts(spec: dict) -> list[Path]:
         return [MEGATRON_PIPE_TRAIN, MEGATRON_TRAIN, TRAIN]
     if spec.get("family") == "megatron_moe":  # train_megatron.py's GPT with a native MoE layer
         return [MEGATRON_MOE_TRAIN, MEGATRON_TRAIN, FAMILY_TRAIN, TRAIN]
+    if spec.get("family") == "moe_pipe":  # family_models' pieces in a PipelineModule; merging from train_families.py
+        return [MOE_PIPE_TRAIN, FAMILY_TRAIN, FAMILY_MODELS, TRAIN]
     if spec.get("family") == "autoep":  # a transformers Qwen3-MoE; merge_truth from train_families.py
         return [AUTOEP_TRAIN, FAMILY_TRAIN, TRAIN]
     if "family" in spec:

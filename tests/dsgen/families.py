@@ -101,3 +101,10 @@ def ensure_megatron_variant(name: str) -> Path:
     if name not in MEGATRON_VARIANTS:
         raise KeyError(f"unknown Megatron variant {name!r}; known: {sorted(MEGATRON_VARIANTS)}")
     return catalog.ensure_checkpoint(name)
+
+# A PipelineModule with a deepspeed.moe.layer.MoE in each of its 2 stages (train_moe_pipe.py), world 4:
+# dp 2 per stage, ep 2. Kept out of FAMILY_LAYOUTS (tests/test_moe_pipe.py reads them).
+MOE_PIPE_LAYOUTS: dict[str, dict] = {
+    "moe_pipe_s1_bf16_pp2_dp2_ep2": {"family": "moe_pipe", "stage": 1, "world_size": 4, "dtype": "bf16", "pp": 2,
+                                     "ep": 2},
+}

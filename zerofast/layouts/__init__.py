@@ -11,6 +11,8 @@ here plus its line in :data:`LAYOUTS`; nothing else in the package branches on t
 - :mod:`.autoep`: DeepSpeed AutoEP saves (``ds_autoep_layers``), their expert files read as MoE's are;
 - :mod:`.moe_tp`: mixture-of-experts with Megatron-DeepSpeed tensor parallelism, composed of :mod:`.moe`
   and :mod:`.autotp`;
+- :mod:`.moe_pipe`: mixture-of-experts with pipeline parallelism (no layer files), composed of :mod:`.moe`
+  and :mod:`.pipeline`; it claims nothing itself: :mod:`.moe_tp`, whose file names these are, hands it over;
 - :mod:`.pipeline`: pipeline-parallel saves with their layer files;
 - :mod:`.autotp`: AutoTP tensor-parallel saves;
 - :mod:`.dcp`: PyTorch Distributed Checkpoint folders (FSDP2, torchtitan), not DeepSpeed's.
@@ -22,12 +24,12 @@ import os
 from ..discover import CheckpointFiles, Found, check_all_inside, locate
 from ..base.errors import UnsupportedCheckpointError
 from ..load import LoadedCheckpoint
-from . import autoep, autotp, dcp, moe, moe_tp, nvme, pipeline, universal, zero
+from . import autoep, autotp, dcp, moe, moe_pipe, moe_tp, nvme, pipeline, universal, zero
 from .base import Layout
 
 # Every layout, in the order their claims are asked; FALLBACK reads what none claims.
 LAYOUTS: tuple[Layout, ...] = (dcp.LAYOUT, universal.LAYOUT, autoep.LAYOUT, moe_tp.LAYOUT, moe.LAYOUT, pipeline.LAYOUT,
-                               autotp.LAYOUT, nvme.LAYOUT)
+                               autotp.LAYOUT, nvme.LAYOUT, moe_pipe.LAYOUT)
 FALLBACK: Layout = zero.LAYOUT
 
 

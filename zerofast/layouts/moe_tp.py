@@ -46,7 +46,7 @@ from ..load.records import (check_flat_groups, expect_dict, expect_int, expect_l
 from ..plan.columns import EntryTable
 from ..plan.model import Entry, FlatGroups, SourceTable
 from ..plan.partitioned import partition_entries
-from . import autotp, moe, tp_join
+from . import autotp, moe, moe_pipe, tp_join
 from .autotp import TensorParallelFiles
 from .base import PartitionedLayout
 from .pipeline import PIPE_LAYER
@@ -116,7 +116,9 @@ def load(files: MoETPFiles) -> PartitionedCheckpoint:
     if first.raw.get("ds_autoep_layers") or first.raw.get("autoep_layers"):
         raise UnsupportedCheckpointError("this tensor-parallel mixture-of-experts save is DeepSpeed AutoEP's "
                                          "('ds_autoep_layers'), which this layout does not read", first.path)
-    _refuse_pipeline(first)
+    pp = moe_pipe.pipeline_degree(first)
+    if pp is not None and pp > 1:  # mp_rank_XX are pipeline stages: the MoE pipeline layout reads it
+        return moe_pipe.load(files)
     optims = [read_optim_states(p, group_counts=True) for p in files.optim_files]
     stage = settle_stage(files, models, optims)
     if stage not in (1, 2):
@@ -174,18 +176,6 @@ def load(files: MoETPFiles) -> PartitionedCheckpoint:
                     "experts_per_layer": {prefix[:-len(moe.EXPERTS)]: n for prefix, (_, n) in layers.items()}}
     ckpt.model_states = [merged_meta(first, stored, first.buffer_names, ckpt.aliases, first.param_shapes), *models[1:]]
     return ckpt
-
-
-def _refuse_pipeline(first) -> None:
-    """mp_rank_XX files name pipeline stages too. DeepSpeed saves a pipeline's MoE stage through the
-    plain module state dict (no layer files), so the names cannot tell: the model states can."""
-    dims = first.raw.get(K.PARALLEL_DIMENSIONS)
-    pp = dims.get(K.PP_DEGREE) if isinstance(dims, dict) else None
-    if type(pp) is int and pp > 1:
-        raise UnsupportedCheckpointError(
-            f"mixture-of-experts with pipeline parallelism (pp_degree {pp}) is not supported: here each "
-            "mp_rank_XX file is a pipeline stage (its module under PipelineModule names, no layer files) and "
-            "its experts' files number the MoE layers per stage, which no layout reads yet", first.path)
 
 
 def _num_experts(models) -> list[int]:
