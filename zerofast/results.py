@@ -83,9 +83,8 @@ class LazyStateDict(Mapping):
         if ahead is not None:
             return ahead
         where = self._views.get(key)
-        if where is not None:
-            return self._executor.view(self._cols.plan_of(i), where)
-        return self._executor.run_plan(self._cols.select(np.array([i], dtype=np.int64)))[0]
+        tp = self._cols.plan_of(i)  # one tensor: a view of the columns' row
+        return self._executor.run(tp) if where is None else self._executor.view(tp, where)
 
     def __iter__(self) -> Iterator[str]:
         self._window_end = 0
