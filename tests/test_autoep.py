@@ -1,7 +1,7 @@
 """DeepSpeed AutoEP saves (``expert_parallel``, a tiny transformers Qwen3-MoE) that real DeepSpeed 0.19.8
-wrote on the CPU (tests/dsgen/train_autoep.py), judged bit for bit against the live engine's own values;
-the parts zerofast does not read (ZeRO-3's ``zero3_partitioned``, AutoEP+AutoTP folding) are refused by
-name."""
+wrote on the CPU (tests/dsgen/train_autoep.py), judged bit for bit against the live engine's own values,
+ZeRO-3's ``zero3_partitioned`` saves (no expert files) among them; the parts zerofast does not read
+(AutoEP+AutoTP folding) are refused by name."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,7 +23,8 @@ HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 pytestmark = pytest.mark.skipif(not (HAVE_DEEPSPEED and HAVE_TRANSFORMERS),
                                 reason="DeepSpeed 0.19.8 makes the real AutoEP saves from a transformers Qwen3-MoE")
 
-READ = sorted(n for n, spec in AUTOEP_LAYOUTS.items() if spec["stage"] in (0, 1, 2))
+READ = sorted(AUTOEP_LAYOUTS)
+ZERO3 = sorted(n for n, spec in AUTOEP_LAYOUTS.items() if spec["stage"] == 3)
 DTYPES = [None, torch.float32, torch.bfloat16]
 
 
@@ -136,6 +137,9 @@ def test_verify_is_clean(layout):
     over its experts' files, so its master counts among those without one."""
     report = zerofast.verify(real_root(layout))
     assert report.ok, "\n".join(report.lines())
+    if real_truth(layout)["stage"] == 3:  # ZeRO-3 keeps no model-dtype copy of any parameter
+        assert any("holds no model-dtype copy" in line for line in report.checks), report.checks
+        return
     experts = sum(".experts.w" in n for n in real_truth(layout)["trainable"])
     assert any(f"({experts} have none" in line for line in report.checks), report.checks
 
@@ -145,15 +149,40 @@ def test_deepspeeds_own_converter_cannot_read_them(layout):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with pytest.raises((ValueError, AttributeError)):
+    # ZeRO-3: "zero_to_fp32 does not support AutoEP ZeRO-3 partition-native checkpoints"
+    with pytest.raises((ValueError, AttributeError, NotImplementedError)):
         get_fp32_state_dict_from_zero_checkpoint(str(real_root(layout)))
 
 
-def test_zero3_partitioned_is_refused_by_name():
-    root = real_root("autoep_s3_bf16_w2_ep2")
-    with pytest.raises(zerofast.UnsupportedCheckpointError,
-                       match=r"zero_pp_rank_0_mp_rank_00_model_states\.pt.*AutoEP at ZeRO-3 \(checkpoint_format "
-                             r"zero3_partitioned in ds_autoep_layers\)"):
+@pytest.mark.parametrize("layout", ZERO3)
+def test_zero3_saves_hold_no_expert_files(layout):
+    """What the ZeRO-3 tests read: per-rank files only, the experts in the optimizer's expert group,
+    partitioned over each ep rank's expert-data-parallel ranks."""
+    truth = real_truth(layout)
+    tag = real_root(layout) / truth["tag"]
+    assert not list(tag.glob("layer_*_expert_*")) and not list(tag.glob("mp_rank_*"))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    raw = torch.load(tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    groups = raw["optimizer_state_dict"]["ds_zero_partition_groups"]
+    edp = truth["world_size"] // truth["layout"]["ep"]
+    assert [g["families"] for g in groups] == [["replicated"], ["autoep_expert"]]
+    assert groups[1]["partition_count"] == edp and len(groups[1]["partition_ranks"]) == edp
+    assert tuple(truth["trainable"]["model.layers.1.mlp.experts.w2"].shape) == (4, 16, 8)
+
+
+@pytest.mark.parametrize("layout", ZERO3)
+def test_zero3_frozen_parameters_are_refused(layout, tmp_path):
+    """A frozen parameter's ZeRO-3 fragments are not placed: refused by name (planted)."""
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(real_root(layout), root)
+    path = root / real_truth(layout)["tag"] / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    state = torch.load(path, weights_only=False)
+    state["frozen_param_shapes"]["model.norm.weight"] = (16,)
+    torch.save(state, path)
+    with pytest.raises(zerofast.UnsupportedCheckpointError, match="frozen parameters of an AutoEP ZeRO-3 save"):
         zerofast.reconstruct(root)
 
 
@@ -248,3 +277,21 @@ def test_native_moe_and_plain_saves_are_not_claimed():
         assert autoep.LAYOUT.claims(found) is None and identify(found).name == "moe"
     found = locate(real_root("autoep_s3_bf16_w2_ep2"), None, None)
     assert identify(found).name == "autoep"
+
+
+@pytest.mark.parametrize("layout", ZERO3)
+def test_zero3_expert_group_out_of_order_is_refused(layout, tmp_path):
+    """The expert group's ``ds_zero_partition_groups`` record must put the rank where its
+    ``ds_autoep_layers`` records say (planted: rank 0 claims partition rank 5)."""
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(real_root(layout), root)
+    path = root / real_truth(layout)["tag"] / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    state = torch.load(path, weights_only=False)
+    state["optimizer_state_dict"]["ds_zero_partition_groups"][1]["partition_rank"] = 5
+    torch.save(state, path)
+    with pytest.raises(zerofast.InconsistentCheckpointError, match="expert group 1 is not cut over") as e:
+        zerofast.reconstruct(root)
+    assert str(path) in str(e.value)

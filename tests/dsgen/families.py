@@ -54,6 +54,8 @@ AUTOEP_LAYOUTS: dict[str, dict] = {
     "autoep_s2_bf16_w4_ep2": {"family": "autoep", "stage": 2, "world_size": 4, "dtype": "bf16", "ep": 2},
     "autoep_s0_bf16_w2_ep2": {"family": "autoep", "stage": 0, "world_size": 2, "dtype": "bf16", "ep": 2},
     "autoep_s3_bf16_w2_ep2": {"family": "autoep", "stage": 3, "world_size": 2, "dtype": "bf16", "ep": 2},
+    # ZeRO-3 with expert-data-parallel 2: each ep rank's experts partitioned over two ranks
+    "autoep_s3_bf16_w4_ep2": {"family": "autoep", "stage": 3, "world_size": 4, "dtype": "bf16", "ep": 2},
 }
 
 # Megatron-DeepSpeed's MoE GPT (train_megatron_moe.py): the GPT of train_megatron.py with a native

@@ -30,8 +30,12 @@ of the AutoEP module at ep 1 (``experts.w1`` with every expert, ``[num_experts, 
     hf_state_dict_keys  the transformers model's own names before AutoEP replaced its MoE blocks
     layout            family, dp, ep, experts per AutoEP layer
 
-At ZeRO-3 (``checkpoint_format: zero3_partitioned``, no expert files) only the save and the layout
-are written: zerofast refuses it.
+At ZeRO-3 (``checkpoint_format: zero3_partitioned``, no expert files) the same keys under the same
+names: every parameter's ``safe_get_full_fp32_param`` (gathered by DeepSpeed over the parameter's own
+ZeRO-3 group: every rank for the dense ones, the expert-data-parallel group for ``experts.w*``), the
+Adam states by ``safe_get_full_optimizer_state`` the same way, frozen values inside
+``deepspeed.zero.GatheredParameters``; the experts then all-gathered over the expert-parallel group
+and placed as at ZeRO 1-2.
 """
 import os
 import sys
@@ -122,12 +126,7 @@ def train_and_save(spec, outdir, stage, steps, tag):
     layers = {name: m for name, m in module.named_modules() if isinstance(m, AutoEPMoELayer)}
     layout = {"family": "autoep", "dp": world, "ep": ep,
               "experts": {name: m.num_experts for name, m in layers.items()}}
-    if stage == 3:
-        truth = {"trainable": {}, "frozen": {}, "buffers": {}, "optimizer_states": {}, "state_dict_keys": [],
-                 "tied": {}, "hf_state_dict_keys": hf_keys, "layout": layout}
-        merged = truth
-    else:
-        merged = fam.merge_truth(collect_truth(engine, module, layers, stage, hf_keys, layout))
+    merged = fam.merge_truth(collect_truth(engine, module, layers, stage, hf_keys, layout))
     if dist.get_rank() == 0:
         merged.update(model_dtype="bfloat16" if spec["dtype"] == "bf16" else "float32", stage=stage,
                       world_size=world, tag=tag, spec=spec, ds_version=deepspeed.__version__)
@@ -162,14 +161,20 @@ def collect_truth(engine, module, layers, stage, hf_keys, layout):
     for name, p in module.named_parameters():
         m = layer_of(name)
         if not p.requires_grad:
-            value = p.detach().clone()
+            if stage == 3:  # gathered over the parameter's own ZeRO-3 group
+                with deepspeed.zero.GatheredParameters([p]):
+                    value = p.detach().clone().reshape(base.full_shape(p))
+            else:
+                value = p.detach().clone()
             frozen[name] = full_experts(m, value) if m is not None else value
             continue
         value = masters[id(p)] if stage == 0 else safe_get_full_fp32_param(p)
-        value = value.detach().float().clone().reshape(p.shape)
+        value = value.detach().float().clone().reshape(base.full_shape(p))
         trainable[name] = full_experts(m, value) if m is not None else value
         for key in opt:
-            if m is not None:
+            if m is not None and stage == 3:  # the expert-data-parallel group's full state of the local experts
+                opt[key][name] = full_experts(m, base.full_optimizer_state(p, key, name))
+            elif m is not None:
                 opt[key][name] = full_experts(m, fam.expert_optimizer_state(engine, p, key))
             else:
                 opt[key][name] = base.full_optimizer_state(p, key, name)

@@ -9,6 +9,7 @@ here plus its line in :data:`LAYOUTS`; nothing else in the package branches on t
 - :mod:`.nvme`: ZeRO-Infinity saves, the optimizer state in ``offloaded_tensors/`` swap files;
 - :mod:`.moe`: mixture-of-experts saves with their expert files;
 - :mod:`.autoep`: DeepSpeed AutoEP saves (``ds_autoep_layers``), their expert files read as MoE's are;
+- :mod:`.autoep_zero3`: their ZeRO-3 saves (``zero3_partitioned``), and the registered AutoEP layout;
 - :mod:`.moe_tp`: mixture-of-experts with Megatron-DeepSpeed tensor parallelism, composed of :mod:`.moe`
   and :mod:`.autotp`;
 - :mod:`.moe_pipe`: mixture-of-experts with pipeline parallelism (no layer files), composed of :mod:`.moe`
@@ -24,11 +25,11 @@ import os
 from ..discover import CheckpointFiles, Found, check_all_inside, locate
 from ..base.errors import UnsupportedCheckpointError
 from ..load import LoadedCheckpoint
-from . import autoep, autotp, dcp, moe, moe_pipe, moe_tp, nvme, pipeline, universal, zero
+from . import autoep_zero3, autotp, dcp, moe, moe_pipe, moe_tp, nvme, pipeline, universal, zero
 from .base import Layout
 
 # Every layout, in the order their claims are asked; FALLBACK reads what none claims.
-LAYOUTS: tuple[Layout, ...] = (dcp.LAYOUT, universal.LAYOUT, autoep.LAYOUT, moe_tp.LAYOUT, moe.LAYOUT, pipeline.LAYOUT,
+LAYOUTS: tuple[Layout, ...] = (dcp.LAYOUT, universal.LAYOUT, autoep_zero3.LAYOUT, moe_tp.LAYOUT, moe.LAYOUT, pipeline.LAYOUT,
                                autotp.LAYOUT, nvme.LAYOUT, moe_pipe.LAYOUT)
 FALLBACK: Layout = zero.LAYOUT
 

@@ -1,4 +1,5 @@
-"""DeepSpeed AutoEP saves (``expert_parallel.enabled``, DeepSpeed 0.19.2+), ZeRO 0, 1 and 2.
+"""DeepSpeed AutoEP saves (``expert_parallel.enabled``, DeepSpeed 0.19.2+), ZeRO 0-2 here, ZeRO-3 in
+:mod:`.autoep_zero3`, whose subclass of this layout (reading both) is the one registered.
 
 AutoEP replaces each Hugging Face MoE block (``model.layers.N.mlp``) with an ``AutoEPMoELayer``:
 ``router.gate.weight``, the expert-parallel rank's local experts fused as ``experts.w1`` (gate),
@@ -25,9 +26,8 @@ router under the HF name too (``mlp.gate`` is ``mlp.router``: ``state_dict()`` l
 Output names are the AutoEP module's at ep 1: ``experts.w1`` holds every expert
 (``[num_experts, ...]``), placed by the save's ``affine_maps``; ``mlp.gate.*`` is a tied name of
 ``mlp.router.*`` where the save holds both. Refused, naming the file and what is missing:
-ZeRO-3 (``zero3_partitioned``: no expert files, the experts only as ZeRO-3 partitions over each
-expert-data-parallel group), AutoEP+AutoTP folding (``folding`` metadata, ``mp_rank_01``), and
-``use_data_before_expert_parallel_``.
+AutoEP+AutoTP folding (``folding`` metadata, ``mp_rank_01``), ``use_data_before_expert_parallel_``,
+and a ``checkpoint_format`` other than the files' (``zero3_partitioned`` beside expert files).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..base.errors import CorruptCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
-from ..discover import MODEL_FILE_STAGE012, ZERO3_MODEL, Found
+from ..discover import MODEL_FILE_STAGE012, Found
 from ..load import LoadedCheckpoint, PartitionedCheckpoint, Partition, Stored, load_file, load_files
 from ..load.checkpoint import check_partitions, merged_meta
 from ..load.records import (expect_dict, expect_mapping, read_model_states, read_optim_states, settle_stage,
@@ -112,11 +112,7 @@ class AutoEPLayout(PartitionedLayout):
         return f"{probe} ({AUTOEP_LAYERS})" if _probe(found.tag_dir / probe) else None
 
     def list_files(self, found: Found):
-        names = found.names
-        zero3 = [n for n in names if ZERO3_MODEL.match(n)]
-        if MODEL_FILE_STAGE012 not in names and zero3:
-            _refuse_zero3(found.tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")
-        return moe._files(self, found)
+        return moe._files(self, found)  # ZeRO-3 saves: autoep_zero3.AutoEPAllStagesLayout
 
     def load(self, files) -> PartitionedCheckpoint:
         return load(files)
@@ -132,16 +128,8 @@ class AutoEPLayout(PartitionedLayout):
         return stage0_masters(ckpt, table)
 
 
-def _refuse_zero3(path: Path) -> None:
-    raw = expect_dict(path, load_file(path), "a model-states file")
-    formats = sorted({str(x.get("checkpoint_format")) for x in autoep_records(raw, path) or []})
-    raise UnsupportedCheckpointError(
-        f"AutoEP at ZeRO-3 (checkpoint_format {', '.join(formats) or 'unknown'} in {AUTOEP_LAYERS}) is not "
-        "supported: its experts are kept only as ZeRO-3 partitions over each expert-data-parallel group, with no "
-        "expert files, and zerofast has no plan that places them", path)
-
-
-def _layer_records(first, ep_hint: int | None = None) -> list[dict]:
+def _layer_records(first, fmt: str = "per_expert_files") -> list[dict]:
+    """``first``'s AutoEP records, checked; each must have ``checkpoint_format`` ``fmt``."""
     path = first.path
     records = autoep_records(first.raw, path)
     if records is None:
@@ -160,11 +148,11 @@ def _layer_records(first, ep_hint: int | None = None) -> list[dict]:
         missing = [k for k in _REQUIRED if k not in rec]
         if missing:
             raise CorruptCheckpointError(f"{AUTOEP_LAYERS}[{i}] lacks {', '.join(missing)}", path)
-        fmt = rec.get("checkpoint_format", "per_expert_files")
-        if fmt != "per_expert_files":
+        got = rec.get("checkpoint_format", "per_expert_files")
+        if got != fmt:
             raise UnsupportedCheckpointError(
-                f"{AUTOEP_LAYERS}[{i}] ({rec['module_path']!r}) has checkpoint_format {fmt!r}; only "
-                "'per_expert_files' (ZeRO 0-2) is read", path)
+                f"{AUTOEP_LAYERS}[{i}] ({rec['module_path']!r}) has checkpoint_format {got!r}; only {fmt!r} is read "
+                f"beside these files", path)
         n, local, ep = (rec["num_experts"], rec["num_local_experts"], rec["ep_size"])
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n, local, ep)) or n != local * ep:
             raise InconsistentCheckpointError(
