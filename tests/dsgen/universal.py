@@ -27,12 +27,18 @@ HERE = Path(__file__).resolve()
 DEFAULT = ("s2_bf16_w2_frozen_tied", "s3_bf16_w2_frozen_tied", "s1_bf16_w2_fp32accum")
 
 
-def universal_path(name: str) -> Path:
+def conversion_path(name: str, *scripts: Path) -> Path:
+    """The cache folder of ds_to_universal's conversion of save ``name``: keyed by the save, the
+    scripts that convert it and DeepSpeed's version."""
     h = hashlib.sha256()
-    for part in (layout_key(name), HERE.read_bytes(), _ds_version()):
+    for part in (layout_key(name), *(p.read_bytes() for p in scripts), _ds_version()):
         h.update(part if isinstance(part, bytes) else part.encode())
         h.update(b"\0")
     return cache_dir() / f"universal-{name}-{h.hexdigest()[:12]}"
+
+
+def universal_path(name: str) -> Path:
+    return conversion_path(name, HERE)
 
 
 def _complete(path: Path) -> bool:

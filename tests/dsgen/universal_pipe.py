@@ -15,14 +15,13 @@ catalog key, this file and the DeepSpeed version; the lock is the catalog's.
 """
 from __future__ import annotations
 
-import hashlib
 import shutil
 import sys
 from pathlib import Path
 
-from tests.dsgen.catalog import _ds_version, build_cached, cache_dir, ensure_checkpoint, layout_key
+from tests.dsgen.catalog import build_cached, ensure_checkpoint
 from tests.dsgen.families import FAMILY_LAYOUTS
-from tests.dsgen.universal import _convert
+from tests.dsgen.universal import _convert, conversion_path
 
 HERE = Path(__file__).resolve()
 ERROR = "ds_to_universal.error"
@@ -30,11 +29,7 @@ PIPE_ZERO = tuple(sorted(n for n, s in FAMILY_LAYOUTS.items() if s["family"] == 
 
 
 def pipe_universal_path(name: str) -> Path:
-    h = hashlib.sha256()
-    for part in (layout_key(name), HERE.read_bytes(), (HERE.parent / "universal.py").read_bytes(), _ds_version()):
-        h.update(part if isinstance(part, bytes) else part.encode())
-        h.update(b"\0")
-    return cache_dir() / f"universal-{name}-{h.hexdigest()[:12]}"
+    return conversion_path(name, HERE, HERE.parent / "universal.py")
 
 
 def _complete(path: Path) -> bool:

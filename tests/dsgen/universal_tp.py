@@ -20,14 +20,13 @@ the catalog's.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.dsgen.catalog import (REPO_ROOT, TIMEOUT_S, _ds_version, build_cached, cache_dir, ensure_checkpoint,
-                                 layout_key)
+from tests.dsgen.catalog import REPO_ROOT, TIMEOUT_S, build_cached, ensure_checkpoint
+from tests.dsgen.universal import conversion_path
 
 HERE = Path(__file__).resolve()
 ERROR = "ds_to_universal.error"
@@ -43,11 +42,7 @@ CONVERSIONS: dict[str, bool] = {
 
 
 def tp_universal_path(name: str) -> Path:
-    h = hashlib.sha256()
-    for part in (layout_key(name), HERE.read_bytes(), _ds_version()):
-        h.update(part if isinstance(part, bytes) else part.encode())
-        h.update(b"\0")
-    return cache_dir() / f"universal-{name}-{h.hexdigest()[:12]}"
+    return conversion_path(name, HERE)
 
 
 def _complete(path: Path) -> bool:

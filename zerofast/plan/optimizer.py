@@ -317,7 +317,7 @@ def flat_scalar_states(ckpt: LoadedCheckpoint) -> dict:
     entries = ckpt.layout.trainable_from(ckpt, table, masters, "flat fp32 groups")
     group_of = {table.add(str(o.path), where, t): (r, g)
                 for r, (o, groups) in enumerate(zip(ckpt.optim_states, masters)) for g, (where, t) in enumerate(groups)}
-    placed = _rank0_places(ckpt, states)
+    placed = rank0_places(ckpt, states)
     owner = {}
     for name in model_order(ckpt, entries):
         segs = entries[name][2]
@@ -327,7 +327,7 @@ def flat_scalar_states(ckpt: LoadedCheckpoint) -> dict:
     return {"state": found, "param_groups": _param_groups(ckpt, owner)}
 
 
-def _rank0_places(ckpt: LoadedCheckpoint, states: list[list[_GroupState]]) -> dict[str, tuple[int, int]]:
+def rank0_places(ckpt: LoadedCheckpoint, states: list[list[_GroupState]]) -> dict[str, tuple[int, int]]:
     """Each parameter that rank 0's ``param_shapes`` lists, with rank 0's flat group at that place."""
     out: dict[str, tuple[int, int]] = {}
     for g, shapes in enumerate((ckpt.meta.param_shapes or [])[:len(states[0]) if states else 0]):

@@ -42,7 +42,7 @@ from ..output.team import opening
 from ..output.transaction import Folder, copy_file, os_error, writing
 from ..plan import BUFFER, FROZEN, TensorPlan, build_plan
 from ..plan.builders import master_flat_groups
-from ..plan.optimizer import group_states
+from ..plan.optimizer import group_states, rank0_places
 from . import ds_pickle
 from .source import Source, Written, concat, write_checkpoint
 from .torch_stream import Skeleton
@@ -257,10 +257,10 @@ def _steps(source: Source) -> dict[str, tuple[Path, torch.Tensor]]:
                 for g, (_, t) in enumerate(groups)}
     table = source.table
     out = {}
-    for g, shapes in enumerate(ckpt.meta.param_shapes):
-        step = states[0][g][1].get("step") if g < len(states[0]) else None
+    for name, (r, g) in rank0_places(ckpt, states).items():
+        step = states[r][g][1].get("step")
         if step is not None:
-            out.update((name, (ckpt.optim_states[0].path, step)) for name in shapes if name not in out)
+            out[name] = (ckpt.optim_states[r].path, step)
     for name, master in source.masters.items():
         if not len(master.segments):
             continue
