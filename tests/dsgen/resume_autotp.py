@@ -21,10 +21,8 @@ name -> fp32, "optimizer_states": key -> name -> fp32, "module": name -> tensor 
 "optimizer_step": float | None, "loaded": str | None, "loss_after": float | None}}``. A case that raised
 has its traceback in ``errors``.
 """
-import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -37,7 +35,7 @@ from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_models as fm  # noqa: E402
 import train as base  # noqa: E402
-from gloo_job import process_group  # noqa: E402
+from resume_megatron import run_job  # noqa: E402
 from train_families import tp_gathered  # noqa: E402
 
 
@@ -88,23 +86,7 @@ def run_case(case: dict, out: dict) -> None:
 
 
 def main():
-    job = json.loads(Path(sys.argv[1]).read_text())
-    with process_group(lambda: deepspeed.init_distributed(dist_backend="gloo")):  # barrier, then torn down
-        results = {}
-        for case in job["cases"]:
-            out = {"errors": [], "trainable": {}, "optimizer_states": {}, "module": {}, "optimizer_step": None,
-                   "loaded": None, "loss_after": None}
-            try:
-                run_case(case, out)
-            except Exception:
-                out["errors"].append(traceback.format_exc()[-4000:])
-            results[case["name"]] = out
-            dist.barrier()
-        if dist.get_rank() == 0:
-            tmp = Path(job["result"] + ".tmp")
-            torch.save(results, tmp)
-            torch.load(tmp, weights_only=True)
-            os.replace(tmp, job["result"])
+    run_job(run_case)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,12 @@ def run_case(case: dict, out: dict) -> None:
 
 
 def main():
+    run_job(run_case)
+
+
+def run_job(run_case) -> None:
+    """Every case of the job file ``argv[1]`` through ``run_case(case, out)``, one process group
+    for all; rank 0 writes the results (each case's ``out``, its errors caught) where the job says."""
     job = json.loads(Path(sys.argv[1]).read_text())
     with process_group(lambda: deepspeed.init_distributed(dist_backend="gloo")):  # barrier, then torn down
         results = {}
