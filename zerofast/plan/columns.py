@@ -257,12 +257,6 @@ class Placed(Sequence):
         return Placed(self.tensors.span(lo, hi), self.offsets[lo:hi] + base)
 
 
-def as_dict(tensors: PlanTensors) -> dict[str, TensorPlan]:
-    """A plan's tensors as a plain dict, for a caller that looks up every name (a
-    :class:`PlanTensors` answers each lookup in Python; a dict, in C)."""
-    return dict(tensors.items())
-
-
 class _Values(ValuesView):
     def __iter__(self) -> Iterator[TensorPlan]:
         return map(self._mapping.plan_of, range(len(self._mapping)))
