@@ -1,26 +1,7 @@
-// Operator schema and the Python module that carries it.
-//
-// Ops are declared once here; each device registers its kernels under csrc/<device>/.
-// The Python module exists so that importing it (zerofast/native/loader.py) loads this library,
-// registering the ops, and so the loader can compare the torch it was compiled against with the
-// running one.
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
+// The operator schema: ops are declared once here; each device registers its kernels under
+// csrc/<device>/. The library registers them when it loads (csrc/load/module.cpp is the Python
+// module whose import loads it).
 #include <torch/library.h>
-
-#include <string>
-#include <utility>
-#include <vector>
-
-#include "load/shapes.h"
-#include "load/twin.h"
-#include "load/unpickle.h"
-#include "load/zip_directory.h"
-
-#ifndef ZEROFAST_TORCH_VERSION
-#define ZEROFAST_TORCH_VERSION "unknown"
-#endif
 
 TORCH_LIBRARY(zerofast, m) {
   // Copies `segments` rows (source index, source offset, output offset, length), counted in
@@ -68,31 +49,4 @@ TORCH_LIBRARY(zerofast, m) {
   // without `compare` there is no side 1, only the counts.
   m.def("check_ranges(Tensor[] sources, int[] source_fds, Tensor source_offsets, Tensor segments, Tensor numels, "
         "ScalarType dtype, bool compare, int chunk, int readers=0) -> (Tensor counts, Tensor maxima)");
-}
-
-namespace {
-
-// The devices whose kernels registered themselves when this library loaded: a device directory
-// compiled in registers under its dispatch key, so no build flag needs to be repeated here.
-std::vector<std::string> built_devices() {
-  static const std::pair<c10::DispatchKey, const char*> kDevices[] = {
-      {c10::DispatchKey::CPU, "cpu"}, {c10::DispatchKey::CUDA, "cuda"}};
-  auto op = c10::Dispatcher::singleton().findSchemaOrThrow("zerofast::gather_cast", "");
-  std::vector<std::string> out;
-  for (const auto& [key, name] : kDevices) {
-    if (op.hasKernelForDispatchKey(key)) out.emplace_back(name);
-  }
-  return out;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("torch_version", [] { return std::string(ZEROFAST_TORCH_VERSION); },
-        "torch version this extension was compiled against");
-  m.def("built_devices", &built_devices, "device types with compiled gather_cast kernels, e.g. ['cpu', 'cuda']");
-  zerofast::load::register_zip_directory(m);
-  zerofast::load::register_unpickle(m);
-  zerofast::load::register_twin(m);
-  zerofast::load::register_shapes(m);
 }

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import zerofast
-from zerofast.native import ops, reference
+from zerofast.native import ops, proof, reference
 from zerofast.base.errors import DeviceError, NativeExtensionError
 from zerofast.testing.synthesize import BufferSpec, LayoutSpec, ParamSpec, synthesize
 from zerofast.hf import export
@@ -30,7 +30,7 @@ HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 def _cuda_kernels() -> bool:
     try:
-        return "cuda" in ops.load_native().built_devices()
+        return "cuda" in proof.kernel_devices()
     except NativeExtensionError:
         return False
 
@@ -302,7 +302,7 @@ def test_other_devices_are_refused(tmp_path):
 def test_cpu_only_build_on_a_gpu_machine_runs_on_torchs_ops(monkeypatch, ring_ckpt):
     """A core without CUDA kernels (a CUDA torch without nvcc) is no error: device="cuda" runs
     the upload ring on torch's own GPU copies, with the CPU's results."""
-    monkeypatch.setattr(ops.load_native(), "built_devices", lambda: ["cpu"])
+    monkeypatch.setattr(proof, "kernel_devices", lambda: ["cpu"])
     assert not ops.has_kernels(torch.device("cuda"))
     _same_dicts(zerofast.reconstruct(ring_ckpt, device="cuda"), zerofast.reconstruct(ring_ckpt))
 

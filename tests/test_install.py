@@ -37,14 +37,14 @@ PIP_TIMEOUT = 1200  # a torch install on a busy 2-core machine takes minutes
 
 CHECK = textwrap.dedent("""
     import json, sys, torch, zerofast
-    from zerofast.native import loader
+    from zerofast.native import loader, proof
     first = zerofast.reconstruct(sys.argv[1])
     again = zerofast.reconstruct(sys.argv[1])
     torch.save({"first": first, "again": again}, sys.argv[2])
     core = loader.load()
     print(json.dumps({"zerofast": zerofast.__file__, "torch": torch.__version__,
                       "core": str(core.path) if core else None,
-                      "devices": list(core.module.built_devices()) if core else None}))
+                      "devices": list(proof.kernel_devices()) if core else None}))
 """)
 
 

@@ -16,7 +16,7 @@ import torch
 import zerofast
 from zerofast.native import ops
 from zerofast.base.errors import NativeExtensionError
-from zerofast.native import build, cache, cudaplan, loader
+from zerofast.native import build, cache, cudaplan, loader, proof
 from zerofast.native.cache import Unavailable
 from zerofast.base.settings import settings
 from tests.helpers import assert_bitwise_equal, expected_value, real_root, real_truth
@@ -42,7 +42,7 @@ def test_help_and_version_do_not_import_torch(flag):
 
 
 def test_version_names_torch_python_core_and_threads():
-    core = ops.load_native()  # built (or found) for this torch: --version must name where it is
+    ops.load_native()  # built (or found) for this torch: --version must name where it is
     lines = _run_cli("--version").stdout.splitlines()
     assert lines[0] == f"zerofast {zerofast.__version__}"
     assert lines[1].startswith(f"torch {torch.__version__} (")
@@ -51,7 +51,7 @@ def test_version_names_torch_python_core_and_threads():
         assert lines[3] == (f"native core: prebuilt, shipped in this package for torch {torch.__version__} (nothing "
                             f"to compile), loaded on first use from {loader.load(required=True).path}")
     else:
-        assert lines[3] == (f"native core: built here for {', '.join(core.built_devices())} (torch {torch.__version__}), "
+        assert lines[3] == (f"native core: built here for {', '.join(proof.kernel_devices())} (torch {torch.__version__}), "
                             f"loaded on first use from {loader.load(required=True).path}")
     assert lines[4].startswith("threads: ")
 
@@ -74,7 +74,7 @@ def test_loaded_core_is_the_cached_one_for_this_torch():
     assert loaded.path.parent.parent == cache.tag_dir(settings(), tag)
     assert loaded.module.torch_version() == torch.__version__
     assert loaded.manifest["torch"] == torch.__version__ and loaded.manifest["torch_git"] == torch.version.git_version
-    assert loaded.manifest["devices"] == list(loaded.module.built_devices())
+    assert loaded.manifest["devices"] == list(proof.kernel_devices())
 
 
 def test_torch_identity_is_read_without_importing_torch():
@@ -215,7 +215,7 @@ def test_build_command_reports_the_core():
     assert done.returncode == 0, done.stderr
     loaded = loader.load(required=True)
     assert done.stdout.strip() == f"native core for torch {torch.__version__} " \
-                                  f"({', '.join(loaded.module.built_devices())}): {loaded.path}"
+                                  f"({', '.join(proof.kernel_devices())}): {loaded.path}"
     assert json.loads((loaded.path.parent / cache.MANIFEST).read_text())["torch"] == torch.__version__
 
 

@@ -397,6 +397,6 @@ def test_a_core_without_gpu_kernels_does_not_refuse_the_gpu(built, monkeypatch):
     monkeypatch.setattr(loader, "device_problem", asked.append)
     assert ops.resolve_device("cuda") == torch.device("cuda")
     assert asked == []  # no CUDA kernels: nothing to check
-    monkeypatch.setattr(ops.load_native(), "built_devices", lambda: ["cpu", "cuda"])
+    monkeypatch.setattr(proof, "kernel_devices", lambda: ["cpu", "cuda"])
     assert ops.resolve_device("cuda") == torch.device("cuda")
     assert asked == ["cuda"]  # the first GPU call checks the CUDA kernels (once: device_problem keeps it)

@@ -131,8 +131,8 @@ stage_build() {
     wait
     if [ $rc -ne 0 ]; then tail -40 "$OUT/build-cuda.log"; return $rc; fi
     "$PY" -c "
-from zerofast.native import ops
-devices = list(ops.load_native().built_devices())
+from zerofast.native import ops, proof
+devices = list(proof.kernel_devices())
 print('the core loads with kernels for', devices)
 assert 'cuda' in devices, 'the native core was built without its CUDA kernels: see build-cuda.log'"
 }

@@ -22,10 +22,10 @@ def add_native_commands(sub) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ..native import loader
+    from ..native import loader, proof
 
     loaded = loader.build(force=args.force)
-    print(f"native core for torch {loaded.manifest.get('torch')} ({', '.join(loaded.module.built_devices())}): "
+    print(f"native core for torch {loaded.manifest.get('torch')} ({', '.join(proof.kernel_devices())}): "
           f"{loaded.path}")
     return 0
 

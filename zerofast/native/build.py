@@ -60,7 +60,7 @@ def _proved(module, library: Path) -> dict:
     (else :class:`CoreNotSound`): the op check of each device visible here, the linkage of all."""
     import torch
 
-    built = list(module.built_devices())
+    built = list(proof.kernel_devices())
     checked = proof.checkable(built)
     unsound = proof.problems(str(library), built, checked)
     if unsound:

@@ -52,10 +52,12 @@ def source_files(src: Path, devices: tuple[str, ...]) -> list[Path]:
 
 def source_groups(src: Path, devices: tuple[str, ...]) -> dict[str, list[Path]]:
     """The sources by the translation unit they are compiled in (:func:`write_units`): the Python
-    half (the op schema and csrc/load/) in one, each device's C++ kernels in one, CUDA files alone."""
-    groups = {"zerofast_python": sorted(src.glob("*.cpp")) + sorted((src / "load").glob("*.cpp"))}
+    half (csrc/load/, the module and the rank-file readers) in one, the op schema with the CPU
+    kernels in one, each other device's C++ kernels in one, CUDA files alone."""
+    groups = {"zerofast_python": sorted((src / "load").glob("*.cpp"))}
     for device in devices:
-        groups[f"zerofast_{device}"] = sorted((src / device).glob("*.cpp"))
+        schema = sorted(src.glob("*.cpp")) if device == "cpu" else []
+        groups[f"zerofast_{device}"] = schema + sorted((src / device).glob("*.cpp"))
         groups.update({path.stem: [path] for path in sorted((src / device).glob("*.cu"))})
     return groups
 

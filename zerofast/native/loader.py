@@ -42,7 +42,7 @@ BUILD_TIME = "about half a minute on 2 cores"
 
 
 class Loaded(NamedTuple):
-    module: object  # the extension module: torch_version(), built_devices()
+    module: object  # the extension module: torch_version() and the readers of csrc/load
     path: Path  # the shared library it was loaded from
     manifest: dict  # what build.py recorded: torch, devices, CUDA archs, build time
 

@@ -30,7 +30,7 @@ import torch
 from . import reference
 from ..devices import device_of
 from ..base.errors import DeviceError
-from . import loader
+from . import loader, proof
 from ..base.settings import reader_count, settings
 
 _loaded = False
@@ -70,7 +70,8 @@ def built_devices() -> list[str]:
     """Device types the loaded extension has sound kernels for (``["cpu"]``, ``["cpu", "cuda"]``):
     those it was built with, less any whose check failed at its first call (:func:`resolve_device`)."""
     unsound = loader.unsound_devices()
-    return [d for d in load_native().built_devices() if d not in unsound]
+    load_native()
+    return [d for d in proof.kernel_devices() if d not in unsound]
 
 
 def has_kernels(device: torch.device) -> bool:
@@ -90,7 +91,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return device
     if not entry.available():
         raise DeviceError(f"device={str(device)!r}: this torch ({torch.__version__}) sees no {device.type.upper()} GPU")
-    if native_module() is not None and device.type in load_native().built_devices():
+    if native_module() is not None and device.type in proof.kernel_devices():
         loader.device_problem(device.type)
     return device
 

@@ -8,7 +8,7 @@ import platform
 import sys
 
 from ..base.errors import NativeExtensionError
-from . import cache, toolchain
+from . import cache, proof, toolchain
 from .cache import Unavailable
 from ..base.settings import settings
 
@@ -109,7 +109,7 @@ def doctor_lines(zerofast_version: str) -> list[str]:
         m = loaded.manifest
         origin = "prebuilt, shipped in this package" if m.get("prebuilt") else "built here"
         lines.append(f"native core: {origin}, loaded from {loaded.path}, kernels for "
-                     f"{', '.join(loaded.module.built_devices())} (built for torch {m.get('torch')} in "
+                     f"{', '.join(proof.kernel_devices())} (built for torch {m.get('torch')} in "
                      f"{m.get('seconds')} s on {m.get('built')})")
         lines += _proof_lines(loaded)
     except NativeExtensionError:
@@ -132,12 +132,12 @@ def doctor_lines(zerofast_version: str) -> list[str]:
 
 def _proof_lines(loaded) -> list[str]:
     """What the core was built with, what it links and what its checks found (see :mod:`.proof`)."""
-    from . import proof
+
 
     m = loaded.manifest
     problem = toolchain.linkage_problem(str(loaded.path))
     checked = m.get("checked", [])
-    pending = [d for d in loaded.module.built_devices() if d not in checked]
+    pending = [d for d in proof.kernel_devices() if d not in checked]
     return [f"core compiler: {m.get('compiler')} ({m.get('compiler_version') or '?'})",
             f"core linkage: {problem or 'links ' + toolchain.LIBSTDCXX + ' (' + _process_libstdcxx() + ')'}",
             f"core check: an op's bad-argument error arrives whole ({proof.EXPECTED!r}) on "
