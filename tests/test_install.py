@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from zerofast.base.settings import settings
+from zerofast.native import cache
 from tests.helpers import assert_bitwise_equal, expected_value, real_root, real_truth
 pytestmark = [pytest.mark.install, pytest.mark.deepspeed, pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -161,10 +162,9 @@ def test_without_a_compiler_the_install_works_on_the_reference(venv, clone, tmp_
     assert not (cache / "native").exists() or not list((cache / "native").rglob("*.so"))
 
 
-def test_a_wheel_with_the_prebuilt_core_needs_no_compiler(venv, clone, tmp_path):
-    """`make wheel`'s two steps in a clone (the CPU core compiled into zerofast/_prebuilt, then
-    `python -m build --wheel`), installed where no compiler runs and the cache is empty: the
-    native core loads from the wheel (issue 45), and `--version` says it is the prebuilt one."""
+def _prebuilt_wheel(clone: Path, tmp_path: Path) -> Path:
+    """`make wheel`'s two steps in a clone: the CPU core compiled into zerofast/_prebuilt, then
+    `python -m build --wheel`."""
     if importlib.util.find_spec("build") is None:
         pytest.skip("python -m build needs the `build` package (requirements-dev.txt)")
     here = _clean_env(PYTHONPATH=str(clone), ZEROFAST_CACHE_DIR=str(tmp_path / "build-cache"))
@@ -178,12 +178,43 @@ def test_a_wheel_with_the_prebuilt_core_needs_no_compiler(venv, clone, tmp_path)
     assert not wheel.name.endswith("-py3-none-any.whl"), wheel.name  # tagged for this Python and platform
     with zipfile.ZipFile(wheel) as z:
         assert {"zerofast/_prebuilt/zerofast_C.so", "zerofast/_prebuilt/manifest.json"} <= set(z.namelist())
-    _pip(venv, "--force-reinstall", "--no-deps", wheel)
+    return wheel
+
+
+def test_a_wheel_with_the_prebuilt_core_needs_no_compiler(venv, clone, tmp_path):
+    """`make wheel`'s two steps in a clone (the CPU core compiled into zerofast/_prebuilt, then
+    `python -m build --wheel`), installed where no compiler runs and the cache is empty: the
+    native core loads from the wheel (issue 45), and `--version` says it is the prebuilt one."""
+    _pip(venv, "--force-reinstall", "--no-deps", _prebuilt_wheel(clone, tmp_path))
     no_compiler = {"CXX": "/bin/false", "PATH": str(venv / "bin"), "ZEROFAST_CACHE_DIR": str(tmp_path / "empty"),
                    "ZEROFAST_NATIVE": "1"}
     report, err = _check(venv, tmp_path, **no_compiler)
     assert Path(report["core"]).parent.name == "_prebuilt" and Path(report["core"]).is_relative_to(venv)
     assert "building" not in err and "warning" not in err, err
     version = _run([venv / "bin" / "zerofast", "--version"], env=_clean_env(**no_compiler)).stdout
-    assert "native core: prebuilt, shipped in this package for torch " + torch.__version__ in version
+    assert (f"native core: prebuilt, shipped in this package for torch >= {cache.floor_text()} (built with torch "
+            f"{torch.__version__}; nothing to compile)") in version
     assert not (tmp_path / "empty" / "native").exists() or not list((tmp_path / "empty" / "native").rglob("*.so"))
+
+
+OTHER_TORCH = os.environ.get("ZEROFAST_TEST_OTHER_TORCH")  # e.g. 2.14.1: a torch other than the suite's
+
+
+@pytest.mark.skipif(not OTHER_TORCH, reason="opt-in (ZEROFAST_TEST_OTHER_TORCH=2.14.1): installs another torch, "
+                                              "5.5 GB for PyPI's default CUDA build")
+def test_the_prebuilt_wheel_serves_another_torch(clone, tmp_path):
+    """The wheel built here, against this torch, in a venv with another torch, no compiler and an
+    empty cache: its stable-ABI core loads as it is (issue 45) and reconstructs bit for bit."""
+    assert OTHER_TORCH != torch.__version__.split("+")[0], "name a torch other than the suite's"
+    other = tmp_path / "other-venv"
+    _run([sys.executable, "-m", "venv", other])
+    _pip(other, f"torch=={OTHER_TORCH}", "numpy")
+    _pip(other, "--no-deps", _prebuilt_wheel(clone, tmp_path))
+    no_compiler = {"CXX": "/bin/false", "PATH": str(other / "bin"), "ZEROFAST_CACHE_DIR": str(tmp_path / "empty"),
+                   "ZEROFAST_NATIVE": "1"}
+    report, err = _check(other, tmp_path, **no_compiler)
+    assert report["torch"].split("+")[0] == OTHER_TORCH
+    assert Path(report["core"]).parent.name == "_prebuilt" and Path(report["core"]).is_relative_to(other)
+    assert "building" not in err and "warning" not in err, err
+    version = _run([other / "bin" / "zerofast", "--version"], env=_clean_env(**no_compiler)).stdout
+    assert f"native core: prebuilt, shipped in this package for torch >= {cache.floor_text()}" in version

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,11 +49,13 @@ def test_version_names_torch_python_core_and_threads():
     assert lines[1].startswith(f"torch {torch.__version__} (")
     assert lines[2].startswith(f"python {sys.version.split()[0]} (")
     if loader.load(required=True).manifest.get("prebuilt"):  # a checkout where `make wheel` ran
-        assert lines[3] == (f"native core: prebuilt, shipped in this package for torch {torch.__version__} (nothing "
-                            f"to compile), loaded on first use from {loader.load(required=True).path}")
+        assert lines[3] == (f"native core: prebuilt, shipped in this package for torch >= {cache.floor_text()} (built "
+                            f"with torch {torch.__version__}; nothing to compile), loaded on first use from "
+                            f"{loader.load(required=True).path}")
     else:
-        assert lines[3] == (f"native core: built here for {', '.join(proof.kernel_devices())} (torch {torch.__version__}), "
-                            f"loaded on first use from {loader.load(required=True).path}")
+        assert lines[3] == (f"native core: built here for {', '.join(proof.kernel_devices())} (with torch "
+                            f"{torch.__version__}, for torch >= {cache.floor_text()}), loaded on first use from "
+                            f"{loader.load(required=True).path}")
     assert lines[4].startswith("threads: ")
 
 
@@ -83,7 +86,8 @@ def test_torch_identity_is_read_without_importing_torch():
                                       "hip": torch.version.hip, "git_version": torch.version.git_version}
 
 
-def test_core_tag_follows_every_source_and_the_torch(tmp_path):
+def test_core_tag_follows_every_source_but_not_the_torch_version(tmp_path):
+    """The CPU core is built on torch's stable ABI: every torch from the floor on shares one core."""
     src = tmp_path / "csrc"
     shutil.copytree(cache.sources_dir(), src)
     identity = cache.torch_identity()
@@ -92,8 +96,53 @@ def test_core_tag_follows_every_source_and_the_torch(tmp_path):
     header = src / "cpu" / "cast.h"
     header.write_text(header.read_text() + "\n// edited\n")
     assert cache.core_tag(src, identity) != tag
-    assert cache.core_tag(cache.sources_dir(), {**identity, "git_version": "0" * 40}) != tag
-    assert cache.core_tag(cache.sources_dir(), {**identity, "cuda": "12.8"}) != tag
+    tag = cache.core_tag(cache.sources_dir(), identity)
+    assert cache.core_tag(cache.sources_dir(), {**identity, "__version__": "2.14.1", "git_version": "0" * 40}) == tag
+    assert tag.startswith(f"torch{cache.floor_text()}+-")
+
+
+def test_a_cuda_core_is_named_for_its_torch_build(monkeypatch):
+    """The CUDA kernels use torch's full C++ API: their core is never shared between torch builds."""
+    name = cache.core_name(("cpu", "cuda"), "9.0", "g++-12-x", "nvcc-13")
+    identity = cache.torch_identity()
+    monkeypatch.setattr(cache, "torch_identity", lambda: {**identity, "git_version": "0" * 40})
+    assert cache.core_name(("cpu", "cuda"), "9.0", "g++-12-x", "nvcc-13") != name
+    assert cache.core_name(("cpu",), None, "g++-12-x", None) == "cpu@g++-12-x"
+
+
+@pytest.mark.parametrize("version, served", [("2.13.0+cpu", True), ("2.14.1", True), ("3.0.0", True),
+                                              ("2.10.0", True), ("2.9.1", False), ("2.4.1+cu121", False)])
+def test_the_core_serves_torch_from_its_floor_on(version, served):
+    problem = cache.torch_floor_problem({"__version__": version})
+    assert (problem is None) == served
+    if not served:
+        assert problem == (f"the native core is built on torch's stable ABI and serves torch >= {cache.floor_text()}; "
+                           f"torch {version} is older, so the pure-torch reference runs (same bytes, slower)")
+
+
+def test_an_older_torch_runs_the_reference_with_one_line(tmp_path):
+    """A torch below the floor gets no build attempt: one line says why, the reference runs."""
+    code = ("import torch; torch.__version__ = '2.9.1'\n"
+            "from zerofast.native import cache, loader\n"
+            "cache.torch_identity = lambda: {'__version__': '2.9.1', 'cuda': None, 'hip': None, 'git_version': 'x'}\n"
+            "print(loader.load())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), ZEROFAST_NATIVE="auto",
+                                   ZEROFAST_CACHE_DIR=str(tmp_path)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None"
+    assert done.stderr.count("\n") == 1 and "serves torch >= " in done.stderr and "torch 2.9.1 is older" in done.stderr
+    assert not (tmp_path / "native").exists()
+
+
+def test_verify_takes_a_cpu_core_for_any_torch_from_its_floor(monkeypatch):
+    core = loader.load(required=True)
+    loader.verify(core.module, core.manifest)
+    with pytest.raises(loader.Environment, match=r"serves torch >= 9\.9 but torch .* is running"):
+        loader.verify(core.module, {**core.manifest, "stable_torch": "9.9"})
+    with pytest.raises(loader.Environment, match="the native core with CUDA kernels was built for torch"):
+        monkeypatch.setattr(torch, "__version__", "2.14.1")
+        loader.verify(core.module, {**core.manifest, "devices": ["cpu", "cuda"]})
 
 
 def test_cpu_torch_never_builds_cuda_even_with_nvcc(monkeypatch, tmp_path):
@@ -253,14 +302,32 @@ def test_build_command_failure_is_one_line(tmp_path):
 
 
 def test_a_prebuilt_core_is_taken_only_for_its_own_tag(tmp_path, monkeypatch):
-    """The wheel's core (make wheel) fits one torch build, Python and set of sources: any other tag
-    is told why and builds its own; a package without one says nothing."""
+    """The wheel's core (make wheel) fits one Python, machine and set of sources (every torch from
+    the floor on): any other tag is told why and builds its own; a package without one says nothing."""
     monkeypatch.setattr(cache, "PREBUILT", tmp_path / "_prebuilt")
     assert cache.prebuilt("torch-2.13.0-x") == (None, None)
     (tmp_path / "_prebuilt").mkdir()
     (tmp_path / "_prebuilt" / cache.MANIFEST).write_text(json.dumps(
-        {"tag": "torch-2.13.0-x", "torch": "2.13.0+cpu", "python": "3.11.7", "devices": ["cpu"], "prebuilt": True}))
+        {"tag": "torch-2.13.0-x", "torch": "2.13.0+cpu", "python": "3.11.7", "machine": "x86_64", "devices": ["cpu"],
+         "prebuilt": True}))
     assert cache.prebuilt("torch-2.13.0-x") == (tmp_path / "_prebuilt", None)
     core, why = cache.prebuilt("torch-2.14.1-y")
-    assert core is None and why == ("the prebuilt core in this package is for torch 2.13.0+cpu on Python 3.11.7, "
-                                    "and does not fit this torch, Python or these sources")
+    assert core is None and why == ("the prebuilt core in this package is for Python 3.11.7 on x86_64, and does not "
+                                    "fit this Python or these sources")
+
+
+def test_the_cpu_core_uses_no_cxx_symbol_of_torch():
+    """What lets one binary serve every torch from the floor on: the CPU core calls torch only
+    through the stable ABI's C functions (aoti_torch_*, torch_*), never a C++ symbol of c10, ATen,
+    torch or torch's Python bindings, whose layout changes between releases."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("needs binutils' nm to list the core's undefined symbols")
+    core = loader.load(required=True)
+    if "cuda" in core.manifest["devices"]:
+        pytest.skip("a core with CUDA kernels uses torch's full C++ API by design (it serves one torch build)")
+    undefined = subprocess.run([nm, "-D", "--undefined-only", str(core.path)], capture_output=True, text=True,
+                               check=True).stdout.split()
+    cxx_torch = [s for s in undefined if re.match(r"_ZN?K?(3c10|2at|5torch)|_Z\d+THP|THP", s)]
+    assert cxx_torch == [], cxx_torch[:20]
+    assert any(s.startswith("aoti_torch_") or s.startswith("torch_") for s in undefined)

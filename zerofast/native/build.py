@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shutil
 import sys
@@ -68,6 +69,7 @@ def _proved(module, library: Path) -> dict:
     cxx = os.environ.get("CXX", "c++")  # the loader sets it to the compiler it chose
     return {"torch": torch.__version__, "torch_git": torch.version.git_version, "cuda": torch.version.cuda,
             "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI), "python": sys.version.split()[0],
+            "machine": platform.machine(), "stable_torch": cache.floor_text(),
             "devices": built, "checked": checked, "compiler": cxx,
             "compiler_version": toolchain.compiler_version(cxx).split("\n")[0],
             "links": toolchain.needed_libraries(str(library)), "built": time.strftime("%Y-%m-%d %H:%M:%S %Z")}

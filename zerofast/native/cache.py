@@ -1,13 +1,15 @@
 """Where a built native core lives, and what it is built from, found without importing torch.
 
-A core is kept in ``<cache>/native/<tag>/<devices>@<compiler>/``: the tag names the torch build
-(its version, CUDA version and git commit, read from ``torch/version.py``), the Python ABI, the
-machine, the compiler flags and a hash of every source under ``csrc/``, so a core is never loaded
-by a torch, a Python or sources it was not built for. ``<devices>`` is ``cpu`` or, with the CUDA
-kernels, ``cpu+cuda-<archs>``; ``<compiler>`` names the C++ compiler (:func:`.toolchain.compiler_key`)
-and, with the CUDA kernels, nvcc, so a core built by one compiler is never taken for another's.
-Next to it: ``<core>.lock`` (held while building), ``<core>.build.log`` and, after a failed build
-or a core found unsound, ``<core>.failed.json``.
+The CPU core is built on torch's stable C ABI (its op kernels) and CPython alone (its readers,
+csrc/load/), so one build serves every torch from :data:`STABLE_TARGET` on. A core is kept in
+``<cache>/native/<tag>/<devices>@<compiler>/``: the tag names that floor, the Python ABI, the
+machine, the link flags and a hash of every source under ``csrc/``, so a core is never loaded by a
+Python or sources it was not built for, and a new torch finds the core an older one built.
+``<devices>`` is ``cpu`` or, with the CUDA kernels, ``cpu+cuda-<archs>``; ``<compiler>`` names the
+C++ compiler (:func:`.toolchain.compiler_key`) and, with the CUDA kernels, nvcc and the torch build:
+the CUDA kernels use torch's full C++ API, so such a core serves the torch build it was built by
+only. Next to it: ``<core>.lock`` (held while building), ``<core>.build.log`` and, after a failed
+build or a core found unsound, ``<core>.failed.json``.
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ MANIFEST = "manifest.json"  # written last, so its presence means the core is co
 PACKAGE = Path(__file__).resolve().parent.parent
 LDFLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3"]
+# The oldest torch the CPU core serves: the version its stable-ABI kernels are compiled for
+# (TORCH_TARGET_VERSION). An older torch runs the pure-torch reference (:func:`torch_floor_problem`).
+STABLE_TARGET = (2, 10)
 
 
 class Unavailable(Exception):
@@ -105,19 +110,38 @@ def cxx_flags(torch_version: str) -> list[str]:
     return ["-O3", f"-std={'c++20' if (major, minor) >= (2, 14) else 'c++17'}", "-fopenmp"]
 
 
+def release(version: str) -> tuple[int, int]:
+    """``"2.14.1+cu130"`` -> ``(2, 14)``."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def floor_text() -> str:
+    return ".".join(map(str, STABLE_TARGET))
+
+
+def torch_floor_problem(identity: dict) -> str | None:
+    """Why this torch gets no native core (older than :data:`STABLE_TARGET`), or None."""
+    if release(identity["__version__"]) >= STABLE_TARGET:
+        return None
+    return (f"the native core is built on torch's stable ABI and serves torch >= {floor_text()}; "
+            f"torch {identity['__version__']} is older, so the pure-torch reference runs (same bytes, slower)")
+
+
 def core_tag(src: Path, identity: dict) -> str:
-    """The folder name for cores of this torch, Python and these sources (every device set)."""
+    """The folder name for cores of these sources on this Python (every device set): the same for
+    every torch from :data:`STABLE_TARGET` on (``identity`` only names the floor it clears)."""
     digest = hashlib.sha256()
     # The extension suffix carries the ABI tag (".cpython-311-x86_64-linux-gnu.so") without the
     # millisecond sysconfig takes to build its table: this runs in every process that loads a core.
-    inputs = {"torch": identity, "python": [sys.implementation.cache_tag, importlib.machinery.EXTENSION_SUFFIXES[0]],
-              "machine": platform.machine(), "cxx": cxx_flags(identity["__version__"]), "ld": LDFLAGS,
-              "nvcc": NVCC_FLAGS}
+    inputs = {"stable_torch": STABLE_TARGET,
+              "python": [sys.implementation.cache_tag, importlib.machinery.EXTENSION_SUFFIXES[0]],
+              "machine": platform.machine(), "ld": LDFLAGS, "nvcc": NVCC_FLAGS}
     digest.update(json.dumps(inputs, sort_keys=True).encode())
     for relative, path in _sources_under(src):
         with open(path, "rb") as f:
             digest.update(relative.encode() + b"\0" + f.read() + b"\0")
-    return f"torch-{identity['__version__']}-{sys.implementation.cache_tag}-{digest.hexdigest()[:12]}"
+    return f"torch{floor_text()}+-{sys.implementation.cache_tag}-{digest.hexdigest()[:12]}"
 
 
 def _sources_under(src: Path) -> list[tuple[str, str]]:
@@ -141,10 +165,12 @@ def device_tag(devices: tuple[str, ...], arch_list: str | None) -> str:
 
 
 def core_name(devices: tuple[str, ...], arch_list: str | None, compiler_key: str, nvcc_key: str | None) -> str:
-    """``cpu@g++-12-0123456789`` or ``cpu+cuda-9.0@g++-12-0123456789@nvcc-01234567``."""
+    """``cpu@g++-12-0123456789`` or ``cpu+cuda-9.0@g++-12-0123456789@nvcc-01234567``, whose last
+    part names nvcc and the torch build (see the module's docstring)."""
     name = f"{device_tag(devices, arch_list)}@{compiler_key}"
     if "cuda" in devices:
-        name += "@nvcc-" + hashlib.sha256((nvcc_key or "").encode()).hexdigest()[:8]
+        key = json.dumps([nvcc_key or "", torch_identity()], sort_keys=True)
+        name += "@nvcc-" + hashlib.sha256(key.encode()).hexdigest()[:8]
     return name
 
 
@@ -158,8 +184,8 @@ PREBUILT = PACKAGE / "_prebuilt"  # a platform wheel's core (`make wheel`, zerof
 
 
 def prebuilt(tag: str) -> tuple[Path | None, str | None]:
-    """(the wheel's prebuilt core, None) where its tag is ``tag``: built by the same torch build, for
-    the same Python, machine, flags and sources, so it loads as a core built here would; else
+    """(the wheel's prebuilt core, None) where its tag is ``tag``: built for the same Python, machine,
+    flags and sources, so it loads as a core built here would (by any torch from the floor on); else
     (None, why not), why being None where the package carries no prebuilt core (a checkout, an
     sdist, a pure wheel)."""
     manifest = read_manifest(PREBUILT)
@@ -167,8 +193,8 @@ def prebuilt(tag: str) -> tuple[Path | None, str | None]:
         return None, None
     if manifest.get("tag") == tag:
         return PREBUILT, None
-    return None, (f"the prebuilt core in this package is for torch {manifest.get('torch')} on Python "
-                  f"{manifest.get('python')}, and does not fit this torch, Python or these sources")
+    return None, (f"the prebuilt core in this package is for Python {manifest.get('python')} on "
+                  f"{manifest.get('machine', '?')}, and does not fit this Python or these sources")
 
 
 def tag_dir(s: Settings, tag: str) -> Path:

@@ -146,7 +146,11 @@ class Job(NamedTuple):
 def find_or_build(s: Settings, progress: bool, force: bool = False, retry: bool = False) -> Loaded:
     """The wheel's prebuilt core where it fits, else the first core that loads from the compilers in
     turn (CXX first), building it where needed."""
-    tag = cache.core_tag(cache.sources_dir(), cache.torch_identity())
+    identity = cache.torch_identity()
+    floor = cache.torch_floor_problem(identity)
+    if floor:
+        raise Unavailable(floor)
+    tag = cache.core_tag(cache.sources_dir(), identity)
     wanted = wanted_devices(s)
     packaged, mismatch = cache.prebuilt(tag)
     if packaged is not None and not force and set(wanted[0]) <= set(cache.read_manifest(packaged)["devices"]):
@@ -236,18 +240,27 @@ def import_core(core: Path) -> Loaded:
         spec.loader.exec_module(module)
     except ImportError as e:
         raise Unavailable(f"{path} does not load ({first_line(e)})") from e
-    verify(module)
+    manifest = cache.read_manifest(core) or {}
+    verify(module, manifest)
     sys.modules[cache.EXTENSION_NAME] = module
-    return Loaded(module, path, cache.read_manifest(core) or {})
+    return Loaded(module, path, manifest)
 
 
-def verify(module) -> None:
-    """The core's own record of the torch it was compiled against must be the running one."""
+def verify(module, manifest: dict) -> None:
+    """The core must serve the running torch: a core with CUDA kernels (torch's full C++ API) only
+    the torch build it was compiled against, the CPU core (the stable ABI) any torch from its floor on."""
     import torch
 
     built_for = module.torch_version()
-    if built_for != torch.__version__:
-        raise Environment(f"the native core was built for torch {built_for} but torch {torch.__version__} is running")
+    if "cuda" in manifest.get("devices", ()):
+        if built_for != torch.__version__:
+            raise Environment(f"the native core with CUDA kernels was built for torch {built_for} but torch "
+                              f"{torch.__version__} is running")
+        return
+    floor = manifest.get("stable_torch")
+    if floor is None or cache.release(torch.__version__) < cache.release(floor):
+        raise Environment(f"the native core serves torch >= {floor or built_for} but torch {torch.__version__} "
+                          "is running")
 
 
 def device_problem(device: str) -> str | None:

@@ -38,22 +38,29 @@ def _core_line() -> str:
         s = settings()
         if s.mode == "off":
             return "off (ZEROFAST_NATIVE=0: the pure-torch reference runs)"
-        tag = cache.core_tag(cache.sources_dir(), cache.torch_identity())
+        identity = cache.torch_identity()
+        floor = cache.torch_floor_problem(identity)
+        if floor:
+            return f"not available ({floor})"
+        tag = cache.core_tag(cache.sources_dir(), identity)
         packaged, mismatch = cache.prebuilt(tag)
         if packaged is not None:
-            return f"prebuilt, shipped in this package for torch {cache.read_manifest(packaged).get('torch')} " \
-                   f"(nothing to compile), loaded on first use from {cache.library(packaged)}"
+            return f"prebuilt, shipped in this package for torch >= {cache.floor_text()} (built with torch " \
+                   f"{cache.read_manifest(packaged).get('torch')}; nothing to compile), loaded on first use from " \
+                   f"{cache.library(packaged)}"
         tag_dir = cache.tag_dir(s, tag)
         reasons = []
         for i, cxx in enumerate(toolchain.compiler_candidates(s, cache.compiler_path())):
             built = _built_by(tag_dir, toolchain.compiler_key(cxx))
             if built:
                 core, manifest = built
-                return (f"built here for {', '.join(manifest.get('devices', ['?']))} (torch {manifest.get('torch')}), "
+                return (f"built here for {', '.join(manifest.get('devices', ['?']))} (with torch {manifest.get('torch')}, "
+                        f"for torch >= {manifest.get('stable_torch')}), "
                         f"loaded on first use from {cache.library(core)}" + (f" ({mismatch})" if mismatch else ""))
             reasons.append((cxx, _why_not(tag_dir, cxx, s, asked=i == 0)))
             if reasons[-1][1] is None:
-                return ("not built yet: it is built on first use, once per torch version (`zerofast build` does it now)"
+                return ("not built yet: it is built on first use, once for every torch >= "
+                        f"{cache.floor_text()} (`zerofast build` does it now)"
                         + (f"; {mismatch}" if mismatch else ""))
     except (Unavailable, NativeExtensionError) as e:
         return f"not available ({e})"
@@ -65,8 +72,13 @@ def _core_line() -> str:
 def _built_by(tag_dir, key: str):
     """The complete core of the compiler named ``key``, most devices first, or None."""
     found = [(d, m) for d in sorted(tag_dir.glob(f"*@{key}*")) if d.is_dir() and cache.compiler_key_of(d) == key
-             and (m := cache.read_manifest(d))]
+             and (m := cache.read_manifest(d)) and _serves_this_torch(m)]
     return max(found, key=lambda dm: len(dm[1].get("devices", [])), default=None)
+
+
+def _serves_this_torch(manifest: dict) -> bool:
+    """A core with CUDA kernels serves the torch build it was compiled against only (see :mod:`.cache`)."""
+    return "cuda" not in manifest.get("devices", ()) or manifest.get("torch") == cache.torch_identity()["__version__"]
 
 
 def _why_not(tag_dir, cxx: str, s, asked: bool) -> str | None:
@@ -109,7 +121,8 @@ def doctor_lines(zerofast_version: str) -> list[str]:
         m = loaded.manifest
         origin = "prebuilt, shipped in this package" if m.get("prebuilt") else "built here"
         lines.append(f"native core: {origin}, loaded from {loaded.path}, kernels for "
-                     f"{', '.join(proof.kernel_devices())} (built for torch {m.get('torch')} in "
+                     f"{', '.join(proof.kernel_devices())} (built with torch {m.get('torch')} for torch >= "
+                     f"{m.get('stable_torch')}, in "
                      f"{m.get('seconds')} s on {m.get('built')})")
         lines += _proof_lines(loaded)
     except NativeExtensionError:
