@@ -30,6 +30,13 @@ MANIFEST = "manifest.json"  # written last, so its presence means the core is co
 PACKAGE = Path(__file__).resolve().parent.parent
 LDFLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3"]
+# The oldest torch whose stable ABI the CPU unit (the op schema and the CPU kernels) is built for:
+# 2.10 is the first to box Tensor[] and int[] arguments and to give parallel_for, get_num_threads,
+# empty with options and typed data pointers. Written as the unit's first line, before any
+# include, it makes torch's non-stable headers refuse to compile there, and torch's stable
+# headers offer only what 2.10 already has.
+STABLE_TARGET = (2, 10)
+STABLE_UNITS = ("zerofast_cpu",)  # the units built against the stable ABI alone
 
 
 class Unavailable(Exception):
@@ -76,9 +83,17 @@ def write_units(src: Path, devices: tuple[str, ...], folder: Path) -> list[Path]
             units.append(paths[0])  # nvcc's own unit: torch's builder names its object by the file
             continue
         unit = folder / f"{name}.cpp"
-        unit.write_text("".join(f'#include "{path.resolve()}"\n' for path in paths))
+        prologue = f"#define TORCH_TARGET_VERSION {target_version()}\n" if name in STABLE_UNITS else ""
+        unit.write_text(prologue + "".join(f'#include "{path.resolve()}"\n' for path in paths))
         units.append(unit)
     return units
+
+
+def target_version() -> str:
+    """:data:`STABLE_TARGET` as torch's stable headers spell a version: major and minor in the top
+    two bytes of a 64-bit number (torch/csrc/stable/version.h)."""
+    major, minor = STABLE_TARGET
+    return f"0x{major:02x}{minor:02x}000000000000"
 
 
 def torch_identity() -> dict:
@@ -112,7 +127,7 @@ def core_tag(src: Path, identity: dict) -> str:
     # millisecond sysconfig takes to build its table: this runs in every process that loads a core.
     inputs = {"torch": identity, "python": [sys.implementation.cache_tag, importlib.machinery.EXTENSION_SUFFIXES[0]],
               "machine": platform.machine(), "cxx": cxx_flags(identity["__version__"]), "ld": LDFLAGS,
-              "nvcc": NVCC_FLAGS}
+              "nvcc": NVCC_FLAGS, "stable": [target_version(), *STABLE_UNITS]}
     digest.update(json.dumps(inputs, sort_keys=True).encode())
     for relative, path in _sources_under(src):
         with open(path, "rb") as f:
