@@ -91,7 +91,8 @@ void check_gather_cast_segments(const std::vector<Tensor>& sources, const Tensor
   const int64_t* seg = segments.template const_data_ptr<int64_t>();
   const int64_t out_numel = out.numel();
   const auto source_numel = numels_of(sources);
-  for (int64_t i = 0; i < segments.size(0); ++i) {
+  const int64_t nrows = segments.size(0);  // for a stable Tensor a call into libtorch: ask once
+  for (int64_t i = 0; i < nrows; ++i) {
     const int64_t* r = seg + 4 * i;
     check_segment_row("gather_cast", i, source_numel, r[0], r[1], r[2], r[3], out_numel);
   }

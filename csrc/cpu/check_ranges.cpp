@@ -58,7 +58,8 @@ int64_t chunks_of(int64_t n, int64_t chunk) { return std::max<int64_t>(1, n / ch
 
 bool supported(ScalarType t) {
   switch (t) {
-    case ScalarType::Double: case ScalarType::Float: case ScalarType::Half: case ScalarType::BFloat16: case ScalarType::Long: case ScalarType::Int:
+    case ScalarType::Double: case ScalarType::Float: case ScalarType::Half: case ScalarType::BFloat16:
+    case ScalarType::Long: case ScalarType::Int:
     case ScalarType::Short: case ScalarType::Char: case ScalarType::Byte: case ScalarType::Bool:
       return true;
     default:
@@ -325,8 +326,8 @@ std::vector<Source> make_sources(const std::vector<Tensor>& sources, IntList fds
   auto out = cpu::make_sources("check_ranges", sources, fds, offsets, /*strided_files=*/true);
   for (size_t i = 0; i < sources.size(); ++i) {
     ZF_CHECK(supported(sources[i].scalar_type()) && (!compare || supported(dtype)), "check_ranges: `sources[", i,
-                "]` is ", sources[i].scalar_type(), " and the checked dtype ", dtype,
-                "; only float64/32/16, bfloat16, integers and bool are checked");
+             "]` is ", sources[i].scalar_type(), " and the checked dtype ", dtype,
+             "; only float64/32/16, bfloat16, integers and bool are checked");
   }
   return out;
 }
@@ -340,16 +341,17 @@ void make_pieces(const Tensor& segments, const std::vector<Tensor>& sources,
   const int64_t* seg = segments.const_data_ptr<int64_t>();
   const auto nsrc = static_cast<int64_t>(sources.size());
   const auto source_numel = numels_of(sources);
-  for (int64_t i = 0; i < segments.size(0); ++i) {
+  const int64_t nrows = segments.size(0);  // a call into libtorch: asked once, not per row
+  for (int64_t i = 0; i < nrows; ++i) {
     const int64_t* r = seg + kCols * i;
     const int64_t t = r[0], side = r[1], src = r[2], src_off = r[3], dst_off = r[4], len = r[5];
     ZF_CHECK(t >= 0 && t < ntensors, "check_ranges: `segments[", i, "]` names tensor ", t, " of ", ntensors);
     ZF_CHECK(side == 0 || (side == 1 && compare), "check_ranges: `segments[", i, "]` names side ", side,
-                compare ? "; sides are 0 and 1" : "; without `compare` there is only side 0");
+             compare ? "; sides are 0 and 1" : "; without `compare` there is only side 0");
     ZF_CHECK(src >= 0 && src < nsrc, "check_ranges: `segments[", i, "]` names source ", src, " of ", nsrc);
     ZF_CHECK(src_off >= 0 && dst_off >= 0 && len >= 0 && len <= source_numel[src] - src_off &&
-                    len <= numels[t] - dst_off,
-                "check_ranges: `segments[", i, "]` reaches outside `sources[", src, "]` or tensor ", t);
+                 len <= numels[t] - dst_off,
+             "check_ranges: `segments[", i, "]` reaches outside `sources[", src, "]` or tensor ", t);
     if (len > 0) pieces[side][t].push_back({src, src_off, dst_off, len});
   }
   for (int side = 0; side < 2; ++side) {
@@ -358,7 +360,7 @@ void make_pieces(const Tensor& segments, const std::vector<Tensor>& sources,
       std::sort(rows.begin(), rows.end(), [](const Piece& a, const Piece& b) { return a.dst_off < b.dst_off; });
       for (size_t j = 1; j < rows.size(); ++j) {
         ZF_CHECK(rows[j].dst_off >= rows[j - 1].dst_off + rows[j - 1].len, "check_ranges: `segments`: rows of tensor ",
-                    t, " side ", side, " overlap at element ", rows[j].dst_off);
+                 t, " side ", side, " overlap at element ", rows[j].dst_off);
       }
     }
   }
@@ -371,9 +373,9 @@ std::tuple<Tensor, Tensor> check_ranges_cpu(const std::vector<Tensor>& sources,
                                                     int64_t readers) {
   ZF_CHECK(chunk > 0, "check_ranges: `chunk` must be positive, got ", chunk);
   ZF_CHECK(is_cpu(numels.device()) && numels.scalar_type() == ScalarType::Long && numels.dim() == 1 &&
-                  numels.is_contiguous(),
-              "check_ranges: `numels` must be a contiguous CPU int64 tensor of shape [T], got ", numels.scalar_type(),
-              " ", sizes_text(numels.sizes()), " on ", device_text(numels.device()));
+               numels.is_contiguous(),
+           "check_ranges: `numels` must be a contiguous CPU int64 tensor of shape [T], got ", numels.scalar_type(),
+           " ", sizes_text(numels.sizes()), " on ", device_text(numels.device()));
   const int64_t* nptr = numels.const_data_ptr<int64_t>();
   std::vector<int64_t> sizes(nptr, nptr + numels.size(0));
   int64_t nchunks = 0;
@@ -381,7 +383,7 @@ std::tuple<Tensor, Tensor> check_ranges_cpu(const std::vector<Tensor>& sources,
     ZF_CHECK(sizes[t] >= 0, "check_ranges: `numels[", t, "]` is negative");
     const int64_t more = chunks_of(sizes[t], chunk);
     ZF_CHECK(more <= kMaxChunks - nchunks, "check_ranges: `numels` and `chunk` = ", chunk, " make more than ", kMaxChunks,
-                " chunks (at `numels[", t, "]` = ", sizes[t], ")");
+             " chunks (at `numels[", t, "]` = ", sizes[t], ")");
     nchunks += more;
   }
   auto srcs = make_sources(sources, source_fds, source_offsets, dtype, compare);

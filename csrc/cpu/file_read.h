@@ -45,7 +45,7 @@ inline void pread_all(int fd, char* dst, int64_t nbytes, int64_t offset) {
     // The loader checked each storage against the file's size; a file that shrank since is an
     // error here, where a mapping would have died of SIGBUS.
     ZF_CHECK(got > 0, "zerofast: a checkpoint file ended at offset ", offset,
-                " while reading it: it was truncated after it was opened [errno ", EIO, "]");
+             " while reading it: it was truncated after it was opened [errno ", EIO, "]");
     dst += got;
     offset += got;
     nbytes -= got;
@@ -59,7 +59,8 @@ inline void pread_all(int fd, char* dst, int64_t nbytes, int64_t offset) {
 constexpr int64_t kMaxReaders = 1024;
 
 inline int reader_threads(size_t items, int64_t readers) {
-  const int64_t n = std::min(readers > 0 ? readers : static_cast<int64_t>(torch::stable::get_num_threads()), kMaxReaders);
+  const int64_t asked = readers > 0 ? readers : static_cast<int64_t>(torch::stable::get_num_threads());
+  const int64_t n = std::min(asked, kMaxReaders);
   return static_cast<int>(std::min<size_t>(static_cast<size_t>(n), std::max<size_t>(items, 1)));
 }
 
@@ -107,12 +108,12 @@ inline int64_t check_fd(int64_t fd, bool write, const char* op, Arg arg) {
   // Tagged "[errno N]" as a failed read or write is, so that the Python side raises the OSError
   // (EBADF, EISDIR) the call would have met, naming the argument.
   ZF_CHECK(::fstat(static_cast<int>(fd), &st) == 0, "zerofast: ", op, ": ", arg, " = ", fd,
-              " is not an open file descriptor [errno ", EBADF, "]");
+           " is not an open file descriptor [errno ", EBADF, "]");
   ZF_CHECK(!S_ISDIR(st.st_mode), "zerofast: ", op, ": ", arg, " = ", fd, " is a directory, not a file [errno ",
-              EISDIR, "]");
+           EISDIR, "]");
   const int mode = ::fcntl(static_cast<int>(fd), F_GETFL) & O_ACCMODE;
   ZF_CHECK(write ? mode == O_WRONLY || mode == O_RDWR : mode == O_RDONLY || mode == O_RDWR, "zerofast: ", op,
-              ": ", arg, " = ", fd, " is not open for ", write ? "writing" : "reading", " [errno ", EBADF, "]");
+           ": ", arg, " = ", fd, " is not open for ", write ? "writing" : "reading", " [errno ", EBADF, "]");
   return S_ISREG(st.st_mode) ? static_cast<int64_t>(st.st_size) : -1;
 }
 
@@ -134,11 +135,11 @@ inline std::vector<Source> make_sources(const char* op, const std::vector<Tensor
                                         const Tensor& offsets, bool strided_files) {
   const auto n = static_cast<int64_t>(sources.size());
   ZF_CHECK(static_cast<int64_t>(fds.size()) == n, op, ": `source_fds` must hold one entry per source (", n,
-              "), got ", fds.size());
+           "), got ", fds.size());
   ZF_CHECK(is_cpu(offsets.device()) && offsets.scalar_type() == c10::ScalarType::Long && offsets.dim() == 1 &&
-                  offsets.size(0) == n && offsets.is_contiguous(),
-              op, ": `source_offsets` must be a contiguous CPU int64 tensor of shape [", n, "], got ",
-              offsets.scalar_type(), " ", sizes_text(offsets.sizes()), " on ", device_text(offsets.device()));
+               offsets.size(0) == n && offsets.is_contiguous(),
+           op, ": `source_offsets` must be a contiguous CPU int64 tensor of shape [", n, "], got ",
+           offsets.scalar_type(), " ", sizes_text(offsets.sizes()), " on ", device_text(offsets.device()));
   const int64_t* off = offsets.const_data_ptr<int64_t>();
   std::vector<Source> out;
   out.reserve(static_cast<size_t>(n));
@@ -147,21 +148,21 @@ inline std::vector<Source> make_sources(const char* op, const std::vector<Tensor
     const auto& s = sources[i];
     const bool file = fds[i] >= 0;
     ZF_CHECK(is_cpu(s.device()) && (s.is_contiguous() || (strided_files && file)), op, ": `sources[", i, "]` must be ",
-                strided_files ? "a CPU tensor, contiguous unless it is read from its file" : "a contiguous CPU tensor",
-                ", got a ", s.is_contiguous() ? "contiguous" : "non-contiguous", " one on ", device_text(s.device()));
+             strided_files ? "a CPU tensor, contiguous unless it is read from its file" : "a contiguous CPU tensor",
+             ", got a ", s.is_contiguous() ? "contiguous" : "non-contiguous", " one on ", device_text(s.device()));
     const auto itemsize = static_cast<int64_t>(s.element_size());
     if (file) {
       ZF_CHECK(s.numel() <= std::numeric_limits<int64_t>::max() / itemsize, op, ": `sources[", i, "]` has ",
-                  s.numel(), " elements, more bytes than any file holds");
+               s.numel(), " elements, more bytes than any file holds");
       const int64_t nbytes = s.numel() * itemsize;
       ZF_CHECK(off[i] >= 0 && off[i] <= std::numeric_limits<int64_t>::max() - nbytes, op, ": `source_offsets[", i,
-                  "]` = ", off[i], ": source ", i, " reads ", nbytes, " bytes there, past any file");
+               "]` = ", off[i], ": source ", i, " reads ", nbytes, " bytes there, past any file");
       if (fds[i] != last_fd) {
         last_size = check_fd(fds[i], false, op, {"source_fds", i});
         last_fd = fds[i];
       }
       ZF_CHECK(last_size < 0 || off[i] + nbytes <= last_size, "zerofast: ", op, ": `sources[", i,
-                  "]` is read from bytes [", off[i], ", ", off[i] + nbytes, ") of the file of `source_fds[", i,
+               "]` is read from bytes [", off[i], ", ", off[i] + nbytes, ") of the file of `source_fds[", i,
                   "]`, which ends at byte ", last_size, ": it was truncated after it was opened [errno ", EIO, "]");
     }
     out.push_back({static_cast<const char*>(s.const_data_ptr()), file ? static_cast<int>(fds[i]) : -1,

@@ -102,7 +102,7 @@ bool copy_range(int in_fd, int64_t in_off, int out_fd, int64_t out_off, int64_t 
     }
     if (done < 0) io_error("copy_file_range", errno, out_off, nbytes);
     ZF_CHECK(done > 0, "zerofast: a checkpoint file ended at offset ", in_off,
-                " while reading it: it was truncated after it was opened [errno ", EIO, "]");
+             " while reading it: it was truncated after it was opened [errno ", EIO, "]");
     first = false;
     in_off += done;
     out_off += done;
@@ -307,8 +307,8 @@ class Batch {
 
 void check_castable(c10::ScalarType from, c10::ScalarType to, int64_t src, int64_t out) {
   ZF_CHECK(from == to || (is_castable_float(from) && is_castable_float(to)), "read_cast: cannot cast `sources[",
-              src, "]` of dtype ", from, " to `outs[", out, "]` dtype ", to,
-              "; only float64/float32/float16/bfloat16 are cast, other dtypes must match");
+           src, "]` of dtype ", from, " to `outs[", out, "]` dtype ", to,
+           "; only float64/float32/float16/bfloat16 are cast, other dtypes must match");
 }
 
 // Every row is checked before any byte moves, so a bad plan fails without touching an output.
@@ -321,11 +321,12 @@ const int64_t* check_rows(const Tensor& segments, const std::vector<Tensor>& sou
   std::vector<c10::ScalarType> source_dtype;
   source_dtype.reserve(sources.size());
   for (const auto& s : sources) source_dtype.push_back(s.scalar_type());
-  for (int64_t i = 0; i < segments.size(0); ++i) {
+  const int64_t nrows = segments.size(0);  // a call into libtorch: asked once, not per row
+  for (int64_t i = 0; i < nrows; ++i) {
     const int64_t* r = seg + kRow * i;
     const int64_t out = r[0], src = r[1], src_off = r[2], dst_off = r[3], len = r[4];
     ZF_CHECK(out >= 0 && out < nout, "read_cast: `segments[", i, "]` names output ", out, " but there are ",
-                nout, " outputs");
+             nout, " outputs");
     check_segment_row("read_cast", i, source_numel, src, src_off, dst_off, len, out_numel[out], out);
     check_castable(source_dtype[src], out_dtype[out], src, out);
   }
@@ -383,12 +384,12 @@ std::vector<Tensor> read_cast_new_cpu(const std::vector<Tensor>& sources, IntLis
   int64_t pos = 0;
   for (size_t i = 0; i < ranks.size(); ++i) {
     ZF_CHECK(ranks[i] >= 0 && ranks[i] <= ndims - pos, "read_cast_new: `ranks[", i, "]` = ", ranks[i],
-                " reaches past the end of `dims`");
+             " reaches past the end of `dims`");
     int64_t bytes = itemsize;
     for (int64_t k = pos; k < pos + ranks[i]; ++k) {
       ZF_CHECK(dims[k] >= 0, "read_cast_new: `dims[", k, "]` = ", dims[k], ": output ", i, " has a negative size");
       ZF_CHECK(dims[k] == 0 || bytes <= std::numeric_limits<int64_t>::max() / dims[k], "read_cast_new: `dims[",
-                  pos, ":", pos + ranks[i], "]`: output ", i, " has more bytes than int64 counts");
+               pos, ":", pos + ranks[i], "]`: output ", i, " has more bytes than int64 counts");
       bytes *= dims[k] == 0 ? 1 : dims[k];
     }
     outs.push_back(torch::stable::empty(dims.slice(pos, ranks[i]), dtype, std::nullopt, cpu));
@@ -406,9 +407,9 @@ void read_cast_to_file_cpu(const std::vector<Tensor>& sources, IntList source_fd
   cpu::check_fd(out_fd, /*write=*/true, "read_cast_to_file", {"out_fd"});
   for (const auto* t : {&out_offsets, &out_numels}) {
     ZF_CHECK(is_cpu(t->device()) && t->scalar_type() == c10::ScalarType::Long && t->dim() == 1 && t->is_contiguous() &&
-                    t->size(0) == out_offsets.size(0),
-                "read_cast_to_file: `out_offsets` and `out_numels` must be contiguous CPU int64 tensors of one "
-                "length, got ", out_offsets.scalar_type(), " ", sizes_text(out_offsets.sizes()), " on ",
+                 t->size(0) == out_offsets.size(0),
+             "read_cast_to_file: `out_offsets` and `out_numels` must be contiguous CPU int64 tensors of one "
+             "length, got ", out_offsets.scalar_type(), " ", sizes_text(out_offsets.sizes()), " on ",
              device_text(out_offsets.device()), " and ", out_numels.scalar_type(), " ", sizes_text(out_numels.sizes()),
              " on ", device_text(out_numels.device()));
   }
@@ -417,11 +418,12 @@ void read_cast_to_file_cpu(const std::vector<Tensor>& sources, IntList source_fd
   const int64_t itemsize = cpu::element_size(out_dtype);
   std::vector<Dest> dests;
   std::vector<int64_t> numel;
-  for (int64_t i = 0; i < out_offsets.size(0); ++i) {
+  const int64_t nrows = out_offsets.size(0);  // a call into libtorch: asked once, not per row
+  for (int64_t i = 0; i < nrows; ++i) {
     ZF_CHECK(off[i] >= 0 && cnt[i] >= 0, "read_cast_to_file: `out_offsets[", i, "]` = ", off[i], " or `out_numels[",
-                i, "]` = ", cnt[i], " is negative");
+             i, "]` = ", cnt[i], " is negative");
     ZF_CHECK(cnt[i] <= (std::numeric_limits<int64_t>::max() - off[i]) / itemsize, "read_cast_to_file: `out_offsets[",
-                i, "]` = ", off[i], " and `out_numels[", i, "]` = ", cnt[i], " end past any file");
+             i, "]` = ", off[i], " and `out_numels[", i, "]` = ", cnt[i], " end past any file");
     dests.push_back({nullptr, off[i], itemsize, out_dtype});
     numel.push_back(cnt[i]);
   }
