@@ -21,7 +21,7 @@ inline void cast_piece(const char* src, c10::ScalarType src_dtype, char* dst, c1
       torch::stable::from_blob(const_cast<char*>(src), {size, 1}, {stride, 1}, cpu, src_dtype);
   const torch::stable::Tensor d = torch::stable::from_blob(dst, {size, 1}, {stride, 1}, cpu, dst_dtype);
   // The shim's copy_ calls the op directly; torch::stable::copy_ finds it by name and boxes its
-  // arguments on every call, which doubled the cost of a per-tensor cast (1.6 us of 4.7).
+  // arguments on every call: 0.4 us more per tiny gather_cast with a cast (4.7 us against 4.3).
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_copy_(d.get(), s.get(), /*non_blocking=*/0));
 }
 
