@@ -1,9 +1,13 @@
 // The operator schema: ops are declared once here; each device registers its kernels under
 // csrc/<device>/. The library registers them when it loads (csrc/load/module.cpp is the Python
 // module whose import loads it).
-#include <torch/library.h>
+//
+// Compiled with the CPU kernels against torch's stable ABI only (the unit begins with
+// TORCH_TARGET_VERSION, zerofast/native/cache.py), so one binary serves every torch from that
+// version on.
+#include <torch/csrc/stable/library.h>
 
-TORCH_LIBRARY(zerofast, m) {
+STABLE_TORCH_LIBRARY(zerofast, m) {
   // Copies `segments` rows (source index, source offset, output offset, length), counted in
   // elements, from 1-D contiguous `sources` into the 1-D contiguous `out`, casting each element
   // from the source dtype to out's dtype exactly as Tensor.to would.

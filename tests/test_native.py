@@ -216,12 +216,40 @@ def test_progress_lines_name_the_source(tmp_path):
 def test_units_include_every_source_once(tmp_path, devices):
     src = cache.sources_dir()
     units = cache.write_units(src, devices, tmp_path)
-    included = [line.split('"')[1] for u in units if u.parent == tmp_path for line in u.read_text().splitlines()]
+    included = [line.split('"')[1] for u in units if u.parent == tmp_path for line in u.read_text().splitlines()
+                if line.startswith("#include")]
     included += [str(u.resolve()) for u in units if u.parent != tmp_path]  # CUDA files, compiled as they are
     expected = sorted(str(p.resolve()) for p in cache.source_files(src, devices))
     assert sorted(included) == expected and len(set(included)) == len(included)
     assert {p.name for p in (src / "cpu").glob("*.cpp")} <= {Path(i).name for i in included}
     assert [u.name for u in units][:2] == ["zerofast_python.cpp", "zerofast_cpu.cpp"]
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cuda")])
+def test_only_the_cpu_unit_targets_torchs_stable_abi(tmp_path, devices):
+    # The define must come before any include, or torch's headers would already have been read
+    # without it; the Python half and the CUDA kernels use torch's full C++ API and must not get it.
+    units = {u.name: u.read_text().splitlines() for u in cache.write_units(cache.sources_dir(), devices, tmp_path)
+             if u.parent == tmp_path}
+    assert units["zerofast_cpu.cpp"][0] == f"#define TORCH_TARGET_VERSION {cache.target_version()}"
+    assert cache.target_version() == "0x020a000000000000"  # 2.10, as torch/csrc/stable/version.h spells it
+    others = [line for name, lines in units.items()
+              for line in (lines[1:] if name == "zerofast_cpu.cpp" else lines)]
+    assert others and all(line.startswith("#include ") for line in others)
+
+
+def test_the_cpu_unit_calls_torch_through_its_c_abi_only():
+    # What makes one binary serve later torches: the op schema and the CPU kernels reach torch only
+    # through its C shim (aoti_torch_*, torch_*), never through a C++ symbol of c10, ATen or torch.
+    core = loader.load(required=True).path.parent
+    obj = core / "zerofast_cpu.o"
+    if not obj.is_file() or shutil.which("nm") is None:
+        pytest.skip("the core keeps no zerofast_cpu.o (a prebuilt core), or there is no nm")
+    undefined = subprocess.run(["nm", "-C", "--undefined-only", str(obj)], capture_output=True, text=True,
+                               check=True).stdout.splitlines()
+    cxx = [line for line in undefined if any(ns in line for ns in ("c10::", "at::", "torch::", "caffe2::"))]
+    assert not cxx, f"the CPU unit uses torch's C++ API: {cxx[:5]}"
+    assert any(line.split()[-1].startswith("aoti_torch_") for line in undefined)
 
 
 def _unavailable(monkeypatch, reason: str) -> None:

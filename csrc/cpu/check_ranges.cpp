@@ -8,12 +8,12 @@
 // semantics of the pure-torch reference (zerofast/reference.py) for every NaN, infinity, signed
 // zero and subnormal: the Python checks fold these per-chunk figures exactly as they folded the
 // ones torch computed over each chunk before.
-#include <ATen/Functions.h>
-#include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Exception.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
@@ -37,6 +37,9 @@ namespace zerofast {
 namespace {
 
 using cpu::cast_piece;
+using cpu::IntList;
+using cpu::Tensor;
+using c10::ScalarType;
 using cpu::pread_all;
 using cpu::reader_threads;
 using cpu::run_workers;
@@ -53,10 +56,11 @@ constexpr int64_t kMaxChunks = int64_t{1} << 36;
 // Chunks of a tensor of `n` elements (one, empty, for an empty tensor), without overflow.
 int64_t chunks_of(int64_t n, int64_t chunk) { return std::max<int64_t>(1, n / chunk + (n % chunk != 0)); }
 
-bool supported(at::ScalarType t) {
+bool supported(ScalarType t) {
   switch (t) {
-    case at::kDouble: case at::kFloat: case at::kHalf: case at::kBFloat16: case at::kLong: case at::kInt:
-    case at::kShort: case at::kChar: case at::kByte: case at::kBool:
+    case ScalarType::Double: case ScalarType::Float: case ScalarType::Half: case ScalarType::BFloat16:
+    case ScalarType::Long: case ScalarType::Int:
+    case ScalarType::Short: case ScalarType::Char: case ScalarType::Byte: case ScalarType::Bool:
       return true;
     default:
       return false;
@@ -114,32 +118,32 @@ void count_nonzero(const char* p, int64_t n, Part& r) {
   r.nonzero += nz;
 }
 
-void count(const char* p, at::ScalarType t, int64_t n, Part& r) {
+void count(const char* p, ScalarType t, int64_t n, Part& r) {
   switch (t) {
-    case at::kFloat: count_float<int32_t>(p, n, 0x7FFFFFFF, 0x7F800000, r); break;
-    case at::kDouble: count_float<int64_t>(p, n, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000, r); break;
-    case at::kBFloat16: count_float<int16_t>(p, n, 0x7FFF, 0x7F80, r); break;
-    case at::kHalf: count_float<int16_t>(p, n, 0x7FFF, 0x7C00, r); break;
-    case at::kLong: count_nonzero<uint64_t>(p, n, r); break;
-    case at::kInt: count_nonzero<uint32_t>(p, n, r); break;
-    case at::kShort: count_nonzero<uint16_t>(p, n, r); break;
+    case ScalarType::Float: count_float<int32_t>(p, n, 0x7FFFFFFF, 0x7F800000, r); break;
+    case ScalarType::Double: count_float<int64_t>(p, n, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000, r); break;
+    case ScalarType::BFloat16: count_float<int16_t>(p, n, 0x7FFF, 0x7F80, r); break;
+    case ScalarType::Half: count_float<int16_t>(p, n, 0x7FFF, 0x7C00, r); break;
+    case ScalarType::Long: count_nonzero<uint64_t>(p, n, r); break;
+    case ScalarType::Int: count_nonzero<uint32_t>(p, n, r); break;
+    case ScalarType::Short: count_nonzero<uint16_t>(p, n, r); break;
     default: count_nonzero<uint8_t>(p, n, r); break;  // int8, uint8, bool
   }
 }
 
 // Element i of a buffer of dtype t, as float64 (exact for every float and bool, round to
 // nearest for large integers, as Tensor.to(torch.float64) gives).
-double value(const char* p, at::ScalarType t, int64_t i) {
+double value(const char* p, ScalarType t, int64_t i) {
   switch (t) {
-    case at::kFloat: return reinterpret_cast<const float*>(p)[i];
-    case at::kDouble: return reinterpret_cast<const double*>(p)[i];
-    case at::kBFloat16: return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(p)[i]);
-    case at::kHalf: return static_cast<float>(reinterpret_cast<const c10::Half*>(p)[i]);
-    case at::kLong: return static_cast<double>(reinterpret_cast<const int64_t*>(p)[i]);
-    case at::kInt: return reinterpret_cast<const int32_t*>(p)[i];
-    case at::kShort: return reinterpret_cast<const int16_t*>(p)[i];
-    case at::kChar: return reinterpret_cast<const int8_t*>(p)[i];
-    case at::kBool: return reinterpret_cast<const uint8_t*>(p)[i] != 0;
+    case ScalarType::Float: return reinterpret_cast<const float*>(p)[i];
+    case ScalarType::Double: return reinterpret_cast<const double*>(p)[i];
+    case ScalarType::BFloat16: return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(p)[i]);
+    case ScalarType::Half: return static_cast<float>(reinterpret_cast<const c10::Half*>(p)[i]);
+    case ScalarType::Long: return static_cast<double>(reinterpret_cast<const int64_t*>(p)[i]);
+    case ScalarType::Int: return reinterpret_cast<const int32_t*>(p)[i];
+    case ScalarType::Short: return reinterpret_cast<const int16_t*>(p)[i];
+    case ScalarType::Char: return reinterpret_cast<const int8_t*>(p)[i];
+    case ScalarType::Bool: return reinterpret_cast<const uint8_t*>(p)[i] != 0;
     default: return reinterpret_cast<const uint8_t*>(p)[i];
   }
 }
@@ -148,7 +152,7 @@ double value(const char* p, at::ScalarType t, int64_t i) {
 // or both NaN; |x - y| and |x - y| / max(|x|, DBL_MIN) are maximized over the changed ones, a
 // NaN anywhere making the maximum NaN. (An unchanged element adds 0, or NaN to the relative
 // maximum where x is NaN: that is the chunk's NaN count, applied at the reduction.)
-void compare(const char* a, const char* b, at::ScalarType t, int64_t n, Part& r) {
+void compare(const char* a, const char* b, ScalarType t, int64_t n, Part& r) {
   r.differs = true;
   for (int64_t i = 0; i < n; ++i) {
     const double x = value(a, t, i), y = value(b, t, i);
@@ -162,15 +166,22 @@ void compare(const char* a, const char* b, at::ScalarType t, int64_t n, Part& r)
   }
 }
 
+Tensor zeros(int64_t rows, int64_t cols, ScalarType dtype) {
+  const int64_t size[2] = {rows, cols};
+  Tensor t = torch::stable::empty({size, 2}, dtype, std::nullopt, torch::stable::Device(c10::DeviceType::CPU));
+  torch::stable::zero_(t);
+  return t;
+}
+
 class Checks {
  public:
   Checks(std::vector<Source> sources, std::vector<int64_t> numels, std::vector<std::vector<Piece>> pieces[2],
-         at::ScalarType dtype, bool compare, int64_t chunk, int64_t readers)
+         ScalarType dtype, bool compare, int64_t chunk, int64_t readers)
       : sources_(std::move(sources)), numels_(std::move(numels)), dtype_(dtype), compare_(compare),
         chunk_(chunk), readers_(readers) {
     pieces_[0] = std::move(pieces[0]);
     pieces_[1] = std::move(pieces[1]);
-    out_size_ = static_cast<int64_t>(c10::elementSize(dtype));
+    out_size_ = static_cast<int64_t>(cpu::element_size(dtype));
     for (size_t t = 0; t < numels_.size(); ++t) {
       // Items cover what some row of either side covers: elsewhere both sides are zeros, which
       // add nothing, so the work follows the bytes read, not what `numels` claims. Items never
@@ -199,7 +210,7 @@ class Checks {
     return spans;
   }
 
-  std::tuple<at::Tensor, at::Tensor> run() {
+  std::tuple<Tensor, Tensor> run() {
     run_workers(reader_threads(items_.size(), readers_), [this] { worker(); });
     if (error_) std::rethrow_exception(error_);
     return reduce();
@@ -264,15 +275,15 @@ class Checks {
   }
 
   // Per chunk of each tensor: counts (nan, inf, nonzero, differs, changed) and maxima (abs, rel).
-  std::tuple<at::Tensor, at::Tensor> reduce() {
+  std::tuple<Tensor, Tensor> reduce() {
     int64_t nchunks = 0;
     std::vector<int64_t> first;
     for (int64_t n : numels_) {
       first.push_back(nchunks);
       nchunks += chunks_of(n, chunk_);
     }
-    at::Tensor counts = at::zeros({nchunks, 5}, at::kLong);
-    at::Tensor maxima = at::zeros({nchunks, 2}, at::kDouble);
+    Tensor counts = zeros(nchunks, 5, ScalarType::Long);
+    Tensor maxima = zeros(nchunks, 2, ScalarType::Double);
     std::vector<Part> chunk(static_cast<size_t>(nchunks));
     for (size_t i = 0; i < items_.size(); ++i) {
       Part& c = chunk[first[items_[i].tensor] + items_[i].lo / chunk_];
@@ -282,8 +293,8 @@ class Checks {
       c.max_abs = std::max(c.max_abs, p.max_abs);
       c.max_rel = std::max(c.max_rel, p.max_rel);
     }
-    int64_t* k = counts.data_ptr<int64_t>();
-    double* m = maxima.data_ptr<double>();
+    int64_t* k = counts.mutable_data_ptr<int64_t>();
+    double* m = maxima.mutable_data_ptr<double>();
     for (int64_t c = 0; c < nchunks; ++c) {
       const Part& p = chunk[c];
       k[5 * c] = p.nan; k[5 * c + 1] = p.inf; k[5 * c + 2] = p.nonzero;
@@ -299,7 +310,7 @@ class Checks {
   std::vector<Source> sources_;
   std::vector<int64_t> numels_;
   std::vector<std::vector<Piece>> pieces_[2];
-  at::ScalarType dtype_;
+  ScalarType dtype_;
   bool compare_;
   int64_t chunk_, readers_, out_size_ = 0;
   std::vector<CheckItem> items_;
@@ -310,38 +321,37 @@ class Checks {
   std::exception_ptr error_;
 };
 
-std::vector<Source> make_sources(const std::vector<at::Tensor>& sources, c10::IntArrayRef fds,
-                                 const at::Tensor& offsets, at::ScalarType dtype, bool compare) {
+std::vector<Source> make_sources(const std::vector<Tensor>& sources, IntList fds,
+                                 const Tensor& offsets, ScalarType dtype, bool compare) {
   auto out = cpu::make_sources("check_ranges", sources, fds, offsets, /*strided_files=*/true);
   for (size_t i = 0; i < sources.size(); ++i) {
-    TORCH_CHECK(supported(sources[i].scalar_type()) && (!compare || supported(dtype)), "check_ranges: `sources[", i,
-                "]` is ", sources[i].scalar_type(), " and the checked dtype ", dtype,
-                "; only float64/32/16, bfloat16, integers and bool are checked");
+    ZF_CHECK(supported(sources[i].scalar_type()) && (!compare || supported(dtype)), "check_ranges: `sources[", i,
+             "]` is ", sources[i].scalar_type(), " and the checked dtype ", dtype,
+             "; only float64/32/16, bfloat16, integers and bool are checked");
   }
   return out;
 }
 
 // Every row checked, sorted and checked for overlaps before a byte is read.
-void make_pieces(const at::Tensor& segments, const std::vector<at::Tensor>& sources,
+void make_pieces(const Tensor& segments, const std::vector<Tensor>& sources,
                  const std::vector<int64_t>& numels, bool compare, std::vector<std::vector<Piece>>* pieces) {
-  TORCH_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
-                  segments.size(1) == kCols && segments.is_contiguous(),
-              "check_ranges: `segments` must be a contiguous CPU int64 tensor of shape [N, 6], got ",
-              segments.scalar_type(), " ", segments.sizes(), " on ", segments.device());
+  check_row_table("check_ranges", segments, kCols);
   const auto ntensors = static_cast<int64_t>(numels.size());
   for (int side = 0; side < 2; ++side) pieces[side].assign(numels.size(), {});
   const int64_t* seg = segments.const_data_ptr<int64_t>();
   const auto nsrc = static_cast<int64_t>(sources.size());
-  for (int64_t i = 0; i < segments.size(0); ++i) {
+  const auto source_numel = numels_of(sources);
+  const int64_t nrows = segments.size(0);  // a call into libtorch: asked once, not per row
+  for (int64_t i = 0; i < nrows; ++i) {
     const int64_t* r = seg + kCols * i;
     const int64_t t = r[0], side = r[1], src = r[2], src_off = r[3], dst_off = r[4], len = r[5];
-    TORCH_CHECK(t >= 0 && t < ntensors, "check_ranges: `segments[", i, "]` names tensor ", t, " of ", ntensors);
-    TORCH_CHECK(side == 0 || (side == 1 && compare), "check_ranges: `segments[", i, "]` names side ", side,
-                compare ? "; sides are 0 and 1" : "; without `compare` there is only side 0");
-    TORCH_CHECK(src >= 0 && src < nsrc, "check_ranges: `segments[", i, "]` names source ", src, " of ", nsrc);
-    TORCH_CHECK(src_off >= 0 && dst_off >= 0 && len >= 0 && len <= sources[src].numel() - src_off &&
-                    len <= numels[t] - dst_off,
-                "check_ranges: `segments[", i, "]` reaches outside `sources[", src, "]` or tensor ", t);
+    ZF_CHECK(t >= 0 && t < ntensors, "check_ranges: `segments[", i, "]` names tensor ", t, " of ", ntensors);
+    ZF_CHECK(side == 0 || (side == 1 && compare), "check_ranges: `segments[", i, "]` names side ", side,
+             compare ? "; sides are 0 and 1" : "; without `compare` there is only side 0");
+    ZF_CHECK(src >= 0 && src < nsrc, "check_ranges: `segments[", i, "]` names source ", src, " of ", nsrc);
+    ZF_CHECK(src_off >= 0 && dst_off >= 0 && len >= 0 && len <= source_numel[src] - src_off &&
+                 len <= numels[t] - dst_off,
+             "check_ranges: `segments[", i, "]` reaches outside `sources[", src, "]` or tensor ", t);
     if (len > 0) pieces[side][t].push_back({src, src_off, dst_off, len});
   }
   for (int side = 0; side < 2; ++side) {
@@ -349,31 +359,31 @@ void make_pieces(const at::Tensor& segments, const std::vector<at::Tensor>& sour
       auto& rows = pieces[side][t];
       std::sort(rows.begin(), rows.end(), [](const Piece& a, const Piece& b) { return a.dst_off < b.dst_off; });
       for (size_t j = 1; j < rows.size(); ++j) {
-        TORCH_CHECK(rows[j].dst_off >= rows[j - 1].dst_off + rows[j - 1].len, "check_ranges: `segments`: rows of tensor ",
-                    t, " side ", side, " overlap at element ", rows[j].dst_off);
+        ZF_CHECK(rows[j].dst_off >= rows[j - 1].dst_off + rows[j - 1].len, "check_ranges: `segments`: rows of tensor ",
+                 t, " side ", side, " overlap at element ", rows[j].dst_off);
       }
     }
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> check_ranges_cpu(const std::vector<at::Tensor>& sources,
-                                                    c10::IntArrayRef source_fds, const at::Tensor& source_offsets,
-                                                    const at::Tensor& segments, const at::Tensor& numels,
-                                                    at::ScalarType dtype, bool compare, int64_t chunk,
+std::tuple<Tensor, Tensor> check_ranges_cpu(const std::vector<Tensor>& sources,
+                                                    IntList source_fds, const Tensor& source_offsets,
+                                                    const Tensor& segments, const Tensor& numels,
+                                                    ScalarType dtype, bool compare, int64_t chunk,
                                                     int64_t readers) {
-  TORCH_CHECK(chunk > 0, "check_ranges: `chunk` must be positive, got ", chunk);
-  TORCH_CHECK(numels.device().is_cpu() && numels.scalar_type() == at::kLong && numels.dim() == 1 &&
-                  numels.is_contiguous(),
-              "check_ranges: `numels` must be a contiguous CPU int64 tensor of shape [T], got ", numels.scalar_type(),
-              " ", numels.sizes(), " on ", numels.device());
+  ZF_CHECK(chunk > 0, "check_ranges: `chunk` must be positive, got ", chunk);
+  ZF_CHECK(is_cpu(numels.device()) && numels.scalar_type() == ScalarType::Long && numels.dim() == 1 &&
+               numels.is_contiguous(),
+           "check_ranges: `numels` must be a contiguous CPU int64 tensor of shape [T], got ", numels.scalar_type(),
+           " ", sizes_text(numels.sizes()), " on ", device_text(numels.device()));
   const int64_t* nptr = numels.const_data_ptr<int64_t>();
   std::vector<int64_t> sizes(nptr, nptr + numels.size(0));
   int64_t nchunks = 0;
   for (size_t t = 0; t < sizes.size(); ++t) {
-    TORCH_CHECK(sizes[t] >= 0, "check_ranges: `numels[", t, "]` is negative");
+    ZF_CHECK(sizes[t] >= 0, "check_ranges: `numels[", t, "]` is negative");
     const int64_t more = chunks_of(sizes[t], chunk);
-    TORCH_CHECK(more <= kMaxChunks - nchunks, "check_ranges: `numels` and `chunk` = ", chunk, " make more than ", kMaxChunks,
-                " chunks (at `numels[", t, "]` = ", sizes[t], ")");
+    ZF_CHECK(more <= kMaxChunks - nchunks, "check_ranges: `numels` and `chunk` = ", chunk, " make more than ", kMaxChunks,
+             " chunks (at `numels[", t, "]` = ", sizes[t], ")");
     nchunks += more;
   }
   auto srcs = make_sources(sources, source_fds, source_offsets, dtype, compare);
@@ -384,8 +394,8 @@ std::tuple<at::Tensor, at::Tensor> check_ranges_cpu(const std::vector<at::Tensor
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
-  m.impl("check_ranges", &check_ranges_cpu);
+STABLE_TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
+  m.impl("check_ranges", TORCH_BOX(&check_ranges_cpu));
 }
 
 }  // namespace zerofast

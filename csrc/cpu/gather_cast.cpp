@@ -1,8 +1,8 @@
 // CPU kernel of zerofast::gather_cast: the executor's only data-moving op.
-#include <ATen/Functions.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -17,15 +17,16 @@ namespace zerofast {
 namespace {
 
 using cpu::cast_piece;
+using torch::stable::Tensor;
 
 // One entry per source, so the per-range loop does no dtype lookups.
 struct SourceView {
   const char* base;
   int64_t itemsize;
-  at::ScalarType dtype;
+  c10::ScalarType dtype;
 };
 
-std::vector<SourceView> source_views(const std::vector<at::Tensor>& sources) {
+std::vector<SourceView> source_views(const std::vector<Tensor>& sources) {
   std::vector<SourceView> views;
   views.reserve(sources.size());
   for (const auto& s : sources) {
@@ -38,7 +39,7 @@ std::vector<SourceView> source_views(const std::vector<at::Tensor>& sources) {
 struct OutView {
   char* base;
   int64_t itemsize;
-  at::ScalarType dtype;
+  c10::ScalarType dtype;
 };
 
 void copy_piece(const SourceView& v, int64_t src_off, const OutView& out, int64_t dst_off, int64_t n) {
@@ -62,11 +63,12 @@ void read_ahead(const std::vector<SourceView>& views, const int64_t* seg, int64_
 // both spread evenly over the threads.
 constexpr int64_t kGrainElements = 1 << 18;
 
-void gather_cast_cpu(const std::vector<at::Tensor>& sources, const at::Tensor& segments, const at::Tensor& out,
+void gather_cast_cpu(const std::vector<Tensor>& sources, const Tensor& segments, const Tensor& out,
                      bool stream_sources) {
   // The dispatcher sends CPU tensors here, but a caller can pick the kernel itself (redispatch):
   // a tensor of another device has no host bytes to read or write.
-  TORCH_CHECK(out.device().is_cpu(), "gather_cast: `out` is on ", out.device(), "; the CPU kernel writes to host memory only");
+  ZF_CHECK(is_cpu(out.device()), "gather_cast: `out` is on ", device_text(out.device()),
+           "; the CPU kernel writes to host memory only");
   check_gather_cast_args(sources, segments, out);
   const int64_t nseg = segments.size(0);
   if (nseg == 0) return;
@@ -82,7 +84,7 @@ void gather_cast_cpu(const std::vector<at::Tensor>& sources, const at::Tensor& s
                          out.scalar_type()};
   if (stream_sources) read_ahead(views, seg, nseg);
 
-  at::parallel_for(0, total, kGrainElements, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, total, kGrainElements, [&](int64_t begin, int64_t end) {
     int64_t k = std::upper_bound(ends.begin(), ends.end(), begin) - ends.begin();
     while (begin < end) {
       const int64_t* s = seg + 4 * k;
@@ -102,8 +104,8 @@ void gather_cast_cpu(const std::vector<at::Tensor>& sources, const at::Tensor& s
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
-  m.impl("gather_cast", &gather_cast_cpu);
+STABLE_TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
+  m.impl("gather_cast", TORCH_BOX(&gather_cast_cpu));
 }
 
 }  // namespace zerofast

@@ -6,11 +6,12 @@
 // copies from the page cache with neither, straight into the output when the dtypes match, and a
 // cold read keeps one request in flight per reader thread. Casts go through a small per-thread
 // bounce buffer and ATen's own copy kernel (see cast_piece), so they stay Tensor.to bit for bit.
-#include <ATen/Functions.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/macros.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #include <errno.h>
 #include <fcntl.h>
@@ -38,6 +39,8 @@ namespace zerofast {
 namespace {
 
 using cpu::cast_piece;
+using cpu::IntList;
+using cpu::Tensor;
 using cpu::io_error;
 using cpu::pread_all;
 using cpu::reader_threads;
@@ -52,7 +55,7 @@ struct Dest {
   char* mem;        // null when writing to a file
   int64_t file_off;
   int64_t itemsize;
-  at::ScalarType dtype;
+  c10::ScalarType dtype;
 };
 
 // A piece of one segment small enough for one bounce buffer. Items are sorted by where they
@@ -100,8 +103,8 @@ bool copy_range(int in_fd, int64_t in_off, int out_fd, int64_t out_off, int64_t 
       return false;
     }
     if (done < 0) io_error("copy_file_range", errno, out_off, nbytes);
-    TORCH_CHECK(done > 0, "zerofast: a checkpoint file ended at offset ", in_off,
-                " while reading it: it was truncated after it was opened [errno ", EIO, "]");
+    ZF_CHECK(done > 0, "zerofast: a checkpoint file ended at offset ", in_off,
+             " while reading it: it was truncated after it was opened [errno ", EIO, "]");
     first = false;
     in_off += done;
     out_off += done;
@@ -304,28 +307,30 @@ class Batch {
   std::exception_ptr error_;
 };
 
-void check_castable(at::ScalarType from, at::ScalarType to, int64_t src, int64_t out) {
-  TORCH_CHECK(from == to || (is_castable_float(from) && is_castable_float(to)), "read_cast: cannot cast `sources[",
-              src, "]` of dtype ", from, " to `outs[", out, "]` dtype ", to,
-              "; only float64/float32/float16/bfloat16 are cast, other dtypes must match");
+void check_castable(c10::ScalarType from, c10::ScalarType to, int64_t src, int64_t out) {
+  ZF_CHECK(from == to || (is_castable_float(from) && is_castable_float(to)), "read_cast: cannot cast `sources[",
+           src, "]` of dtype ", from, " to `outs[", out, "]` dtype ", to,
+           "; only float64/float32/float16/bfloat16 are cast, other dtypes must match");
 }
 
 // Every row is checked before any byte moves, so a bad plan fails without touching an output.
-const int64_t* check_rows(const at::Tensor& segments, const std::vector<at::Tensor>& sources,
-                          const std::vector<int64_t>& out_numel, const std::vector<at::ScalarType>& out_dtype) {
-  TORCH_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
-                  segments.size(1) == kRow && segments.is_contiguous(),
-              "read_cast: `segments` must be a contiguous CPU int64 tensor of shape [N, 5], got ",
-              segments.scalar_type(), " ", segments.sizes(), " on ", segments.device());
+const int64_t* check_rows(const Tensor& segments, const std::vector<Tensor>& sources,
+                          const std::vector<int64_t>& out_numel, const std::vector<c10::ScalarType>& out_dtype) {
+  check_row_table("read_cast", segments, kRow);
   const int64_t* seg = segments.const_data_ptr<int64_t>();
   const auto nout = static_cast<int64_t>(out_numel.size());
-  for (int64_t i = 0; i < segments.size(0); ++i) {
+  const auto source_numel = numels_of(sources);
+  std::vector<c10::ScalarType> source_dtype;
+  source_dtype.reserve(sources.size());
+  for (const auto& s : sources) source_dtype.push_back(s.scalar_type());
+  const int64_t nrows = segments.size(0);  // a call into libtorch: asked once, not per row
+  for (int64_t i = 0; i < nrows; ++i) {
     const int64_t* r = seg + kRow * i;
     const int64_t out = r[0], src = r[1], src_off = r[2], dst_off = r[3], len = r[4];
-    TORCH_CHECK(out >= 0 && out < nout, "read_cast: `segments[", i, "]` names output ", out, " but there are ",
-                nout, " outputs");
-    check_segment_row("read_cast", i, sources, src, src_off, dst_off, len, out_numel[out], out);
-    check_castable(sources[src].scalar_type(), out_dtype[out], src, out);
+    ZF_CHECK(out >= 0 && out < nout, "read_cast: `segments[", i, "]` names output ", out, " but there are ",
+             nout, " outputs");
+    check_segment_row("read_cast", i, source_numel, src, src_off, dst_off, len, out_numel[out], out);
+    check_castable(source_dtype[src], out_dtype[out], src, out);
   }
   return seg;
 }
@@ -334,27 +339,28 @@ const int64_t* check_rows(const at::Tensor& segments, const std::vector<at::Tens
 // zeroing pass) per 2 MiB instead of per 4 KiB when the readers first touch them. Measured about
 // 2x faster on a 400 MB eager dict (README, performance); `hugepages=False` turns it off, for
 // machines whose fragmented memory makes the kernel compact on each fault (defrag=madvise).
-void advise_huge(const std::vector<at::Tensor>& outs, bool hugepages) {
+void advise_huge(const std::vector<Tensor>& outs, bool hugepages) {
   if (!hugepages) return;
   constexpr uintptr_t kHuge = 2u << 20;
   for (const auto& o : outs) {
-    const auto lo = (reinterpret_cast<uintptr_t>(o.data_ptr()) + kHuge - 1) / kHuge * kHuge;
-    const auto hi = (reinterpret_cast<uintptr_t>(o.data_ptr()) + o.nbytes()) / kHuge * kHuge;
+    const auto base = reinterpret_cast<uintptr_t>(o.data_ptr());
+    const auto lo = (base + kHuge - 1) / kHuge * kHuge;
+    const auto hi = (base + static_cast<uintptr_t>(o.numel()) * o.element_size()) / kHuge * kHuge;
     if (hi > lo) (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
   }
 }
 
-void read_cast_cpu(const std::vector<at::Tensor>& sources, c10::IntArrayRef source_fds,
-                   const at::Tensor& source_offsets, const at::Tensor& segments, const std::vector<at::Tensor>& outs,
+void read_cast_cpu(const std::vector<Tensor>& sources, IntList source_fds,
+                   const Tensor& source_offsets, const Tensor& segments, const std::vector<Tensor>& outs,
                    int64_t readers, bool hugepages) {
   std::vector<Dest> dests;
   std::vector<int64_t> numel;
-  std::vector<at::ScalarType> dtypes;
+  std::vector<c10::ScalarType> dtypes;
   for (size_t i = 0; i < outs.size(); ++i) {
     const auto& o = outs[i];
-    TORCH_CHECK(o.device().is_cpu() && o.is_contiguous(), "read_cast: `outs[", i,
-                "]` must be a contiguous CPU tensor, got a ", o.is_contiguous() ? "contiguous" : "non-contiguous",
-                " one on ", o.device());
+    ZF_CHECK(is_cpu(o.device()) && o.is_contiguous(), "read_cast: `outs[", i,
+             "]` must be a contiguous CPU tensor, got a ", o.is_contiguous() ? "contiguous" : "non-contiguous",
+             " one on ", device_text(o.device()));
     dests.push_back({static_cast<char*>(o.data_ptr()), 0, static_cast<int64_t>(o.element_size()), o.scalar_type()});
     numel.push_back(o.numel());
     dtypes.push_back(o.scalar_type());
@@ -365,73 +371,111 @@ void read_cast_cpu(const std::vector<at::Tensor>& sources, c10::IntArrayRef sour
   Batch(std::move(srcs), std::move(dests), seg, segments.size(0), -1, readers, false).run();
 }
 
+// Contiguous CPU tensors of one dtype, made with the shim's empty_strided: torch::stable::empty
+// finds aten::empty by name and boxes its arguments on every call, which cost 0.8 us more per
+// output of a 50k-output batch. The shim wants torch's own dtype code, taken from a probe tensor.
+class Allocator {
+ public:
+  explicit Allocator(c10::ScalarType dtype) {
+    const int64_t none[1] = {0};
+    const Tensor probe =
+        torch::stable::empty({none, 1}, dtype, std::nullopt, torch::stable::Device(c10::DeviceType::CPU));
+    itemsize_ = static_cast<int64_t>(probe.element_size());
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(probe.get(), &dtype_));
+  }
+
+  int64_t itemsize() const { return itemsize_; }
+
+  Tensor empty(IntList sizes) {
+    const auto n = sizes.size();
+    strides_.resize(n);
+    int64_t stride = 1;  // torch's contiguous strides: a size of 0 counts as 1
+    for (size_t k = n; k-- > 0;) {
+      strides_[k] = stride;
+      stride *= std::max<int64_t>(sizes[k], 1);
+    }
+    AtenTensorHandle made = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(n), sizes.data(), strides_.data(),
+                                                           dtype_, aoti_torch_device_type_cpu(), 0, &made));
+    return Tensor(made);
+  }
+
+ private:
+  int32_t dtype_ = 0;
+  int64_t itemsize_ = 0;
+  std::vector<int64_t> strides_;
+};
+
 // Allocating here rather than in Python is most of what a batch of 50k small tensors costs
-// besides the reads: an at::empty per output instead of a torch.empty and a view. The shapes
+// besides the reads: an empty tensor per output instead of a torch.empty and a view. The shapes
 // are int lists, not tensors, so that the op's fake knows them.
-std::vector<at::Tensor> read_cast_new_cpu(const std::vector<at::Tensor>& sources, c10::IntArrayRef source_fds,
-                                          const at::Tensor& source_offsets, const at::Tensor& segments,
-                                          c10::IntArrayRef dims, c10::IntArrayRef ranks, at::ScalarType dtype,
+std::vector<Tensor> read_cast_new_cpu(const std::vector<Tensor>& sources, IntList source_fds,
+                                          const Tensor& source_offsets, const Tensor& segments,
+                                          IntList dims, IntList ranks, c10::ScalarType dtype,
                                           int64_t readers, bool hugepages) {
-  const auto options = at::TensorOptions().device(at::kCPU).dtype(dtype);
+  Allocator alloc(dtype);
+  const int64_t itemsize = alloc.itemsize();
   const auto ndims = static_cast<int64_t>(dims.size());
-  std::vector<at::Tensor> outs;
+  std::vector<Tensor> outs;
   outs.reserve(ranks.size());
   int64_t pos = 0;
   for (size_t i = 0; i < ranks.size(); ++i) {
-    TORCH_CHECK(ranks[i] >= 0 && ranks[i] <= ndims - pos, "read_cast_new: `ranks[", i, "]` = ", ranks[i],
-                " reaches past the end of `dims`");
-    int64_t bytes = static_cast<int64_t>(c10::elementSize(dtype));
+    ZF_CHECK(ranks[i] >= 0 && ranks[i] <= ndims - pos, "read_cast_new: `ranks[", i, "]` = ", ranks[i],
+             " reaches past the end of `dims`");
+    int64_t bytes = itemsize;
     for (int64_t k = pos; k < pos + ranks[i]; ++k) {
-      TORCH_CHECK(dims[k] >= 0, "read_cast_new: `dims[", k, "]` = ", dims[k], ": output ", i, " has a negative size");
-      TORCH_CHECK(dims[k] == 0 || bytes <= std::numeric_limits<int64_t>::max() / dims[k], "read_cast_new: `dims[",
-                  pos, ":", pos + ranks[i], "]`: output ", i, " has more bytes than int64 counts");
+      ZF_CHECK(dims[k] >= 0, "read_cast_new: `dims[", k, "]` = ", dims[k], ": output ", i, " has a negative size");
+      ZF_CHECK(dims[k] == 0 || bytes <= std::numeric_limits<int64_t>::max() / dims[k], "read_cast_new: `dims[",
+               pos, ":", pos + ranks[i], "]`: output ", i, " has more bytes than int64 counts");
       bytes *= dims[k] == 0 ? 1 : dims[k];
     }
-    outs.push_back(at::empty(dims.slice(pos, ranks[i]), options));
+    outs.push_back(alloc.empty(dims.slice(pos, ranks[i])));
     pos += ranks[i];
   }
-  TORCH_CHECK(pos == ndims, "read_cast_new: `dims` holds ", ndims - pos, " sizes past the last output");
+  ZF_CHECK(pos == ndims, "read_cast_new: `dims` holds ", ndims - pos, " sizes past the last output");
   read_cast_cpu(sources, source_fds, source_offsets, segments, outs, readers, hugepages);
   return outs;
 }
 
-void read_cast_to_file_cpu(const std::vector<at::Tensor>& sources, c10::IntArrayRef source_fds,
-                           const at::Tensor& source_offsets, const at::Tensor& segments, int64_t out_fd,
-                           const at::Tensor& out_offsets, const at::Tensor& out_numels, at::ScalarType out_dtype,
+void read_cast_to_file_cpu(const std::vector<Tensor>& sources, IntList source_fds,
+                           const Tensor& source_offsets, const Tensor& segments, int64_t out_fd,
+                           const Tensor& out_offsets, const Tensor& out_numels, c10::ScalarType out_dtype,
                            int64_t readers, bool copy_file_range) {
   cpu::check_fd(out_fd, /*write=*/true, "read_cast_to_file", {"out_fd"});
   for (const auto* t : {&out_offsets, &out_numels}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous() &&
-                    t->size(0) == out_offsets.size(0),
-                "read_cast_to_file: `out_offsets` and `out_numels` must be contiguous CPU int64 tensors of one "
-                "length, got ", out_offsets.scalar_type(), " ", out_offsets.sizes(), " on ", out_offsets.device(),
-                " and ", out_numels.scalar_type(), " ", out_numels.sizes(), " on ", out_numels.device());
+    ZF_CHECK(is_cpu(t->device()) && t->scalar_type() == c10::ScalarType::Long && t->dim() == 1 && t->is_contiguous() &&
+                 t->size(0) == out_offsets.size(0),
+             "read_cast_to_file: `out_offsets` and `out_numels` must be contiguous CPU int64 tensors of one "
+             "length, got ", out_offsets.scalar_type(), " ", sizes_text(out_offsets.sizes()), " on ",
+             device_text(out_offsets.device()), " and ", out_numels.scalar_type(), " ", sizes_text(out_numels.sizes()),
+             " on ", device_text(out_numels.device()));
   }
   const int64_t* off = out_offsets.const_data_ptr<int64_t>();
   const int64_t* cnt = out_numels.const_data_ptr<int64_t>();
-  const int64_t itemsize = static_cast<int64_t>(c10::elementSize(out_dtype));
+  const int64_t itemsize = cpu::element_size(out_dtype);
   std::vector<Dest> dests;
   std::vector<int64_t> numel;
-  for (int64_t i = 0; i < out_offsets.size(0); ++i) {
-    TORCH_CHECK(off[i] >= 0 && cnt[i] >= 0, "read_cast_to_file: `out_offsets[", i, "]` = ", off[i], " or `out_numels[",
-                i, "]` = ", cnt[i], " is negative");
-    TORCH_CHECK(cnt[i] <= (std::numeric_limits<int64_t>::max() - off[i]) / itemsize, "read_cast_to_file: `out_offsets[",
-                i, "]` = ", off[i], " and `out_numels[", i, "]` = ", cnt[i], " end past any file");
+  const int64_t nrows = out_offsets.size(0);  // a call into libtorch: asked once, not per row
+  for (int64_t i = 0; i < nrows; ++i) {
+    ZF_CHECK(off[i] >= 0 && cnt[i] >= 0, "read_cast_to_file: `out_offsets[", i, "]` = ", off[i], " or `out_numels[",
+             i, "]` = ", cnt[i], " is negative");
+    ZF_CHECK(cnt[i] <= (std::numeric_limits<int64_t>::max() - off[i]) / itemsize, "read_cast_to_file: `out_offsets[",
+             i, "]` = ", off[i], " and `out_numels[", i, "]` = ", cnt[i], " end past any file");
     dests.push_back({nullptr, off[i], itemsize, out_dtype});
     numel.push_back(cnt[i]);
   }
   auto srcs = cpu::make_sources("read_cast", sources, source_fds, source_offsets, /*strided_files=*/false);
-  const int64_t* seg = check_rows(segments, sources, numel, std::vector<at::ScalarType>(numel.size(), out_dtype));
+  const int64_t* seg = check_rows(segments, sources, numel, std::vector<c10::ScalarType>(numel.size(), out_dtype));
   Batch(std::move(srcs), std::move(dests), seg, segments.size(0), static_cast<int>(out_fd), readers,
         copy_file_range).run();
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
-  m.impl("read_cast", &read_cast_cpu);
-  m.impl("read_cast_new", &read_cast_new_cpu);
-  m.impl("read_cast_to_file", &read_cast_to_file_cpu);
+STABLE_TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
+  m.impl("read_cast", TORCH_BOX(&read_cast_cpu));
+  m.impl("read_cast_new", TORCH_BOX(&read_cast_new_cpu));
+  m.impl("read_cast_to_file", TORCH_BOX(&read_cast_to_file_cpu));
 }
 
 }  // namespace zerofast

@@ -32,9 +32,14 @@ MANIFEST = "manifest.json"  # written last, so its presence means the core is co
 PACKAGE = Path(__file__).resolve().parent.parent
 LDFLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3"]
-# The oldest torch the CPU core serves: the version its stable-ABI kernels are compiled for
-# (TORCH_TARGET_VERSION). An older torch runs the pure-torch reference (:func:`torch_floor_problem`).
+# The oldest torch the CPU core serves: the version its stable-ABI units are compiled for. 2.10 is
+# the first to box Tensor[] and int[] arguments and to give parallel_for, get_num_threads, empty
+# with options and typed data pointers. Written as a unit's first line (TORCH_TARGET_VERSION),
+# before any include, it makes torch's non-stable headers refuse to compile there, and the stable
+# headers offer only what 2.10 already has. An older torch runs the pure-torch reference
+# (:func:`torch_floor_problem`).
 STABLE_TARGET = (2, 10)
+STABLE_UNITS = ("zerofast_cpu",)  # the units built against the stable ABI alone
 
 
 class Unavailable(Exception):
@@ -81,9 +86,17 @@ def write_units(src: Path, devices: tuple[str, ...], folder: Path) -> list[Path]
             units.append(paths[0])  # nvcc's own unit: torch's builder names its object by the file
             continue
         unit = folder / f"{name}.cpp"
-        unit.write_text("".join(f'#include "{path.resolve()}"\n' for path in paths))
+        prologue = f"#define TORCH_TARGET_VERSION {target_version()}\n" if name in STABLE_UNITS else ""
+        unit.write_text(prologue + "".join(f'#include "{path.resolve()}"\n' for path in paths))
         units.append(unit)
     return units
+
+
+def target_version() -> str:
+    """:data:`STABLE_TARGET` as torch's stable headers spell a version: major and minor in the top
+    two bytes of a 64-bit number (torch/csrc/stable/version.h)."""
+    major, minor = STABLE_TARGET
+    return f"0x{major:02x}{minor:02x}000000000000"
 
 
 def torch_identity() -> dict:
@@ -134,7 +147,7 @@ def core_tag(src: Path, identity: dict) -> str:
     digest = hashlib.sha256()
     # The extension suffix carries the ABI tag (".cpython-311-x86_64-linux-gnu.so") without the
     # millisecond sysconfig takes to build its table: this runs in every process that loads a core.
-    inputs = {"stable_torch": STABLE_TARGET,
+    inputs = {"stable": [target_version(), *STABLE_UNITS],
               "python": [sys.implementation.cache_tag, importlib.machinery.EXTENSION_SUFFIXES[0]],
               "machine": platform.machine(), "ld": LDFLAGS, "nvcc": NVCC_FLAGS}
     digest.update(json.dumps(inputs, sort_keys=True).encode())
