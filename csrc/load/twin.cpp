@@ -1,9 +1,6 @@
 // See twin.h.
 #include "twin.h"
 
-#include <torch/csrc/Dtype.h>
-#include <torch/csrc/autograd/python_variable.h>
-
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -17,7 +14,7 @@
 #include "opcodes.h"
 #include "pickle_scan.h"
 #include "py_own.h"
-#include "storage_view.h"
+#include "torch_kit.h"
 #include "zip_directory.h"
 
 namespace py = pybind11;
@@ -28,11 +25,22 @@ namespace {
 // Deeper than the bounds pass lets any pickle nest (100): a tree this deep is not the reader's.
 constexpr int kMaxCopyDepth = 200;
 
-const uint8_t* file_bytes(const at::Tensor& file) {
-  TORCH_CHECK(file.device().is_cpu() && file.scalar_type() == at::kByte && file.dim() == 1 && file.is_contiguous() &&
-                  file.storage_offset() == 0 && int64_t(file.storage().nbytes()) == file.numel(),
-              "expected a 1-D contiguous uint8 CPU tensor over a whole file mapping");
-  return file.data_ptr<uint8_t>();
+// A file mapping (an UntypedStorage): where its bytes start, and how many.
+struct FileSpan {
+  uintptr_t at;
+  int64_t size;
+};
+
+FileSpan span_of(PyObject* storage) {
+  py::object at = call_method(storage, "data_ptr");
+  py::object size = call_method(storage, "nbytes");
+  return FileSpan{uintptr_t(int64_of(at.ptr(), "data_ptr")), int64_of(size.ptr(), "nbytes")};
+}
+
+PyObject* attr(PyObject* o, PyObject* name) {  // borrowed by the caller's `held`
+  PyObject* v = PyObject_GetAttr(o, name);
+  if (!v) decline_py("tensor attribute");
+  return v;
 }
 
 // Whether `b`'s entries are `a`'s, in order, but for the folder name every torch.save archive
@@ -229,11 +237,10 @@ bool same_pickle(const py::bytes& a, const py::bytes& b) {
 class Rebase {
  public:
   using Dir = std::shared_ptr<ZipDirectory>;
-  Rebase(const at::Tensor& from, const at::Tensor& to, const Dir& from_dir, const Dir& to_dir,
+  Rebase(const py::object& from, const py::object& to, const Dir& from_dir, const Dir& to_dir,
          const py::tuple& shared, const py::tuple& types)
-      : from_t_(from), to_t_(to), from_(file_bytes(from)), from_size_(from.numel()), to_(to.storage()),
-        to_dir_(to_dir), shared_objects_(shared), types_(types) {
-    file_bytes(to);
+      : kit_(bound_kit()), from_t_(from), to_t_(to), from_(span_of(from.ptr())), to_(to.ptr()),
+        to_size_(span_of(to.ptr()).size), to_dir_(to_dir), shared_objects_(shared), types_(types) {
     if (!same_entries(*from_dir, *to_dir)) throw Declined("the zip directories differ");
     // Sized for a tree of a few objects per entry: rehashing was a tenth of a copy's time.
     made_.reserve(2 * from_dir->entries.size());
@@ -256,7 +263,9 @@ class Rebase {
       if (!found->second) throw Declined("a tuple that contains itself");
       return found->second;
     }
-    if (THPVariable_CheckExact(o)) return remember(o, tensor(o));
+    if (Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(kit_.tensor_type) ||
+        Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(kit_.parameter_type))
+      return remember(o, tensor(o));
     if (PyTuple_CheckExact(o)) return immutable(o, depth);
     if (PyList_CheckExact(o)) return list(o, depth);
     if (PyDict_CheckExact(o)) return dict(o, depth);
@@ -266,22 +275,26 @@ class Rebase {
   }
 
  private:
-  at::Tensor from_t_, to_t_;  // the two mappings, alive while this copies
-  const uint8_t* from_;
-  int64_t from_size_;
-  at::Storage to_;
+  const TorchKit& kit_;
+  py::object from_t_, to_t_;  // the two mappings (UntypedStorage), alive while this copies
+  FileSpan from_;
+  PyObject* to_;
+  int64_t to_size_;
   Dir to_dir_;
   py::tuple shared_objects_, types_;
   std::vector<std::pair<int64_t, size_t>> entry_at_;  // the template's (data offset, entry index), sorted
   std::unordered_set<PyObject*> shared_;
   PyObject *size_type_, *ordered_dict_, *record_type_;
   std::unordered_map<PyObject*, py::object> made_;  // template object -> its copy (memo sharing)
-  std::unordered_map<c10::StorageImpl*, at::Storage> storages_;
+  // The template's storages by data address, with their size: the reader cuts one storage per
+  // key, at its entry's data, and no two entries' data start at one address.
+  std::unordered_map<uintptr_t, std::pair<int64_t, py::object>> storages_;
+  std::vector<std::pair<PyObject*, py::object>> protos_;  // dtype -> an empty tensor of it
 
   // What the reference makes afresh but nobody can change: shared with the template.
   bool leaf(PyObject* o) const {
     return o == Py_None || PyBool_Check(o) || PyLong_CheckExact(o) || PyFloat_CheckExact(o) ||
-           PyUnicode_CheckExact(o) || PyBytes_CheckExact(o) || THPDtype_Check(o) ||
+           PyUnicode_CheckExact(o) || PyBytes_CheckExact(o) || Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(kit_.dtype_type) ||
            Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(size_type_) || shared_.count(o);
   }
 
@@ -290,31 +303,46 @@ class Rebase {
     return made;
   }
 
+  // Asked of the tensor through its Python attributes (this half has no torch headers): what
+  // the reader never makes declines; then the same tensor over this file's storage.
   py::object tensor(PyObject* o) {
-    const at::Tensor& t = THPVariable_Unpack(o);
-    if (t.requires_grad() || !t.device().is_cpu() || t.layout() != at::kStrided || t.is_conj() || t.is_neg())
+    static PyObject* const names[] = {PyUnicode_InternFromString("requires_grad"), PyUnicode_InternFromString("is_cpu"),
+                                      PyUnicode_InternFromString("layout"), PyUnicode_InternFromString("dtype"),
+                                      PyUnicode_InternFromString("shape")};
+    py::object requires_grad = own(attr(o, names[0]), "requires_grad"), cpu = own(attr(o, names[1]), "is_cpu");
+    py::object layout = own(attr(o, names[2]), "layout");
+    if (requires_grad.ptr() != Py_False || cpu.ptr() != Py_True || layout.ptr() != kit_.strided ||
+        call_method(o, "is_conj").ptr() != Py_False || call_method(o, "is_neg").ptr() != Py_False)
       throw Declined("a tensor the reader does not make");
-    c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-    const auto* data = static_cast<const uint8_t*>(impl->data());
-    int64_t nbytes = int64_t(impl->nbytes());
-    if (data < from_ || nbytes > from_size_ || data - from_ > from_size_ - nbytes)
+    py::object storage = call_method(o, "untyped_storage");
+    const FileSpan s = span_of(storage.ptr());
+    if (s.at < from_.at || s.size > from_.size || int64_t(s.at - from_.at) > from_.size - s.size)
       throw Declined("a storage outside the template's mapping");
-    auto s = storages_.find(impl);
-    if (s == storages_.end()) s = storages_.emplace(impl, storage_like(data - from_, nbytes)).first;
-    auto out = c10::make_intrusive<c10::TensorImpl>(c10::Storage(s->second), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                    t.dtype());
-    out->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-    return own(THPVariable_Wrap(at::Tensor(std::move(out))), "tensor");
+    auto found = storages_.find(s.at);
+    if (found == storages_.end())
+      found = storages_.emplace(s.at, std::make_pair(s.size, storage_like(int64_t(s.at - from_.at), s.size))).first;
+    if (found->second.first != s.size) throw Declined("two storages at one address");
+    py::object dtype = own(attr(o, names[3]), "dtype"), shape = own(attr(o, names[4]), "shape");
+    py::object stride = call_method(o, "stride");
+    const int64_t offset = int64_of(call_method(o, "storage_offset").ptr(), "storage_offset");
+    return tensor_over(proto(dtype.ptr()), found->second.second.ptr(), offset, shape.ptr(), stride.ptr());
+  }
+
+  PyObject* proto(PyObject* dtype) {  // an empty tensor of `dtype`, made once
+    for (const auto& [d, p] : protos_)
+      if (d == dtype) return p.ptr();
+    protos_.emplace_back(dtype, own(PyObject_CallOneArg(kit_.empty_of, dtype), "empty tensor"));
+    return protos_.back().second.ptr();  // dtypes are torch's singletons: the pointer stays valid
   }
 
   // The storage the reader cut for the same key from this file: the entry whose data the
   // template's storage starts, at its offset here.
-  at::Storage storage_like(int64_t offset, int64_t nbytes) {
+  py::object storage_like(int64_t offset, int64_t nbytes) {
     auto e = std::lower_bound(entry_at_.begin(), entry_at_.end(), std::make_pair(offset, size_t(0)));
     if (e == entry_at_.end() || e->first != offset) throw Declined("a storage that is no zip entry's data");
     const ZipEntry& here = to_dir_->entries[e->second];
-    if (here.size != nbytes || here.data_offset > int64_t(to_.nbytes()) - nbytes) throw Declined("storage size");
-    return view_of(to_, here.data_offset, nbytes);
+    if (here.size != nbytes || here.data_offset > to_size_ - nbytes) throw Declined("storage size");
+    return cut(to_, here.data_offset, nbytes);
   }
 
   // Sets are not copied: the same items added again need not iterate in the same order.
@@ -418,10 +446,8 @@ template <typename F>
 py::tuple declining(F&& f) {
   try {
     return py::make_tuple(true, f());
-  } catch (const Declined& e) {
+  } catch (const Declined& e) {  // a torch call that failed too: never the file's fault, it is read in full
     return py::make_tuple(false, std::string(e.what()));
-  } catch (const c10::Error& e) {  // never the file's fault: the file is then read in full
-    return py::make_tuple(false, std::string("torch: ") + e.what_without_backtrace());
   }
 }
 
@@ -440,7 +466,7 @@ void register_twin(py::module_& m) {
       "holds what the copy does not know");
   m.def(
       "twin",
-      [](const at::Tensor& from, const at::Tensor& to, const Rebase::Dir& from_dir, const Rebase::Dir& to_dir,
+      [](const py::object& from, const py::object& to, const Rebase::Dir& from_dir, const Rebase::Dir& to_dir,
          const py::tuple& shared, const py::tuple& types) {
         return declining([&] { return py::cast(new Rebase(from, to, from_dir, to_dir, shared, types),
                                                py::return_value_policy::take_ownership); });

@@ -6,12 +6,6 @@
 // reader declines rather than guess.
 #include "unpickle.h"
 
-#include <torch/csrc/Dtype.h>
-#include <torch/csrc/Size.h>
-#include <torch/csrc/autograd/python_variable.h>
-
-#include <c10/util/SmallVector.h>
-
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -20,7 +14,7 @@
 #include "opcodes.h"
 #include "pickle_scan.h"
 #include "py_own.h"
-#include "storage_view.h"
+#include "torch_kit.h"
 #include "zip_directory.h"
 
 namespace py = pybind11;
@@ -120,10 +114,18 @@ bool dunder(PyObject* key) {  // key.startswith("__") of an exact str
   return PyUnicode_GET_LENGTH(key) >= 2 && PyUnicode_READ_CHAR(key, 0) == '_' && PyUnicode_READ_CHAR(key, 1) == '_';
 }
 
+// A tensor's sizes or strides, checked (_dims): at most kMaxDims of them.
+struct Dims {
+  int64_t v[kMaxDims];
+  size_t n = 0;
+  size_t size() const { return n; }
+  int64_t operator[](size_t i) const { return v[i]; }
+};
+
 class Reader {
  public:
-  Reader(const uint8_t* data, size_t n, at::Storage base, const Hooks& hooks, ScanFacts facts)
-      : data_(data), n_(n), base_(std::move(base)), hooks_(hooks),
+  Reader(const uint8_t* data, size_t n, PyObject* mapping, int64_t mapping_bytes, const Hooks& hooks, ScanFacts facts)
+      : data_(data), n_(n), mapping_(mapping), mapping_bytes_(mapping_bytes), kit_(bound_kit()), hooks_(hooks),
         record_setstate_(own(PyObject_GetAttrString(hooks.record_type, "__setstate__"), "__setstate__")),
         memo_slot_(std::move(facts.memo_slot)) {
     memo_.resize(size_t(facts.memo_slots));
@@ -144,17 +146,24 @@ class Reader {
   }
 
  private:
+  // A storage class as read once: its dtype, the dtype's itemsize, an empty tensor of it.
+  struct Kind {
+    Val kind, dtype, proto;
+    int64_t itemsize;
+  };
   struct Stored {
-    at::ScalarType dtype;
+    size_t kind;  // in kinds_
     int64_t numel;
     int64_t nbytes;
-    at::Storage storage;
+    Val storage;  // mapping[offset:offset + nbytes]
   };
 
   const uint8_t* data_;
   size_t n_;
   size_t pos_ = 0;
-  at::Storage base_;
+  PyObject* mapping_;  // the file's UntypedStorage (the caller keeps it alive)
+  int64_t mapping_bytes_;
+  const TorchKit& kit_;
   const Hooks& hooks_;
   py::object record_setstate_;  // DeepSpeedRecord.__setstate__, the stand-ins' own
   std::vector<Val> stack_;
@@ -176,7 +185,7 @@ class Reader {
   std::vector<Stored> storages_;
   std::vector<int32_t> by_number_;  // storage index by numbered key (see ZipDirectory::numbered)
   std::unordered_map<std::string, int32_t> by_key_;  // by any other key
-  std::vector<std::pair<Val, at::ScalarType>> kinds_;  // storage class -> its dtype, as read once
+  std::vector<Kind> kinds_;  // storage classes met so far
   std::vector<std::pair<Val, bool>> setstate_;  // stand-in class -> whether its __setstate__ is the default
   int64_t built_bytes_ = 0;
 
@@ -275,13 +284,13 @@ class Reader {
   bool default_setstate(PyTypeObject* type);
   bool set_plain_state(PyObject* inst, PyObject* state);
   Val persistent(const Val& pid);
-  at::ScalarType dtype_of(PyObject* kind);
+  size_t kind_of(PyObject* kind);
   int32_t& declared(const char* key, size_t len);
   int64_t storage_offset_py(PyObject* key, int64_t nbytes) const;
   Val rebuild_tensor(const Items& args);
   Val rebuild_parameter(const Items& args);
   Val rebuild_from_type(const Items& args);
-  void dims(const Val& v, c10::SmallVector<int64_t, 8>* out);
+  void dims(const Val& v, Dims* out);
 };
 
 void Reader::step(uint8_t op) {
@@ -475,7 +484,7 @@ Val Reader::reduce(const Val& callee, const Val& args) {
   if (f == hooks_.from_type_v2) return rebuild_from_type(items_of(args, scratch));
   // Any other allowlisted object (OrderedDict, set, torch.Size, a stand-in), called as the C
   // unpickler calls it; what is not callable fails and declines.
-  if (f == reinterpret_cast<PyObject*>(&THPSizeType) && args.tuple >= 0 && !holds_storage(args)) return make_size(args);
+  if (f == kit_.size_type && args.tuple >= 0 && !holds_storage(args)) return make_size(args);
   bool empty = args.tuple >= 0 && !args.obj && tuples_[size_t(args.tuple)].count == 0;
   PyObject* a = to_py(args);
   if (!PyTuple_Check(a)) throw Declined("REDUCE arguments are not a tuple");
@@ -495,8 +504,9 @@ Val Reader::make_size(const Val& args) {
   bool plain = dims && ((dims->tuple >= 0 && !holds_storage(*dims)) || (dims->obj && PyTuple_CheckExact(dims->obj)));
   Items items = plain ? items_of(*dims, inner) : Items{nullptr, 0};
   for (size_t i = 0; plain && i < items.size(); ++i) plain = items[i].obj && PyLong_CheckExact(items[i].obj);
-  if (!plain) return py_val(PyObject_CallObject(reinterpret_cast<PyObject*>(&THPSizeType), to_py(args)), "call");
-  Val size = py_val(THPSizeType.tp_alloc(&THPSizeType, Py_ssize_t(items.size())), "torch.Size");
+  if (!plain) return py_val(PyObject_CallObject(kit_.size_type, to_py(args)), "call");
+  auto* size_type = reinterpret_cast<PyTypeObject*>(kit_.size_type);
+  Val size = py_val(size_type->tp_alloc(size_type, Py_ssize_t(items.size())), "torch.Size");
   for (size_t i = 0; i < items.size(); ++i) {
     Py_INCREF(items[i].obj);
     PyTuple_SET_ITEM(size.obj, Py_ssize_t(i), items[i].obj);
@@ -568,13 +578,16 @@ bool Reader::set_plain_state(PyObject* inst, PyObject* state) {
   return true;
 }
 
-at::ScalarType Reader::dtype_of(PyObject* kind) {  // kind.dtype
-  for (const auto& [k, dtype] : kinds_)
-    if (k.obj == kind) return dtype;
-  py::object dtype_obj = own(PyObject_GetAttrString(kind, "dtype"), "storage dtype");
-  if (!THPDtype_Check(dtype_obj.ptr())) throw Declined("storage dtype");
-  kinds_.emplace_back(borrowed(kind), reinterpret_cast<THPDtype*>(dtype_obj.ptr())->scalar_type);
-  return kinds_.back().second;
+size_t Reader::kind_of(PyObject* kind) {  // kind.dtype, its itemsize and an empty tensor of it
+  for (size_t i = 0; i < kinds_.size(); ++i)
+    if (kinds_[i].kind.obj == kind) return i;
+  Val dtype = py_val(PyObject_GetAttrString(kind, "dtype"), "storage dtype");
+  if (Py_TYPE(dtype.obj) != reinterpret_cast<PyTypeObject*>(kit_.dtype_type)) throw Declined("storage dtype");
+  Val itemsize = py_val(PyObject_GetAttrString(dtype.obj, "itemsize"), "itemsize");
+  int64_t bytes = int64_of(itemsize.obj, "itemsize");
+  Val proto = py_val(PyObject_CallOneArg(kit_.empty_of, dtype.obj), "empty tensor");
+  kinds_.push_back(Kind{borrowed(kind), std::move(dtype), std::move(proto), bytes});
+  return kinds_.size() - 1;
 }
 
 int32_t& Reader::declared(const char* key, size_t len) {  // the storage index of `key`, -1 if new
@@ -599,8 +612,8 @@ Val Reader::persistent(const Val& pid) {  // _Storages.__call__
       Py_TYPE(kind) != reinterpret_cast<PyTypeObject*>(hooks_.storage_type) || !PyUnicode_Check(key) ||
       !index_value(p[4], &numel))
     throw Declined("not a storage reference");
-  at::ScalarType dtype = dtype_of(kind);
-  __int128 nbytes128 = __int128(numel) * int64_t(c10::elementSize(dtype));
+  size_t k = kind_of(kind);
+  __int128 nbytes128 = __int128(numel) * kinds_[k].itemsize;
   if (nbytes128 > kInt64Max) throw Declined("storage too large");
   int64_t nbytes = int64_t(nbytes128);
   Py_ssize_t key_len = 0;
@@ -609,13 +622,14 @@ Val Reader::persistent(const Val& pid) {  // _Storages.__call__
   int32_t& index = declared(key_utf8, size_t(key_len));
   if (index >= 0) {
     const Stored& s = storages_[size_t(index)];
-    if (s.nbytes != nbytes || s.dtype != dtype) throw Declined("storage declared twice differently");
+    if (s.nbytes != nbytes || kinds_[s.kind].dtype.obj != kinds_[k].dtype.obj)
+      throw Declined("storage declared twice differently");
     return Val::of_storage(index);
   }
   int64_t offset = hooks_.zip ? hooks_.zip->storage_offset(key_utf8, size_t(key_len), nbytes)
                               : storage_offset_py(key, nbytes);
-  if (offset < 0 || offset > int64_t(base_.nbytes()) - nbytes) throw Declined("storage outside the mapping");
-  storages_.push_back({dtype, numel, nbytes, view_of(base_, offset, nbytes)});
+  if (offset < 0 || offset > mapping_bytes_ - nbytes) throw Declined("storage outside the mapping");
+  storages_.push_back({k, numel, nbytes, Val(cut(mapping_, offset, nbytes).release().ptr())});
   index = int32_t(storages_.size() - 1);
   return Val::of_storage(index);
 }
@@ -627,7 +641,7 @@ int64_t Reader::storage_offset_py(PyObject* key, int64_t nbytes) const {  // the
   return index_value(at.ptr(), &offset) ? offset : -1;
 }
 
-void Reader::dims(const Val& v, c10::SmallVector<int64_t, 8>* out) {  // _dims
+void Reader::dims(const Val& v, Dims* out) {  // _dims
   if (v.tuple >= 0 && !v.obj) {
     if (holds_storage(v)) throw Declined("sizes are not a tuple");
     std::vector<Val> scratch;
@@ -636,7 +650,7 @@ void Reader::dims(const Val& v, c10::SmallVector<int64_t, 8>* out) {  // _dims
     for (size_t i = 0; i < items.size(); ++i) {
       int64_t d = 0;
       if (!index_value(items[i], &d)) throw Declined("a size is not an int in [0, 2**63)");
-      out->push_back(d);
+      out->v[out->n++] = d;
     }
     return;
   }
@@ -649,7 +663,7 @@ void Reader::dims(const Val& v, c10::SmallVector<int64_t, 8>* out) {  // _dims
     int64_t d = 0;
     if (!index_value(tuple ? PyTuple_GET_ITEM(p, i) : PyList_GET_ITEM(p, i), &d))
       throw Declined("a size is not an int in [0, 2**63)");
-    out->push_back(d);
+    out->v[out->n++] = d;
   }
 }
 
@@ -657,7 +671,7 @@ Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
   if (args.size() < 4 || args[0].storage < 0) throw Declined("not a tensor rebuild");
   const Stored& s = storages_[args[0].storage];
   int64_t offset = 0;
-  c10::SmallVector<int64_t, 8> size, stride;
+  Dims size, stride;
   if (!index_value(args[1], &offset)) throw Declined("storage offset");
   dims(args[2], &size);
   dims(args[3], &stride);
@@ -674,18 +688,19 @@ Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
   if (empty) extent = 0;
   // Overlapping strides would let a small file demand terabytes once anything copies it.
   if (numel > s.numel || extent > s.numel) throw Declined("a tensor past its storage");
-  built_bytes_ += int64_t(numel) * int64_t(c10::elementSize(s.dtype));
+  const Kind& kind = kinds_[s.kind];
+  built_bytes_ += int64_t(numel) * kind.itemsize;
   if (built_bytes_ > hooks_.byte_limit) throw Declined("too many bytes of tensors");
-  // What torch.empty(0, dtype=...).set_(storage, offset, size, stride) makes, without two trips
-  // through the dispatcher per tensor.
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(s.storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                   caffe2::TypeMeta::fromScalarType(s.dtype));
-  impl->set_sizes_and_strides(size, stride, offset);
-  return py_val(THPVariable_Wrap(at::Tensor(std::move(impl))), "tensor");
+  // The sizes and strides as the set_ call takes them: the pickle's own tuples (a native one
+  // made a Python tuple now; dims() checked they hold no storage).
+  PyObject* sizes = to_py(args[2]);
+  PyObject* strides = to_py(args[3]);
+  return Val(tensor_over(kind.proto.obj, s.storage.obj, offset, sizes, strides).release().ptr());
 }
 
 Val Reader::rebuild_parameter(const Items& args) {  // _rebuild_parameter
-  if (args.empty() || !args[0].obj || !THPVariable_Check(args[0].obj)) throw Declined("not a tensor");
+  if (args.empty() || !args[0].obj || !PyObject_TypeCheck(args[0].obj, reinterpret_cast<PyTypeObject*>(kit_.tensor_type)))
+    throw Declined("not a tensor");
   return args[0];
 }
 
@@ -707,7 +722,12 @@ Hooks hooks_from(const py::tuple& t) {
                t[8].ptr(), t[9].cast<int64_t>()};
 }
 
-py::tuple unpickle(const py::bytes& data, const at::Tensor& mapping, const py::tuple& hook_tuple) {
+// The mapping's size, asked of the storage itself (its nbytes()).
+int64_t mapping_size(PyObject* mapping) {
+  return int64_of(call_method(mapping, "nbytes").ptr(), "mapping size");
+}
+
+py::tuple unpickle(const py::bytes& data, const py::object& mapping, const py::tuple& hook_tuple) {
   Hooks hooks = hooks_from(hook_tuple);
   const auto* bytes = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(data.ptr()));
   size_t n = size_t(PyBytes_GET_SIZE(data.ptr()));
@@ -717,12 +737,10 @@ py::tuple unpickle(const py::bytes& data, const at::Tensor& mapping, const py::t
       py::gil_scoped_release unlocked;  // the bounds pass touches no Python object
       facts = scan_pickle(bytes, n);
     }
-    Reader reader(bytes, n, mapping.storage(), hooks, std::move(facts));
+    Reader reader(bytes, n, mapping.ptr(), mapping_size(mapping.ptr()), hooks, std::move(facts));
     return py::make_tuple(true, reader.run());
   } catch (const Declined& e) {
     return py::make_tuple(false, std::string(e.what()));
-  } catch (const c10::Error& e) {
-    return py::make_tuple(false, std::string("torch: ") + e.what_without_backtrace());
   }
 }
 

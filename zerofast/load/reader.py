@@ -76,12 +76,14 @@ def read_native(path: Path, index: ArchiveIndex, core: Callable) -> tuple[bool, 
     return core(index.pickle_bytes, _whole_file(path, index), _hooks(index))
 
 
-def _whole_file(path: Path, index: ArchiveIndex) -> torch.Tensor:
-    """The file's bytes as a uint8 tensor: those :func:`~.archive.index_archives` read whole,
-    else its one private mapping (remembered by :func:`map_file`)."""
+def _whole_file(path: Path, index: ArchiveIndex) -> torch.UntypedStorage:
+    """The file's bytes as a storage, which the native reader cuts each tensor's storage out of
+    (``mapping[offset:offset + nbytes]``, as the reference does): those
+    :func:`~.archive.index_archives` read whole, else its one private mapping (remembered by
+    :func:`map_file`)."""
     if index.whole is not None:
-        return index.whole
-    return torch.empty(0, dtype=torch.uint8).set_(map_file(path, index.stat))
+        return index.whole.untyped_storage()
+    return map_file(path, index.stat)
 
 
 @contextmanager
@@ -214,7 +216,7 @@ class Template:
     """A file the native reader read, kept so that files repeating it can be read as its twins."""
 
     index: ArchiveIndex
-    mapping: torch.Tensor  # the whole file, which the result's storages are cut from
+    mapping: torch.UntypedStorage  # the whole file, which the result's storages are cut from
     result: Any
 
 

@@ -237,8 +237,23 @@ def import_core(core: Path) -> Loaded:
     except ImportError as e:
         raise Unavailable(f"{path} does not load ({first_line(e)})") from e
     verify(module)
+    module.bind_torch(torch_kit())
     sys.modules[cache.EXTENSION_NAME] = module
     return Loaded(module, path, cache.read_manifest(core) or {})
+
+
+def torch_kit() -> dict:
+    """The running torch's objects the readers of csrc/load/ work with. That half of the core
+    includes no torch header, so that its code depends on the CPython ABI alone and loads beside
+    any torch: it makes and inspects tensors through these, as the Python reference does."""
+    import torch
+
+    return {"tensor_type": torch.Tensor, "parameter_type": torch.nn.Parameter, "dtype_type": torch.dtype,
+            "size_type": torch.Size, "strided": torch.strided,
+            "empty_of": lambda dtype: torch.empty(0, dtype=dtype),  # a prototype per storage dtype
+            "tensor_new": torch.Tensor.new, "tensor_set": torch.Tensor.set_,
+            "empty_bytes": lambda n: torch.empty(n, dtype=torch.uint8),
+            "storage_base": torch._C.StorageBase}  # its C subscript, under UntypedStorage's Python one
 
 
 def verify(module) -> None:

@@ -1,0 +1,80 @@
+// The torch objects csrc/load/ works with, taken as Python objects (bind_torch, called by
+// zerofast/native/loader.py once the module is imported) instead of torch's C++ headers: this
+// half of the core then depends on the CPython ABI alone and loads beside any torch, and the
+// tensors it makes are made by the running torch's own Python API, as the reference makes them.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+
+#include "py_own.h"
+
+namespace zerofast::load {
+
+struct TorchKit {
+  PyObject* tensor_type = nullptr;     // torch.Tensor
+  PyObject* parameter_type = nullptr;  // torch.nn.Parameter
+  PyObject* dtype_type = nullptr;      // torch.dtype
+  PyObject* size_type = nullptr;       // torch.Size (a tuple subclass: filled item by item)
+  PyObject* strided = nullptr;         // torch.strided
+  PyObject* empty_of = nullptr;        // dtype -> torch.empty(0, dtype=dtype): a prototype per dtype
+  PyObject* tensor_new = nullptr;      // torch.Tensor.new: proto.new() is a fresh empty tensor of its dtype
+  PyObject* tensor_set = nullptr;      // torch.Tensor.set_
+  PyObject* empty_bytes = nullptr;     // n -> torch.empty(n, dtype=torch.uint8)
+  // torch._C.StorageBase's own subscript: UntypedStorage.__getitem__ is a Python method that
+  // checks for a meta storage (a file mapping never is one) and then calls this.
+  PyTypeObject* storage_base = nullptr;
+  binaryfunc storage_subscript = nullptr;
+};
+
+// The bound objects (references held for the process's life: the module is never unloaded).
+inline TorchKit& torch_kit() {
+  static TorchKit kit;
+  return kit;
+}
+
+// The bound kit; a reader called before bind_torch declines (the Python reader then reads).
+inline const TorchKit& bound_kit() {
+  const TorchKit& kit = torch_kit();
+  if (!kit.tensor_set) throw Declined("torch objects not bound (bind_torch)");
+  return kit;
+}
+
+// A Python int's value where it fits int64; declines otherwise.
+inline int64_t int64_of(PyObject* p, const char* what) {
+  int overflow = 0;
+  long long x = p && PyLong_Check(p) ? PyLong_AsLongLongAndOverflow(p, &overflow) : -1;
+  if (!p || !PyLong_Check(p) || overflow || (x == -1 && PyErr_Occurred())) decline_py(what);
+  return x;
+}
+
+inline pybind11::object call_method(PyObject* o, const char* name) {  // o.name()
+  return own(PyObject_CallMethod(o, name, nullptr), name);
+}
+
+// `nbytes` of storage `mapping` (a CPU torch._C.StorageBase) from `offset`: mapping[offset:offset + nbytes], a storage of its
+// own sharing the mapping's memory and keeping it alive, as the Python reference cuts them.
+inline pybind11::object cut(PyObject* mapping, int64_t offset, int64_t nbytes) {
+  pybind11::object lo = own(PyLong_FromLongLong(offset), "int");
+  pybind11::object hi = own(PyLong_FromLongLong(offset + nbytes), "int");
+  pybind11::object range = own(PySlice_New(lo.ptr(), hi.ptr(), nullptr), "slice");
+  const TorchKit& kit = bound_kit();
+  if (!PyObject_TypeCheck(mapping, kit.storage_base)) throw Declined("the mapping is not a storage");
+  return own(kit.storage_subscript(mapping, range.ptr()), "storage");
+}
+
+// proto.new().set_(storage, offset, size, stride): what torch.empty(0, dtype=...).set_(...)
+// makes (the reference's rebuild), with the dtype taken from `proto` instead of parsed again;
+// both through vectorcall, no Python frame. `size` and `stride`: sequences of ints.
+inline pybind11::object tensor_over(PyObject* proto, PyObject* storage, int64_t offset, PyObject* size,
+                                    PyObject* stride) {
+  const TorchKit& kit = bound_kit();
+  PyObject* self[] = {proto};
+  pybind11::object t = own(PyObject_Vectorcall(kit.tensor_new, self, 1, nullptr), "tensor");
+  pybind11::object at = own(PyLong_FromLongLong(offset), "int");
+  PyObject* args[] = {t.ptr(), storage, at.ptr(), size, stride};
+  return own(PyObject_Vectorcall(kit.tensor_set, args, 5, nullptr), "tensor");
+}
+
+}  // namespace zerofast::load
