@@ -36,6 +36,8 @@ void bind_torch(const pybind11::dict& kit) {
   k.tensor_new = take("tensor_new");
   k.tensor_set = take("tensor_set");
   k.empty_bytes = take("empty_bytes");
+  k.from_dlpack = take("from_dlpack");
+  k.dlpack_probe = take("dlpack_probe");
   PyObject* storage_base = take("storage_base");
   auto* base = reinterpret_cast<PyTypeObject*>(storage_base);
   if (!PyType_Check(storage_base) || !base->tp_as_mapping || !base->tp_as_mapping->mp_subscript)

@@ -24,6 +24,8 @@ struct TorchKit {
   PyObject* empty_bytes = nullptr;     // n -> torch.empty(n, dtype=torch.uint8)
   // torch._C.StorageBase's own subscript: UntypedStorage.__getitem__ is a Python method that
   // checks for a meta storage (a file mapping never is one) and then calls this.
+  PyObject* from_dlpack = nullptr;     // torch._C._from_dlpack: a tensor from a "dltensor" capsule
+  PyObject* dlpack_probe = nullptr;    // dtype -> torch.empty(1, dtype=dtype).__dlpack__()
   PyTypeObject* storage_base = nullptr;
   binaryfunc storage_subscript = nullptr;
 };

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "dlpack_tensor.h"
 #include "opcodes.h"
 #include "pickle_scan.h"
 #include "py_own.h"
@@ -133,6 +134,12 @@ class Reader {
     tuple_items_.reserve(facts.tuple_items);
   }
 
+  ~Reader() {
+    if (keeper_) dlpack::release(keeper_);  // the reader's own count (the GIL is held here)
+  }
+  Reader(const Reader&) = delete;
+  Reader& operator=(const Reader&) = delete;
+
   py::object run() {
     for (;;) {
       uint8_t op = *take(1);
@@ -146,16 +153,21 @@ class Reader {
   }
 
  private:
-  // A storage class as read once: its dtype, the dtype's itemsize, an empty tensor of it.
+  // A storage class as read once: its dtype, the dtype's itemsize, an empty tensor of it, and
+  // its DLPack code where torch exports the dtype that way.
   struct Kind {
     Val kind, dtype, proto;
     int64_t itemsize;
+    bool dl;
+    dlpack::DataType dl_dtype;
   };
   struct Stored {
     size_t kind;  // in kinds_
     int64_t numel;
     int64_t nbytes;
-    Val storage;  // mapping[offset:offset + nbytes]
+    int64_t at;    // its bytes' offset in the mapping
+    Val storage;   // mapping[at:at + nbytes], made when a tensor needs it
+    Val first;     // the tensor made over the whole entry through DLPack, whose storage it is
   };
 
   const uint8_t* data_;
@@ -163,6 +175,8 @@ class Reader {
   size_t pos_ = 0;
   PyObject* mapping_;  // the file's UntypedStorage (the caller keeps it alive)
   int64_t mapping_bytes_;
+  uint8_t* mapping_data_ = nullptr;
+  dlpack::Keeper* keeper_ = nullptr;  // the mapping, for the DLPack tensors (one count is the reader's)
   const TorchKit& kit_;
   const Hooks& hooks_;
   py::object record_setstate_;  // DeepSpeedRecord.__setstate__, the stand-ins' own
@@ -288,6 +302,8 @@ class Reader {
   int32_t& declared(const char* key, size_t len);
   int64_t storage_offset_py(PyObject* key, int64_t nbytes) const;
   Val rebuild_tensor(const Items& args);
+  PyObject* storage_of(Stored& s);
+  Val whole_entry(Stored& s, const Kind& kind, const Dims& size, const Dims& stride);
   Val rebuild_parameter(const Items& args);
   Val rebuild_from_type(const Items& args);
   void dims(const Val& v, Dims* out);
@@ -586,7 +602,12 @@ size_t Reader::kind_of(PyObject* kind) {  // kind.dtype, its itemsize and an emp
   Val itemsize = py_val(PyObject_GetAttrString(dtype.obj, "itemsize"), "itemsize");
   int64_t bytes = int64_of(itemsize.obj, "itemsize");
   Val proto = py_val(PyObject_CallOneArg(kit_.empty_of, dtype.obj), "empty tensor");
-  kinds_.push_back(Kind{borrowed(kind), std::move(dtype), std::move(proto), bytes});
+  dlpack::DataType dl{};
+  PyObject* probe = PyObject_CallOneArg(kit_.dlpack_probe, dtype.obj);  // fails for a dtype DLPack lacks
+  bool has_dl = probe && dlpack::dtype_of(probe, &dl);
+  Py_XDECREF(probe);
+  PyErr_Clear();
+  kinds_.push_back(Kind{borrowed(kind), std::move(dtype), std::move(proto), bytes, has_dl, dl});
   return kinds_.size() - 1;
 }
 
@@ -629,7 +650,7 @@ Val Reader::persistent(const Val& pid) {  // _Storages.__call__
   int64_t offset = hooks_.zip ? hooks_.zip->storage_offset(key_utf8, size_t(key_len), nbytes)
                               : storage_offset_py(key, nbytes);
   if (offset < 0 || offset > mapping_bytes_ - nbytes) throw Declined("storage outside the mapping");
-  storages_.push_back({k, numel, nbytes, Val(cut(mapping_, offset, nbytes).release().ptr())});
+  storages_.push_back({k, numel, nbytes, offset, Val(), Val()});
   index = int32_t(storages_.size() - 1);
   return Val::of_storage(index);
 }
@@ -669,7 +690,7 @@ void Reader::dims(const Val& v, Dims* out) {  // _dims
 
 Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
   if (args.size() < 4 || args[0].storage < 0) throw Declined("not a tensor rebuild");
-  const Stored& s = storages_[args[0].storage];
+  Stored& s = storages_[args[0].storage];
   int64_t offset = 0;
   Dims size, stride;
   if (!index_value(args[1], &offset)) throw Declined("storage offset");
@@ -691,11 +712,37 @@ Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
   const Kind& kind = kinds_[s.kind];
   built_bytes_ += int64_t(numel) * kind.itemsize;
   if (built_bytes_ > hooks_.byte_limit) throw Declined("too many bytes of tensors");
+  // The storage's first tensor, at offset 0 and reaching its last element: one DLPack import
+  // makes both (its storage then holds exactly the entry's bytes, as the reference's does).
+  if (kind.dl && offset == 0 && !empty && extent == s.numel && !s.storage.obj && !s.first.obj)
+    return whole_entry(s, kind, size, stride);
   // The sizes and strides as the set_ call takes them: the pickle's own tuples (a native one
   // made a Python tuple now; dims() checked they hold no storage).
   PyObject* sizes = to_py(args[2]);
   PyObject* strides = to_py(args[3]);
-  return Val(tensor_over(kind.proto.obj, s.storage.obj, offset, sizes, strides).release().ptr());
+  return Val(tensor_over(kind.proto.obj, storage_of(s), offset, sizes, strides).release().ptr());
+}
+
+// The storage object of `s`, made once: the first tensor's (one storage per entry, shared by
+// every tensor over it, as in the reference), else cut from the mapping.
+PyObject* Reader::storage_of(Stored& s) {
+  if (!s.storage.obj)
+    s.storage = s.first.obj ? Val(call_method(s.first.obj, "untyped_storage").release().ptr())
+                            : Val(cut(mapping_, s.at, s.nbytes).release().ptr());
+  return s.storage.obj;
+}
+
+Val Reader::whole_entry(Stored& s, const Kind& kind, const Dims& size, const Dims& stride) {
+  if (!keeper_) {
+    if (!PyObject_TypeCheck(mapping_, kit_.storage_base)) throw Declined("the mapping is not a storage");
+    mapping_data_ = reinterpret_cast<uint8_t*>(uintptr_t(int64_of(call_method(mapping_, "data_ptr").ptr(), "data_ptr")));
+    keeper_ = new dlpack::Keeper(mapping_);
+  }
+  py::object cap = own(dlpack::capsule(keeper_, mapping_data_ + s.at, kind.dl_dtype, size.size(), size.v, stride.v),
+                       "capsule");
+  PyObject* arg[] = {cap.ptr()};
+  s.first = py_val(PyObject_Vectorcall(kit_.from_dlpack, arg, 1, nullptr), "from_dlpack");
+  return s.first;
 }
 
 Val Reader::rebuild_parameter(const Items& args) {  // _rebuild_parameter

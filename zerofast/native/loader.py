@@ -253,6 +253,8 @@ def torch_kit() -> dict:
             "empty_of": lambda dtype: torch.empty(0, dtype=dtype),  # a prototype per storage dtype
             "tensor_new": torch.Tensor.new, "tensor_set": torch.Tensor.set_,
             "empty_bytes": lambda n: torch.empty(n, dtype=torch.uint8),
+            "from_dlpack": torch._C._from_dlpack,  # csrc/load/dlpack_tensor.h
+            "dlpack_probe": lambda dtype: torch.empty(1, dtype=dtype).__dlpack__(),  # the DLPack code of a dtype
             "storage_base": torch._C.StorageBase}  # its C subscript, under UntypedStorage's Python one
 
 
