@@ -303,3 +303,26 @@ def test_tensors_keep_the_file_mapping_alive(tmp_path, monkeypatch):
     del tree
     gc.collect()
     assert torch.equal(w.clone(), value["w"])
+
+
+def test_twin_copies_share_one_storage_per_entry_as_the_reference_does(tmp_path):
+    from zerofast.load.unpickle import load_indexed
+
+    def tree(k: int) -> dict:
+        line, grid = torch.arange(24, dtype=torch.float32) + k, torch.arange(12).reshape(3, 4) + k
+        return {"line": [line, line[4:10], line[3:]], "grid": [grid.t(), grid, grid[1]],
+                "placeholders": [torch.empty(0), torch.empty(0, dtype=torch.bfloat16)]}
+
+    first, second = tmp_path / "rank0.pt", tmp_path / "rank1.pt"
+    torch.save(tree(0), first)
+    torch.save(tree(100), second)
+    _, template = reader.load_like(first, [])
+    assert template is not None, "the first file should be read natively, a template"
+    twin, which = reader.load_like(second, [template])
+    assert which == 0, "the second file should be the first's twin"
+    got, want = twin.tree(), load_indexed(second, index_archive(second))
+    for key, tensors in want.items():
+        assert _storage_ids(got[key]) == _storage_ids(tensors), key
+        for a, b in zip(got[key], tensors):
+            assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset()), key
+            assert a.untyped_storage().nbytes() == b.untyped_storage().nbytes() and torch.equal(a, b), key

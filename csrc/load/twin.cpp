@@ -11,6 +11,7 @@
 #include <unordered_set>
 #include <memory>
 
+#include "dlpack_tensor.h"
 #include "opcodes.h"
 #include "pickle_scan.h"
 #include "py_own.h"
@@ -240,7 +241,7 @@ class Rebase {
   Rebase(const py::object& from, const py::object& to, const Dir& from_dir, const Dir& to_dir,
          const py::tuple& shared, const py::tuple& types)
       : kit_(bound_kit()), from_t_(from), to_t_(to), from_(span_of(from.ptr())), to_(to.ptr()),
-        to_size_(span_of(to.ptr()).size), to_dir_(to_dir), shared_objects_(shared), types_(types) {
+        to_size_(span_of(to.ptr()).size), to_data_(span_of(to.ptr()).at), to_dir_(to_dir), shared_objects_(shared), types_(types) {
     if (!same_entries(*from_dir, *to_dir)) throw Declined("the zip directories differ");
     // Sized for a tree of a few objects per entry: rehashing was a tenth of a copy's time.
     made_.reserve(2 * from_dir->entries.size());
@@ -254,6 +255,12 @@ class Rebase {
     ordered_dict_ = types[1].ptr();
     record_type_ = types[2].ptr();
   }
+
+  ~Rebase() {
+    if (keeper_) dlpack::release(keeper_);  // pybind11 deletes the copier with the GIL held
+  }
+  Rebase(const Rebase&) = delete;
+  Rebase& operator=(const Rebase&) = delete;
 
   py::object copy(PyObject* o, int depth) {
     if (leaf(o)) return py::reinterpret_borrow<py::object>(o);
@@ -280,6 +287,7 @@ class Rebase {
   FileSpan from_;
   PyObject* to_;
   int64_t to_size_;
+  uintptr_t to_data_;
   Dir to_dir_;
   py::tuple shared_objects_, types_;
   std::vector<std::pair<int64_t, size_t>> entry_at_;  // the template's (data offset, entry index), sorted
@@ -288,8 +296,22 @@ class Rebase {
   std::unordered_map<PyObject*, py::object> made_;  // template object -> its copy (memo sharing)
   // The template's storages by data address, with their size: the reader cuts one storage per
   // key, at its entry's data, and no two entries' data start at one address.
-  std::unordered_map<uintptr_t, std::pair<int64_t, py::object>> storages_;
-  std::vector<std::pair<PyObject*, py::object>> protos_;  // dtype -> an empty tensor of it
+  struct Copied {  // a template storage's counterpart here
+    int64_t size;
+    py::object storage;  // made when a tensor needs it
+    py::object first;    // the tensor made over the whole entry through DLPack, whose storage it is
+    int64_t at;          // the entry's data offset in this file
+  };
+  std::unordered_map<uintptr_t, Copied> storages_;
+  struct Dtype {  // what a tensor of one dtype is made with (dtypes are torch's singletons)
+    PyObject* dtype;
+    py::object proto;  // an empty tensor of it
+    int64_t itemsize;
+    bool dl;
+    dlpack::DataType dl_dtype;
+  };
+  std::vector<Dtype> dtypes_;
+  dlpack::Keeper* keeper_ = nullptr;  // `to`, for the DLPack tensors (one count is this copier's)
 
   // What the reference makes afresh but nobody can change: shared with the template.
   bool leaf(PyObject* o) const {
@@ -320,29 +342,70 @@ class Rebase {
       throw Declined("a storage outside the template's mapping");
     auto found = storages_.find(s.at);
     if (found == storages_.end())
-      found = storages_.emplace(s.at, std::make_pair(s.size, storage_like(int64_t(s.at - from_.at), s.size))).first;
-    if (found->second.first != s.size) throw Declined("two storages at one address");
-    py::object dtype = own(attr(o, names[3]), "dtype"), shape = own(attr(o, names[4]), "shape");
+      found = storages_.emplace(s.at, Copied{s.size, py::object(), py::object(), entry_like(int64_t(s.at - from_.at), s.size)}).first;
+    Copied& c = found->second;
+    if (c.size != s.size) throw Declined("two storages at one address");
+    py::object dtype_obj = own(attr(o, names[3]), "dtype"), shape = own(attr(o, names[4]), "shape");
     py::object stride = call_method(o, "stride");
     const int64_t offset = int64_of(call_method(o, "storage_offset").ptr(), "storage_offset");
-    return tensor_over(proto(dtype.ptr()), found->second.second.ptr(), offset, shape.ptr(), stride.ptr());
+    const Dtype& dtype = dtype_info(dtype_obj.ptr());
+    if (!c.storage && !c.first && offset == 0 && dtype.dl) {
+      py::object made = whole_entry(c, dtype, shape.ptr(), stride.ptr());
+      if (made) return made;
+    }
+    if (!c.storage) c.storage = c.first ? call_method(c.first.ptr(), "untyped_storage") : cut(to_, c.at, c.size);
+    return tensor_over(dtype.proto.ptr(), c.storage.ptr(), offset, shape.ptr(), stride.ptr());
   }
 
-  PyObject* proto(PyObject* dtype) {  // an empty tensor of `dtype`, made once
-    for (const auto& [d, p] : protos_)
-      if (d == dtype) return p.ptr();
-    protos_.emplace_back(dtype, own(PyObject_CallOneArg(kit_.empty_of, dtype), "empty tensor"));
-    return protos_.back().second.ptr();  // dtypes are torch's singletons: the pointer stays valid
+  // As the unpickler makes a storage's first tensor where it spans the entry (see
+  // unpickle.cpp): one DLPack import. Null where the tensor does not span it.
+  py::object whole_entry(Copied& c, const Dtype& dtype, PyObject* shape, PyObject* stride) {
+    int64_t size[64], step[64];
+    const Py_ssize_t n = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
+    if (n < 0 || n > 64 || !PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != n) return py::object();
+    __int128 extent = 1;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      size[i] = int64_of(PyTuple_GET_ITEM(shape, i), "size");
+      step[i] = int64_of(PyTuple_GET_ITEM(stride, i), "stride");
+      if (size[i] < 0 || step[i] < 0) return py::object();
+      extent += __int128(size[i] ? size[i] - 1 : 0) * step[i];
+    }
+    for (Py_ssize_t i = 0; i < n; ++i)
+      if (size[i] == 0) extent = 0;
+    if (extent * dtype.itemsize != c.size) return py::object();
+    if (!keeper_) {
+      if (!PyObject_TypeCheck(to_, kit_.storage_base)) throw Declined("the mapping is not a storage");
+      keeper_ = new dlpack::Keeper(to_);
+    }
+    auto* data = reinterpret_cast<uint8_t*>(to_data_) + c.at;
+    py::object cap = own(dlpack::capsule(keeper_, data, dtype.dl_dtype, size_t(n), size, step), "capsule");
+    PyObject* arg[] = {cap.ptr()};
+    c.first = own(PyObject_Vectorcall(kit_.from_dlpack, arg, 1, nullptr), "from_dlpack");
+    return c.first;
   }
 
-  // The storage the reader cut for the same key from this file: the entry whose data the
-  // template's storage starts, at its offset here.
-  py::object storage_like(int64_t offset, int64_t nbytes) {
+  const Dtype& dtype_info(PyObject* dtype) {  // made once per dtype
+    for (const Dtype& d : dtypes_)
+      if (d.dtype == dtype) return d;
+    py::object itemsize = own(PyObject_GetAttrString(dtype, "itemsize"), "itemsize");
+    Dtype d{dtype, own(PyObject_CallOneArg(kit_.empty_of, dtype), "empty tensor"), int64_of(itemsize.ptr(), "itemsize"),
+            false, {}};
+    PyObject* probe = PyObject_CallOneArg(kit_.dlpack_probe, dtype);  // fails for a dtype DLPack lacks
+    d.dl = probe && dlpack::dtype_of(probe, &d.dl_dtype);
+    Py_XDECREF(probe);
+    PyErr_Clear();
+    dtypes_.push_back(std::move(d));
+    return dtypes_.back();
+  }
+
+  // Where the reader cut the storage of the same key from this file: the data offset here of the
+  // entry whose data the template's storage starts.
+  int64_t entry_like(int64_t offset, int64_t nbytes) {
     auto e = std::lower_bound(entry_at_.begin(), entry_at_.end(), std::make_pair(offset, size_t(0)));
     if (e == entry_at_.end() || e->first != offset) throw Declined("a storage that is no zip entry's data");
     const ZipEntry& here = to_dir_->entries[e->second];
     if (here.size != nbytes || here.data_offset > to_size_ - nbytes) throw Declined("storage size");
-    return cut(to_, here.data_offset, nbytes);
+    return here.data_offset;
   }
 
   // Sets are not copied: the same items added again need not iterate in the same order.

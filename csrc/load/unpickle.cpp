@@ -712,9 +712,10 @@ Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
   const Kind& kind = kinds_[s.kind];
   built_bytes_ += int64_t(numel) * kind.itemsize;
   if (built_bytes_ > hooks_.byte_limit) throw Declined("too many bytes of tensors");
-  // The storage's first tensor, at offset 0 and reaching its last element: one DLPack import
-  // makes both (its storage then holds exactly the entry's bytes, as the reference's does).
-  if (kind.dl && offset == 0 && !empty && extent == s.numel && !s.storage.obj && !s.first.obj)
+  // The storage's first tensor, at offset 0 and reaching its last element (or an empty one over
+  // an empty entry: ZeRO-3's placeholders): one DLPack import makes both, its storage then
+  // holding exactly the entry's bytes, as the reference's does.
+  if (kind.dl && offset == 0 && extent == s.numel && !s.storage.obj && !s.first.obj)
     return whole_entry(s, kind, size, stride);
   // The sizes and strides as the set_ call takes them: the pickle's own tuples (a native one
   // made a Python tuple now; dims() checked they hold no storage).
