@@ -2,8 +2,10 @@
 the Python reference (:mod:`.unpickle`) otherwise, and whenever the native one declines.
 
 The native reader bounds the pickle without the GIL (a port of :mod:`.pickle_bounds`), then
-builds the container tree in C++, keeping storage references native and cutting each tensor
-out of the file mapping there: no Python call per storage or tensor. It resolves globals
+builds the container tree in C++, keeping storage references native and making each tensor
+through torch's own API without a Python frame: one DLPack import for a storage's first tensor
+where it spans its entry, else ``mapping[offset:offset + nbytes]`` and ``set_`` as the
+reference does (csrc/load/ includes no torch header; see native/loader.py's torch_kit). It resolves globals
 through the reference's own :func:`~.unpickle.resolve_global` and storages through the same
 zip index (the native one of csrc/load/zip_directory.cpp where it read the directory), and accepts only what it builds exactly as the reference would. Anything else (an
 opcode outside ``torch.save``'s subset, a global off the allowlist, any failed bound or check)
