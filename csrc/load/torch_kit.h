@@ -45,9 +45,10 @@ inline const TorchKit& bound_kit() {
 
 // A Python int's value where it fits int64; declines otherwise.
 inline int64_t int64_of(PyObject* p, const char* what) {
+  if (!p || !PyLong_Check(p)) throw Declined(what);
   int overflow = 0;
-  long long x = p && PyLong_Check(p) ? PyLong_AsLongLongAndOverflow(p, &overflow) : -1;
-  if (!p || !PyLong_Check(p) || overflow || (x == -1 && PyErr_Occurred())) decline_py(what);
+  const long long x = PyLong_AsLongLongAndOverflow(p, &overflow);
+  if (overflow || (x == -1 && PyErr_Occurred())) decline_py(what);
   return x;
 }
 
