@@ -52,12 +52,34 @@ inline int64_t int64_of(PyObject* p, const char* what) {
   return x;
 }
 
-inline pybind11::object call_method(PyObject* o, const char* name) {  // o.name()
-  return own(PyObject_CallMethod(o, name, nullptr), name);
+// The names the readers ask torch's objects for, interned once: `o.name()` then builds no str
+// and finds the method by a hash already computed (the twin asks each tensor a dozen of them).
+struct Names {
+  PyObject *data_ptr, *nbytes, *untyped_storage, *storage_offset, *stride, *is_conj, *is_neg, *requires_grad, *is_cpu,
+      *layout, *dtype, *shape;
+};
+
+inline const Names& names() {
+  static const Names n{PyUnicode_InternFromString("data_ptr"), PyUnicode_InternFromString("nbytes"),
+                       PyUnicode_InternFromString("untyped_storage"), PyUnicode_InternFromString("storage_offset"),
+                       PyUnicode_InternFromString("stride"), PyUnicode_InternFromString("is_conj"),
+                       PyUnicode_InternFromString("is_neg"), PyUnicode_InternFromString("requires_grad"),
+                       PyUnicode_InternFromString("is_cpu"), PyUnicode_InternFromString("layout"),
+                       PyUnicode_InternFromString("dtype"), PyUnicode_InternFromString("shape")};
+  return n;
 }
 
-// `nbytes` of storage `mapping` (a CPU torch._C.StorageBase) from `offset`: mapping[offset:offset + nbytes], a storage of its
-// own sharing the mapping's memory and keeping it alive, as the Python reference cuts them.
+inline pybind11::object call_method(PyObject* o, PyObject* name) {  // o.name()
+  return own(PyObject_VectorcallMethod(name, &o, 1, nullptr), "method");
+}
+
+inline pybind11::object get_attr(PyObject* o, PyObject* name) {  // o.name
+  return own(PyObject_GetAttr(o, name), "attribute");
+}
+
+// `nbytes` of storage `mapping` (a CPU torch._C.StorageBase) from `offset`:
+// mapping[offset:offset + nbytes], a storage of its own sharing the mapping's memory and keeping
+// it alive, as the Python reference cuts them.
 inline pybind11::object cut(PyObject* mapping, int64_t offset, int64_t nbytes) {
   pybind11::object lo = own(PyLong_FromLongLong(offset), "int");
   pybind11::object hi = own(PyLong_FromLongLong(offset + nbytes), "int");

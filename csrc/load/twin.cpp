@@ -33,16 +33,11 @@ struct FileSpan {
 };
 
 FileSpan span_of(PyObject* storage) {
-  py::object at = call_method(storage, "data_ptr");
-  py::object size = call_method(storage, "nbytes");
+  py::object at = call_method(storage, names().data_ptr);
+  py::object size = call_method(storage, names().nbytes);
   return FileSpan{uintptr_t(int64_of(at.ptr(), "data_ptr")), int64_of(size.ptr(), "nbytes")};
 }
 
-PyObject* attr(PyObject* o, PyObject* name) {  // borrowed by the caller's `held`
-  PyObject* v = PyObject_GetAttr(o, name);
-  if (!v) decline_py("tensor attribute");
-  return v;
-}
 
 // Whether `b`'s entries are `a`'s, in order, but for the folder name every torch.save archive
 // puts first (each rank file's own stem): the same names after it, sizes and methods, data.pkl
@@ -241,7 +236,8 @@ class Rebase {
   Rebase(const py::object& from, const py::object& to, const Dir& from_dir, const Dir& to_dir,
          const py::tuple& shared, const py::tuple& types)
       : kit_(bound_kit()), from_t_(from), to_t_(to), from_(span_of(from.ptr())), to_(to.ptr()),
-        to_size_(span_of(to.ptr()).size), to_data_(span_of(to.ptr()).at), to_dir_(to_dir), shared_objects_(shared), types_(types) {
+        to_size_(span_of(to.ptr()).size), to_data_(span_of(to.ptr()).at), to_dir_(to_dir), shared_objects_(shared),
+        types_(types) {
     if (!same_entries(*from_dir, *to_dir)) throw Declined("the zip directories differ");
     // Sized for a tree of a few objects per entry: rehashing was a tenth of a copy's time.
     made_.reserve(2 * from_dir->entries.size());
@@ -316,7 +312,8 @@ class Rebase {
   // What the reference makes afresh but nobody can change: shared with the template.
   bool leaf(PyObject* o) const {
     return o == Py_None || PyBool_Check(o) || PyLong_CheckExact(o) || PyFloat_CheckExact(o) ||
-           PyUnicode_CheckExact(o) || PyBytes_CheckExact(o) || Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(kit_.dtype_type) ||
+           PyUnicode_CheckExact(o) || PyBytes_CheckExact(o) ||
+           Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(kit_.dtype_type) ||
            Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(size_type_) || shared_.count(o);
   }
 
@@ -325,35 +322,42 @@ class Rebase {
     return made;
   }
 
-  // Asked of the tensor through its Python attributes (this half has no torch headers): what
-  // the reader never makes declines; then the same tensor over this file's storage.
-  py::object tensor(PyObject* o) {
-    static PyObject* const names[] = {PyUnicode_InternFromString("requires_grad"), PyUnicode_InternFromString("is_cpu"),
-                                      PyUnicode_InternFromString("layout"), PyUnicode_InternFromString("dtype"),
-                                      PyUnicode_InternFromString("shape")};
-    py::object requires_grad = own(attr(o, names[0]), "requires_grad"), cpu = own(attr(o, names[1]), "is_cpu");
-    py::object layout = own(attr(o, names[2]), "layout");
-    if (requires_grad.ptr() != Py_False || cpu.ptr() != Py_True || layout.ptr() != kit_.strided ||
-        call_method(o, "is_conj").ptr() != Py_False || call_method(o, "is_neg").ptr() != Py_False)
+  // What the reader never makes declines. Asked through the tensor's Python attributes: this
+  // half has no torch headers.
+  void check_plain(PyObject* o) const {
+    const Names& n = names();
+    if (get_attr(o, n.requires_grad).ptr() != Py_False || get_attr(o, n.is_cpu).ptr() != Py_True ||
+        get_attr(o, n.layout).ptr() != kit_.strided || call_method(o, n.is_conj).ptr() != Py_False ||
+        call_method(o, n.is_neg).ptr() != Py_False)
       throw Declined("a tensor the reader does not make");
-    py::object storage = call_method(o, "untyped_storage");
+  }
+
+  // The counterpart here of the template storage tensor `o` is over, found once per storage.
+  Copied& counterpart(PyObject* o) {
+    py::object storage = call_method(o, names().untyped_storage);
     const FileSpan s = span_of(storage.ptr());
     if (s.at < from_.at || s.size > from_.size || int64_t(s.at - from_.at) > from_.size - s.size)
       throw Declined("a storage outside the template's mapping");
     auto found = storages_.find(s.at);
     if (found == storages_.end())
-      found = storages_.emplace(s.at, Copied{s.size, py::object(), py::object(), entry_like(int64_t(s.at - from_.at), s.size)}).first;
-    Copied& c = found->second;
-    if (c.size != s.size) throw Declined("two storages at one address");
-    py::object dtype_obj = own(attr(o, names[3]), "dtype"), shape = own(attr(o, names[4]), "shape");
-    py::object stride = call_method(o, "stride");
-    const int64_t offset = int64_of(call_method(o, "storage_offset").ptr(), "storage_offset");
+      found = storages_.emplace(s.at, Copied{s.size, {}, {}, entry_like(int64_t(s.at - from_.at), s.size)}).first;
+    if (found->second.size != s.size) throw Declined("two storages at one address");
+    return found->second;
+  }
+
+  // The same tensor over this file's storage.
+  py::object tensor(PyObject* o) {
+    check_plain(o);
+    Copied& c = counterpart(o);
+    const Names& n = names();
+    py::object dtype_obj = get_attr(o, n.dtype), shape = get_attr(o, n.shape), stride = call_method(o, n.stride);
+    const int64_t offset = int64_of(call_method(o, n.storage_offset).ptr(), "storage_offset");
     const Dtype& dtype = dtype_info(dtype_obj.ptr());
     if (!c.storage && !c.first && offset == 0 && dtype.dl) {
       py::object made = whole_entry(c, dtype, shape.ptr(), stride.ptr());
       if (made) return made;
     }
-    if (!c.storage) c.storage = c.first ? call_method(c.first.ptr(), "untyped_storage") : cut(to_, c.at, c.size);
+    if (!c.storage) c.storage = c.first ? call_method(c.first.ptr(), n.untyped_storage) : cut(to_, c.at, c.size);
     return tensor_over(dtype.proto.ptr(), c.storage.ptr(), offset, shape.ptr(), stride.ptr());
   }
 

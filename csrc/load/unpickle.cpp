@@ -728,7 +728,7 @@ Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
 // every tensor over it, as in the reference), else cut from the mapping.
 PyObject* Reader::storage_of(Stored& s) {
   if (!s.storage.obj)
-    s.storage = s.first.obj ? Val(call_method(s.first.obj, "untyped_storage").release().ptr())
+    s.storage = s.first.obj ? Val(call_method(s.first.obj, names().untyped_storage).release().ptr())
                             : Val(cut(mapping_, s.at, s.nbytes).release().ptr());
   return s.storage.obj;
 }
@@ -736,7 +736,8 @@ PyObject* Reader::storage_of(Stored& s) {
 Val Reader::whole_entry(Stored& s, const Kind& kind, const Dims& size, const Dims& stride) {
   if (!keeper_) {
     if (!PyObject_TypeCheck(mapping_, kit_.storage_base)) throw Declined("the mapping is not a storage");
-    mapping_data_ = reinterpret_cast<uint8_t*>(uintptr_t(int64_of(call_method(mapping_, "data_ptr").ptr(), "data_ptr")));
+    py::object at = call_method(mapping_, names().data_ptr);
+    mapping_data_ = reinterpret_cast<uint8_t*>(uintptr_t(int64_of(at.ptr(), "data_ptr")));
     keeper_ = new dlpack::Keeper(mapping_);
   }
   py::object cap = own(dlpack::capsule(keeper_, mapping_data_ + s.at, kind.dl_dtype, size.size(), size.v, stride.v),
@@ -747,7 +748,8 @@ Val Reader::whole_entry(Stored& s, const Kind& kind, const Dims& size, const Dim
 }
 
 Val Reader::rebuild_parameter(const Items& args) {  // _rebuild_parameter
-  if (args.empty() || !args[0].obj || !PyObject_TypeCheck(args[0].obj, reinterpret_cast<PyTypeObject*>(kit_.tensor_type)))
+  auto* tensor_type = reinterpret_cast<PyTypeObject*>(kit_.tensor_type);
+  if (args.empty() || !args[0].obj || !PyObject_TypeCheck(args[0].obj, tensor_type))
     throw Declined("not a tensor");
   return args[0];
 }
@@ -772,7 +774,7 @@ Hooks hooks_from(const py::tuple& t) {
 
 // The mapping's size, asked of the storage itself (its nbytes()).
 int64_t mapping_size(PyObject* mapping) {
-  return int64_of(call_method(mapping, "nbytes").ptr(), "mapping size");
+  return int64_of(call_method(mapping, names().nbytes).ptr(), "mapping size");
 }
 
 py::tuple unpickle(const py::bytes& data, const py::object& mapping, const py::tuple& hook_tuple) {

@@ -377,7 +377,8 @@ std::vector<OneFile> read_all(const std::vector<std::string>& paths, int64_t who
 py::object bytes_tensor(const std::string& bytes) {
   py::object n = own(PyLong_FromSize_t(bytes.size()), "int");
   py::object t = own(PyObject_CallOneArg(bound_kit().empty_bytes, n.ptr()), "tensor");
-  void* at = reinterpret_cast<void*>(uintptr_t(int64_of(call_method(t.ptr(), "data_ptr").ptr(), "data_ptr")));
+  py::object address = call_method(t.ptr(), names().data_ptr);
+  void* at = reinterpret_cast<void*>(uintptr_t(int64_of(address.ptr(), "data_ptr")));
   std::memcpy(at, bytes.data(), bytes.size());
   return t;
 }
