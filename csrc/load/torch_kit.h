@@ -7,7 +7,9 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <deque>
 
+#include "dlpack_tensor.h"
 #include "py_own.h"
 
 namespace zerofast::load {
@@ -100,6 +102,42 @@ inline pybind11::object tensor_over(PyObject* proto, PyObject* storage, int64_t 
   pybind11::object at = own(PyLong_FromLongLong(offset), "int");
   PyObject* args[] = {t.ptr(), storage, at.ptr(), size, stride};
   return own(PyObject_Vectorcall(kit.tensor_set, args, 5, nullptr), "tensor");
+}
+
+// What tensors of one dtype are made with, found once per process (dtypes are torch's
+// singletons; every file of a thousand-file save asks for the same few).
+struct DtypeInfo {
+  PyObject* dtype;  // the references are held for the process's life
+  PyObject* proto;  // an empty tensor of it: proto.new() is a fresh one
+  int64_t itemsize;
+  bool dl;  // torch exports it through DLPack, as dl_dtype (so imports it back)
+  dlpack::DataType dl_dtype;
+};
+
+// The DLPack code torch gives `dtype`, asked of a one-element tensor's export; false for a
+// dtype DLPack lacks (the probe raises).
+inline bool dlpack_code(PyObject* dtype, dlpack::DataType* out) {
+  PyObject* probe = PyObject_CallOneArg(bound_kit().dlpack_probe, dtype);
+  const bool found = probe && dlpack::dtype_of(probe, out);
+  Py_XDECREF(probe);
+  PyErr_Clear();
+  return found;
+}
+
+inline const DtypeInfo& dtype_info(PyObject* dtype) {  // with the GIL
+  static std::deque<DtypeInfo> known;  // a deque: references to its items stay valid
+  for (const DtypeInfo& d : known)
+    if (d.dtype == dtype) return d;
+  const TorchKit& kit = bound_kit();
+  if (Py_TYPE(dtype) != reinterpret_cast<PyTypeObject*>(kit.dtype_type)) throw Declined("not a torch.dtype");
+  pybind11::object itemsize = own(PyObject_GetAttrString(dtype, "itemsize"), "itemsize");
+  pybind11::object proto = own(PyObject_CallOneArg(kit.empty_of, dtype), "empty tensor");
+  DtypeInfo d{dtype, nullptr, int64_of(itemsize.ptr(), "itemsize"), false, {}};
+  d.dl = dlpack_code(dtype, &d.dl_dtype);
+  Py_INCREF(dtype);
+  d.proto = proto.release().ptr();
+  known.push_back(d);
+  return known.back();
 }
 
 }  // namespace zerofast::load

@@ -299,14 +299,6 @@ class Rebase {
     int64_t at;          // the entry's data offset in this file
   };
   std::unordered_map<uintptr_t, Copied> storages_;
-  struct Dtype {  // what a tensor of one dtype is made with (dtypes are torch's singletons)
-    PyObject* dtype;
-    py::object proto;  // an empty tensor of it
-    int64_t itemsize;
-    bool dl;
-    dlpack::DataType dl_dtype;
-  };
-  std::vector<Dtype> dtypes_;
   dlpack::Keeper* keeper_ = nullptr;  // `to`, for the DLPack tensors (one count is this copier's)
 
   // What the reference makes afresh but nobody can change: shared with the template.
@@ -352,18 +344,18 @@ class Rebase {
     const Names& n = names();
     py::object dtype_obj = get_attr(o, n.dtype), shape = get_attr(o, n.shape), stride = call_method(o, n.stride);
     const int64_t offset = int64_of(call_method(o, n.storage_offset).ptr(), "storage_offset");
-    const Dtype& dtype = dtype_info(dtype_obj.ptr());
+    const DtypeInfo& dtype = dtype_info(dtype_obj.ptr());
     if (!c.storage && !c.first && offset == 0 && dtype.dl) {
       py::object made = whole_entry(c, dtype, shape.ptr(), stride.ptr());
       if (made) return made;
     }
     if (!c.storage) c.storage = c.first ? call_method(c.first.ptr(), n.untyped_storage) : cut(to_, c.at, c.size);
-    return tensor_over(dtype.proto.ptr(), c.storage.ptr(), offset, shape.ptr(), stride.ptr());
+    return tensor_over(dtype.proto, c.storage.ptr(), offset, shape.ptr(), stride.ptr());
   }
 
   // As the unpickler makes a storage's first tensor where it spans the entry (see
   // unpickle.cpp): one DLPack import. Null where the tensor does not span it.
-  py::object whole_entry(Copied& c, const Dtype& dtype, PyObject* shape, PyObject* stride) {
+  py::object whole_entry(Copied& c, const DtypeInfo& dtype, PyObject* shape, PyObject* stride) {
     int64_t size[64], step[64];
     const Py_ssize_t n = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
     if (n < 0 || n > 64 || !PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != n) return py::object();
@@ -388,19 +380,6 @@ class Rebase {
     return c.first;
   }
 
-  const Dtype& dtype_info(PyObject* dtype) {  // made once per dtype
-    for (const Dtype& d : dtypes_)
-      if (d.dtype == dtype) return d;
-    py::object itemsize = own(PyObject_GetAttrString(dtype, "itemsize"), "itemsize");
-    Dtype d{dtype, own(PyObject_CallOneArg(kit_.empty_of, dtype), "empty tensor"), int64_of(itemsize.ptr(), "itemsize"),
-            false, {}};
-    PyObject* probe = PyObject_CallOneArg(kit_.dlpack_probe, dtype);  // fails for a dtype DLPack lacks
-    d.dl = probe && dlpack::dtype_of(probe, &d.dl_dtype);
-    Py_XDECREF(probe);
-    PyErr_Clear();
-    dtypes_.push_back(std::move(d));
-    return dtypes_.back();
-  }
 
   // Where the reader cut the storage of the same key from this file: the data offset here of the
   // entry whose data the template's storage starts.

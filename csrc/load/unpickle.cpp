@@ -153,13 +153,10 @@ class Reader {
   }
 
  private:
-  // A storage class as read once: its dtype, the dtype's itemsize, an empty tensor of it, and
-  // its DLPack code where torch exports the dtype that way.
+  // A storage class as read once, and what its dtype's tensors are made with.
   struct Kind {
-    Val kind, dtype, proto;
-    int64_t itemsize;
-    bool dl;
-    dlpack::DataType dl_dtype;
+    Val kind;
+    const DtypeInfo* dtype;
   };
   struct Stored {
     size_t kind;  // in kinds_
@@ -303,7 +300,7 @@ class Reader {
   int64_t storage_offset_py(PyObject* key, int64_t nbytes) const;
   Val rebuild_tensor(const Items& args);
   PyObject* storage_of(Stored& s);
-  Val whole_entry(Stored& s, const Kind& kind, const Dims& size, const Dims& stride);
+  Val whole_entry(Stored& s, const DtypeInfo& dtype, const Dims& size, const Dims& stride);
   Val rebuild_parameter(const Items& args);
   Val rebuild_from_type(const Items& args);
   void dims(const Val& v, Dims* out);
@@ -594,20 +591,12 @@ bool Reader::set_plain_state(PyObject* inst, PyObject* state) {
   return true;
 }
 
-size_t Reader::kind_of(PyObject* kind) {  // kind.dtype, its itemsize and an empty tensor of it
+size_t Reader::kind_of(PyObject* kind) {  // kind.dtype, and what its tensors are made with
   for (size_t i = 0; i < kinds_.size(); ++i)
     if (kinds_[i].kind.obj == kind) return i;
   Val dtype = py_val(PyObject_GetAttrString(kind, "dtype"), "storage dtype");
   if (Py_TYPE(dtype.obj) != reinterpret_cast<PyTypeObject*>(kit_.dtype_type)) throw Declined("storage dtype");
-  Val itemsize = py_val(PyObject_GetAttrString(dtype.obj, "itemsize"), "itemsize");
-  int64_t bytes = int64_of(itemsize.obj, "itemsize");
-  Val proto = py_val(PyObject_CallOneArg(kit_.empty_of, dtype.obj), "empty tensor");
-  dlpack::DataType dl{};
-  PyObject* probe = PyObject_CallOneArg(kit_.dlpack_probe, dtype.obj);  // fails for a dtype DLPack lacks
-  bool has_dl = probe && dlpack::dtype_of(probe, &dl);
-  Py_XDECREF(probe);
-  PyErr_Clear();
-  kinds_.push_back(Kind{borrowed(kind), std::move(dtype), std::move(proto), bytes, has_dl, dl});
+  kinds_.push_back(Kind{borrowed(kind), &dtype_info(dtype.obj)});
   return kinds_.size() - 1;
 }
 
@@ -634,7 +623,7 @@ Val Reader::persistent(const Val& pid) {  // _Storages.__call__
       !index_value(p[4], &numel))
     throw Declined("not a storage reference");
   size_t k = kind_of(kind);
-  __int128 nbytes128 = __int128(numel) * kinds_[k].itemsize;
+  __int128 nbytes128 = __int128(numel) * kinds_[k].dtype->itemsize;
   if (nbytes128 > kInt64Max) throw Declined("storage too large");
   int64_t nbytes = int64_t(nbytes128);
   Py_ssize_t key_len = 0;
@@ -643,7 +632,7 @@ Val Reader::persistent(const Val& pid) {  // _Storages.__call__
   int32_t& index = declared(key_utf8, size_t(key_len));
   if (index >= 0) {
     const Stored& s = storages_[size_t(index)];
-    if (s.nbytes != nbytes || kinds_[s.kind].dtype.obj != kinds_[k].dtype.obj)
+    if (s.nbytes != nbytes || kinds_[s.kind].dtype != kinds_[k].dtype)
       throw Declined("storage declared twice differently");
     return Val::of_storage(index);
   }
@@ -709,19 +698,19 @@ Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
   if (empty) extent = 0;
   // Overlapping strides would let a small file demand terabytes once anything copies it.
   if (numel > s.numel || extent > s.numel) throw Declined("a tensor past its storage");
-  const Kind& kind = kinds_[s.kind];
-  built_bytes_ += int64_t(numel) * kind.itemsize;
+  const DtypeInfo& dtype = *kinds_[s.kind].dtype;
+  built_bytes_ += int64_t(numel) * dtype.itemsize;
   if (built_bytes_ > hooks_.byte_limit) throw Declined("too many bytes of tensors");
   // The storage's first tensor, at offset 0 and reaching its last element (or an empty one over
   // an empty entry: ZeRO-3's placeholders): one DLPack import makes both, its storage then
   // holding exactly the entry's bytes, as the reference's does.
-  if (kind.dl && offset == 0 && extent == s.numel && !s.storage.obj && !s.first.obj)
-    return whole_entry(s, kind, size, stride);
+  if (dtype.dl && offset == 0 && extent == s.numel && !s.storage.obj && !s.first.obj)
+    return whole_entry(s, dtype, size, stride);
   // The sizes and strides as the set_ call takes them: the pickle's own tuples (a native one
   // made a Python tuple now; dims() checked they hold no storage).
   PyObject* sizes = to_py(args[2]);
   PyObject* strides = to_py(args[3]);
-  return Val(tensor_over(kind.proto.obj, storage_of(s), offset, sizes, strides).release().ptr());
+  return Val(tensor_over(dtype.proto, storage_of(s), offset, sizes, strides).release().ptr());
 }
 
 // The storage object of `s`, made once: the first tensor's (one storage per entry, shared by
@@ -733,14 +722,14 @@ PyObject* Reader::storage_of(Stored& s) {
   return s.storage.obj;
 }
 
-Val Reader::whole_entry(Stored& s, const Kind& kind, const Dims& size, const Dims& stride) {
+Val Reader::whole_entry(Stored& s, const DtypeInfo& dtype, const Dims& size, const Dims& stride) {
   if (!keeper_) {
     if (!PyObject_TypeCheck(mapping_, kit_.storage_base)) throw Declined("the mapping is not a storage");
     py::object at = call_method(mapping_, names().data_ptr);
     mapping_data_ = reinterpret_cast<uint8_t*>(uintptr_t(int64_of(at.ptr(), "data_ptr")));
     keeper_ = new dlpack::Keeper(mapping_);
   }
-  py::object cap = own(dlpack::capsule(keeper_, mapping_data_ + s.at, kind.dl_dtype, size.size(), size.v, stride.v),
+  py::object cap = own(dlpack::capsule(keeper_, mapping_data_ + s.at, dtype.dl_dtype, size.size(), size.v, stride.v),
                        "capsule");
   PyObject* arg[] = {cap.ptr()};
   s.first = py_val(PyObject_Vectorcall(kit_.from_dlpack, arg, 1, nullptr), "from_dlpack");
