@@ -251,3 +251,78 @@ def test_the_memo_keeps_what_is_read_back_and_refuses_what_the_reference_refuses
     assert tree[:3] == [1, 2, 2] and tree[3] is tree
     tree = native("shared_tuple")
     assert tree == [(1, 2)] * 3 and tree[0] is tree[1] is tree[2]
+
+
+# -- tensors made through DLPack (csrc/load/dlpack_tensor.h) -----------------------------------------
+
+def _storage_views() -> dict[str, object]:
+    base = torch.arange(24, dtype=torch.float32)
+    grid = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    return {
+        "whole_then_view": [base, base[4:10]],  # the DLPack tensor first, a view of its storage after
+        "view_then_whole": [base[4:10], base],
+        "offset_only": [base[3:]],
+        "transposed_whole": [grid.t()],  # spans its entry without being contiguous
+        "two_tensors_one_entry": [grid, grid.t(), grid[1]],
+        "empty": [torch.empty(0, dtype=torch.float16)],
+        "dtypes": [torch.ones(3, dtype=d) for d in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                                                     torch.float16, torch.bfloat16, torch.float64,
+                                                     torch.complex64)],
+    }
+
+
+def _storage_ids(tree: list) -> list[int]:
+    """Each tensor's storage object numbered by first appearance: the sharing pattern."""
+    seen: dict[int, int] = {}
+    return [seen.setdefault(t.untyped_storage()._cdata, len(seen)) for t in tree]
+
+
+def test_tensors_share_one_storage_per_entry_as_the_reference_does(tmp_path, monkeypatch):
+    cases = _storage_views()
+    tally = _check(tmp_path, monkeypatch, cases, accepted=set(cases))
+    assert tally.native == len(cases), "each case should be read natively"
+    for label, value in cases.items():
+        native = _native_tree(tmp_path / f"{label}.pt")["zf_case"]
+        reference = _verdict(tmp_path / f"{label}.pt", monkeypatch, native=False)[1]["zf_case"]
+        assert _storage_ids(native) == _storage_ids(reference[:len(native)]), label
+        for got, want in zip(native, value):
+            assert torch.equal(got, want), label
+
+
+def test_tensors_keep_the_file_mapping_alive(tmp_path, monkeypatch):
+    value = {"w": torch.arange(1000, dtype=torch.float32), "v": torch.arange(7, dtype=torch.int16)}
+    path = tmp_path / "alone.pt"
+    torch.save(value, path)
+    ok, tree = reader.read_native(path, index_archive(path), CORE)
+    assert ok, tree
+    import gc
+    gc.collect()
+    path.unlink()  # the mapping stays while a tensor over it lives, whatever else is dropped
+    assert torch.equal(tree["w"], value["w"]) and torch.equal(tree["v"], value["v"])
+    w = tree.pop("w")
+    del tree
+    gc.collect()
+    assert torch.equal(w.clone(), value["w"])
+
+
+def test_twin_copies_share_one_storage_per_entry_as_the_reference_does(tmp_path):
+    from zerofast.load.unpickle import load_indexed
+
+    def tree(k: int) -> dict:
+        line, grid = torch.arange(24, dtype=torch.float32) + k, torch.arange(12).reshape(3, 4) + k
+        return {"line": [line, line[4:10], line[3:]], "grid": [grid.t(), grid, grid[1]],
+                "placeholders": [torch.empty(0), torch.empty(0, dtype=torch.bfloat16)]}
+
+    first, second = tmp_path / "rank0.pt", tmp_path / "rank1.pt"
+    torch.save(tree(0), first)
+    torch.save(tree(100), second)
+    _, template = reader.load_like(first, [])
+    assert template is not None, "the first file should be read natively, a template"
+    twin, which = reader.load_like(second, [template])
+    assert which == 0, "the second file should be the first's twin"
+    got, want = twin.tree(), load_indexed(second, index_archive(second))
+    for key, tensors in want.items():
+        assert _storage_ids(got[key]) == _storage_ids(tensors), key
+        for a, b in zip(got[key], tensors):
+            assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset()), key
+            assert a.untyped_storage().nbytes() == b.untyped_storage().nbytes() and torch.equal(a, b), key

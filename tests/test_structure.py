@@ -323,3 +323,22 @@ def test_every_subcommand_lives_in_the_cli_package():
     found = [m for m, path in MODULES.items() if not m.startswith("zerofast.cli")
              and re.search(r"\.add_parser\(|add_subparsers\(", path.read_text())]
     assert not found, f"commands defined outside zerofast.cli: {found}"
+
+
+CSRC_LOAD = PACKAGE.parent / "csrc" / "load"
+_TORCH_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](torch|ATen|c10|caffe2)/', re.MULTILINE)
+
+
+def test_the_python_half_of_the_core_includes_no_torch_header():
+    # csrc/load/ is compiled against CPython and pybind11 alone, so that its code loads beside any
+    # torch (issue 45); the torch objects it needs come in through bind_torch.
+    sources = sorted(CSRC_LOAD.glob("*.[ch]*"))
+    assert len(sources) >= 10, f"expected csrc/load/'s sources, found {sources}"
+    offending = [f"{p.name}: {m.group(0).strip()}" for p in sources for m in _TORCH_INCLUDE.finditer(p.read_text())]
+    assert offending == []
+
+
+def test_the_torch_include_check_sees_each_spelling():
+    for line in ("#include <torch/extension.h>", '#include "ATen/Parallel.h"', "  #  include <c10/core/Storage.h>"):
+        assert _TORCH_INCLUDE.search(line), line
+    assert not _TORCH_INCLUDE.search("#include <pybind11/pybind11.h>")

@@ -1,9 +1,9 @@
 // See shapes.h.
 #include "shapes.h"
 
-#include <torch/csrc/Size.h>
-
 #include <climits>
+
+#include "torch_kit.h"
 
 namespace py = pybind11;
 
@@ -16,7 +16,8 @@ constexpr Py_ssize_t kMaxShapeDims = 64;
 // check would refuse it or this pass does not know the type (a subclass: Python decides).
 PyObject* plain_shape(PyObject* value) {
   PyTypeObject* type = Py_TYPE(value);
-  if (type != &PyTuple_Type && type != &PyList_Type && type != &THPSizeType) return nullptr;
+  auto* size_type = reinterpret_cast<PyTypeObject*>(torch_kit().size_type);  // null before bind_torch: not matched
+  if (type != &PyTuple_Type && type != &PyList_Type && type != size_type) return nullptr;
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
   if (n > kMaxShapeDims) return nullptr;
   PyObject** dims = PySequence_Fast_ITEMS(value);

@@ -1,9 +1,6 @@
 // See twin.h.
 #include "twin.h"
 
-#include <torch/csrc/Dtype.h>
-#include <torch/csrc/autograd/python_variable.h>
-
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -14,10 +11,11 @@
 #include <unordered_set>
 #include <memory>
 
+#include "dlpack_tensor.h"
 #include "opcodes.h"
 #include "pickle_scan.h"
 #include "py_own.h"
-#include "storage_view.h"
+#include "torch_kit.h"
 #include "zip_directory.h"
 
 namespace py = pybind11;
@@ -28,12 +26,18 @@ namespace {
 // Deeper than the bounds pass lets any pickle nest (100): a tree this deep is not the reader's.
 constexpr int kMaxCopyDepth = 200;
 
-const uint8_t* file_bytes(const at::Tensor& file) {
-  TORCH_CHECK(file.device().is_cpu() && file.scalar_type() == at::kByte && file.dim() == 1 && file.is_contiguous() &&
-                  file.storage_offset() == 0 && int64_t(file.storage().nbytes()) == file.numel(),
-              "expected a 1-D contiguous uint8 CPU tensor over a whole file mapping");
-  return file.data_ptr<uint8_t>();
+// A file mapping (an UntypedStorage): where its bytes start, and how many.
+struct FileSpan {
+  uintptr_t at;
+  int64_t size;
+};
+
+FileSpan span_of(PyObject* storage) {
+  py::object at = call_method(storage, names().data_ptr);
+  py::object size = call_method(storage, names().nbytes);
+  return FileSpan{uintptr_t(int64_of(at.ptr(), "data_ptr")), int64_of(size.ptr(), "nbytes")};
 }
+
 
 // Whether `b`'s entries are `a`'s, in order, but for the folder name every torch.save archive
 // puts first (each rank file's own stem): the same names after it, sizes and methods, data.pkl
@@ -229,11 +233,11 @@ bool same_pickle(const py::bytes& a, const py::bytes& b) {
 class Rebase {
  public:
   using Dir = std::shared_ptr<ZipDirectory>;
-  Rebase(const at::Tensor& from, const at::Tensor& to, const Dir& from_dir, const Dir& to_dir,
+  Rebase(const py::object& from, const py::object& to, const Dir& from_dir, const Dir& to_dir,
          const py::tuple& shared, const py::tuple& types)
-      : from_t_(from), to_t_(to), from_(file_bytes(from)), from_size_(from.numel()), to_(to.storage()),
-        to_dir_(to_dir), shared_objects_(shared), types_(types) {
-    file_bytes(to);
+      : kit_(bound_kit()), from_t_(from), to_t_(to), from_(span_of(from.ptr())), to_(to.ptr()),
+        to_size_(span_of(to.ptr()).size), to_data_(span_of(to.ptr()).at), to_dir_(to_dir), shared_objects_(shared),
+        types_(types) {
     if (!same_entries(*from_dir, *to_dir)) throw Declined("the zip directories differ");
     // Sized for a tree of a few objects per entry: rehashing was a tenth of a copy's time.
     made_.reserve(2 * from_dir->entries.size());
@@ -248,6 +252,12 @@ class Rebase {
     record_type_ = types[2].ptr();
   }
 
+  ~Rebase() {
+    if (keeper_) dlpack::release(keeper_);  // pybind11 deletes the copier with the GIL held
+  }
+  Rebase(const Rebase&) = delete;
+  Rebase& operator=(const Rebase&) = delete;
+
   py::object copy(PyObject* o, int depth) {
     if (leaf(o)) return py::reinterpret_borrow<py::object>(o);
     if (depth > kMaxCopyDepth) throw Declined("nested too deeply");
@@ -256,7 +266,9 @@ class Rebase {
       if (!found->second) throw Declined("a tuple that contains itself");
       return found->second;
     }
-    if (THPVariable_CheckExact(o)) return remember(o, tensor(o));
+    if (Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(kit_.tensor_type) ||
+        Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(kit_.parameter_type))
+      return remember(o, tensor(o));
     if (PyTuple_CheckExact(o)) return immutable(o, depth);
     if (PyList_CheckExact(o)) return list(o, depth);
     if (PyDict_CheckExact(o)) return dict(o, depth);
@@ -266,22 +278,34 @@ class Rebase {
   }
 
  private:
-  at::Tensor from_t_, to_t_;  // the two mappings, alive while this copies
-  const uint8_t* from_;
-  int64_t from_size_;
-  at::Storage to_;
+  const TorchKit& kit_;
+  py::object from_t_, to_t_;  // the two mappings (UntypedStorage), alive while this copies
+  FileSpan from_;
+  PyObject* to_;
+  int64_t to_size_;
+  uintptr_t to_data_;
   Dir to_dir_;
   py::tuple shared_objects_, types_;
   std::vector<std::pair<int64_t, size_t>> entry_at_;  // the template's (data offset, entry index), sorted
   std::unordered_set<PyObject*> shared_;
   PyObject *size_type_, *ordered_dict_, *record_type_;
   std::unordered_map<PyObject*, py::object> made_;  // template object -> its copy (memo sharing)
-  std::unordered_map<c10::StorageImpl*, at::Storage> storages_;
+  // The template's storages by data address, with their size: the reader cuts one storage per
+  // key, at its entry's data, and no two entries' data start at one address.
+  struct Copied {  // a template storage's counterpart here
+    int64_t size;
+    py::object storage;  // made when a tensor needs it
+    py::object first;    // the tensor made over the whole entry through DLPack, whose storage it is
+    int64_t at;          // the entry's data offset in this file
+  };
+  std::unordered_map<uintptr_t, Copied> storages_;
+  dlpack::Keeper* keeper_ = nullptr;  // `to`, for the DLPack tensors (one count is this copier's)
 
   // What the reference makes afresh but nobody can change: shared with the template.
   bool leaf(PyObject* o) const {
     return o == Py_None || PyBool_Check(o) || PyLong_CheckExact(o) || PyFloat_CheckExact(o) ||
-           PyUnicode_CheckExact(o) || PyBytes_CheckExact(o) || THPDtype_Check(o) ||
+           PyUnicode_CheckExact(o) || PyBytes_CheckExact(o) ||
+           Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(kit_.dtype_type) ||
            Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(size_type_) || shared_.count(o);
   }
 
@@ -290,31 +314,81 @@ class Rebase {
     return made;
   }
 
-  py::object tensor(PyObject* o) {
-    const at::Tensor& t = THPVariable_Unpack(o);
-    if (t.requires_grad() || !t.device().is_cpu() || t.layout() != at::kStrided || t.is_conj() || t.is_neg())
+  // What the reader never makes declines. Asked through the tensor's Python attributes: this
+  // half has no torch headers.
+  void check_plain(PyObject* o) const {
+    const Names& n = names();
+    if (get_attr(o, n.requires_grad).ptr() != Py_False || get_attr(o, n.is_cpu).ptr() != Py_True ||
+        get_attr(o, n.layout).ptr() != kit_.strided || call_method(o, n.is_conj).ptr() != Py_False ||
+        call_method(o, n.is_neg).ptr() != Py_False)
       throw Declined("a tensor the reader does not make");
-    c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
-    const auto* data = static_cast<const uint8_t*>(impl->data());
-    int64_t nbytes = int64_t(impl->nbytes());
-    if (data < from_ || nbytes > from_size_ || data - from_ > from_size_ - nbytes)
-      throw Declined("a storage outside the template's mapping");
-    auto s = storages_.find(impl);
-    if (s == storages_.end()) s = storages_.emplace(impl, storage_like(data - from_, nbytes)).first;
-    auto out = c10::make_intrusive<c10::TensorImpl>(c10::Storage(s->second), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                    t.dtype());
-    out->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-    return own(THPVariable_Wrap(at::Tensor(std::move(out))), "tensor");
   }
 
-  // The storage the reader cut for the same key from this file: the entry whose data the
-  // template's storage starts, at its offset here.
-  at::Storage storage_like(int64_t offset, int64_t nbytes) {
+  // The counterpart here of the template storage tensor `o` is over, found once per storage.
+  Copied& counterpart(PyObject* o) {
+    py::object storage = call_method(o, names().untyped_storage);
+    const FileSpan s = span_of(storage.ptr());
+    if (s.at < from_.at || s.size > from_.size || int64_t(s.at - from_.at) > from_.size - s.size)
+      throw Declined("a storage outside the template's mapping");
+    auto found = storages_.find(s.at);
+    if (found == storages_.end())
+      found = storages_.emplace(s.at, Copied{s.size, {}, {}, entry_like(int64_t(s.at - from_.at), s.size)}).first;
+    if (found->second.size != s.size) throw Declined("two storages at one address");
+    return found->second;
+  }
+
+  // The same tensor over this file's storage.
+  py::object tensor(PyObject* o) {
+    check_plain(o);
+    Copied& c = counterpart(o);
+    const Names& n = names();
+    py::object dtype_obj = get_attr(o, n.dtype), shape = get_attr(o, n.shape), stride = call_method(o, n.stride);
+    const int64_t offset = int64_of(call_method(o, n.storage_offset).ptr(), "storage_offset");
+    const DtypeInfo& dtype = dtype_info(dtype_obj.ptr());
+    if (!c.storage && !c.first && offset == 0 && dtype.dl) {
+      py::object made = whole_entry(c, dtype, shape.ptr(), stride.ptr());
+      if (made) return made;
+    }
+    if (!c.storage) c.storage = c.first ? call_method(c.first.ptr(), n.untyped_storage) : cut(to_, c.at, c.size);
+    return tensor_over(dtype.proto, c.storage.ptr(), offset, shape.ptr(), stride.ptr());
+  }
+
+  // As the unpickler makes a storage's first tensor where it spans the entry (see
+  // unpickle.cpp): one DLPack import. Null where the tensor does not span it.
+  py::object whole_entry(Copied& c, const DtypeInfo& dtype, PyObject* shape, PyObject* stride) {
+    int64_t size[64], step[64];
+    const Py_ssize_t n = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
+    if (n < 0 || n > 64 || !PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != n) return py::object();
+    __int128 extent = 1;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      size[i] = int64_of(PyTuple_GET_ITEM(shape, i), "size");
+      step[i] = int64_of(PyTuple_GET_ITEM(stride, i), "stride");
+      if (size[i] < 0 || step[i] < 0) return py::object();
+      extent += __int128(size[i] ? size[i] - 1 : 0) * step[i];
+    }
+    for (Py_ssize_t i = 0; i < n; ++i)
+      if (size[i] == 0) extent = 0;
+    if (extent * dtype.itemsize != c.size) return py::object();
+    if (!keeper_) {
+      if (!PyObject_TypeCheck(to_, kit_.storage_base)) throw Declined("the mapping is not a storage");
+      keeper_ = new dlpack::Keeper(to_);
+    }
+    auto* data = reinterpret_cast<uint8_t*>(to_data_) + c.at;
+    py::object cap = own(dlpack::capsule(keeper_, data, dtype.dl_dtype, size_t(n), size, step), "capsule");
+    PyObject* arg[] = {cap.ptr()};
+    c.first = own(PyObject_Vectorcall(kit_.from_dlpack, arg, 1, nullptr), "from_dlpack");
+    return c.first;
+  }
+
+
+  // Where the reader cut the storage of the same key from this file: the data offset here of the
+  // entry whose data the template's storage starts.
+  int64_t entry_like(int64_t offset, int64_t nbytes) {
     auto e = std::lower_bound(entry_at_.begin(), entry_at_.end(), std::make_pair(offset, size_t(0)));
     if (e == entry_at_.end() || e->first != offset) throw Declined("a storage that is no zip entry's data");
     const ZipEntry& here = to_dir_->entries[e->second];
-    if (here.size != nbytes || here.data_offset > int64_t(to_.nbytes()) - nbytes) throw Declined("storage size");
-    return view_of(to_, here.data_offset, nbytes);
+    if (here.size != nbytes || here.data_offset > to_size_ - nbytes) throw Declined("storage size");
+    return here.data_offset;
   }
 
   // Sets are not copied: the same items added again need not iterate in the same order.
@@ -418,10 +492,8 @@ template <typename F>
 py::tuple declining(F&& f) {
   try {
     return py::make_tuple(true, f());
-  } catch (const Declined& e) {
+  } catch (const Declined& e) {  // a torch call that failed too: never the file's fault, it is read in full
     return py::make_tuple(false, std::string(e.what()));
-  } catch (const c10::Error& e) {  // never the file's fault: the file is then read in full
-    return py::make_tuple(false, std::string("torch: ") + e.what_without_backtrace());
   }
 }
 
@@ -440,7 +512,7 @@ void register_twin(py::module_& m) {
       "holds what the copy does not know");
   m.def(
       "twin",
-      [](const at::Tensor& from, const at::Tensor& to, const Rebase::Dir& from_dir, const Rebase::Dir& to_dir,
+      [](const py::object& from, const py::object& to, const Rebase::Dir& from_dir, const Rebase::Dir& to_dir,
          const py::tuple& shared, const py::tuple& types) {
         return declining([&] { return py::cast(new Rebase(from, to, from_dir, to_dir, shared, types),
                                                py::return_value_policy::take_ownership); });

@@ -6,21 +6,16 @@
 // reader declines rather than guess.
 #include "unpickle.h"
 
-#include <torch/csrc/Dtype.h>
-#include <torch/csrc/Size.h>
-#include <torch/csrc/autograd/python_variable.h>
-
-#include <c10/util/SmallVector.h>
-
 #include <cstring>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "dlpack_tensor.h"
 #include "opcodes.h"
 #include "pickle_scan.h"
 #include "py_own.h"
-#include "storage_view.h"
+#include "torch_kit.h"
 #include "zip_directory.h"
 
 namespace py = pybind11;
@@ -120,16 +115,30 @@ bool dunder(PyObject* key) {  // key.startswith("__") of an exact str
   return PyUnicode_GET_LENGTH(key) >= 2 && PyUnicode_READ_CHAR(key, 0) == '_' && PyUnicode_READ_CHAR(key, 1) == '_';
 }
 
+// A tensor's sizes or strides, checked (_dims): at most kMaxDims of them.
+struct Dims {
+  int64_t v[kMaxDims];
+  size_t n = 0;
+  size_t size() const { return n; }
+  int64_t operator[](size_t i) const { return v[i]; }
+};
+
 class Reader {
  public:
-  Reader(const uint8_t* data, size_t n, at::Storage base, const Hooks& hooks, ScanFacts facts)
-      : data_(data), n_(n), base_(std::move(base)), hooks_(hooks),
+  Reader(const uint8_t* data, size_t n, PyObject* mapping, int64_t mapping_bytes, const Hooks& hooks, ScanFacts facts)
+      : data_(data), n_(n), mapping_(mapping), mapping_bytes_(mapping_bytes), kit_(bound_kit()), hooks_(hooks),
         record_setstate_(own(PyObject_GetAttrString(hooks.record_type, "__setstate__"), "__setstate__")),
         memo_slot_(std::move(facts.memo_slot)) {
     memo_.resize(size_t(facts.memo_slots));
     tuples_.reserve(facts.tuples);
     tuple_items_.reserve(facts.tuple_items);
   }
+
+  ~Reader() {
+    if (keeper_) dlpack::release(keeper_);  // the reader's own count (the GIL is held here)
+  }
+  Reader(const Reader&) = delete;
+  Reader& operator=(const Reader&) = delete;
 
   py::object run() {
     for (;;) {
@@ -144,17 +153,28 @@ class Reader {
   }
 
  private:
+  // A storage class as read once, and what its dtype's tensors are made with.
+  struct Kind {
+    Val kind;
+    const DtypeInfo* dtype;
+  };
   struct Stored {
-    at::ScalarType dtype;
+    size_t kind;  // in kinds_
     int64_t numel;
     int64_t nbytes;
-    at::Storage storage;
+    int64_t at;    // its bytes' offset in the mapping
+    Val storage;   // mapping[at:at + nbytes], made when a tensor needs it
+    Val first;     // the tensor made over the whole entry through DLPack, whose storage it is
   };
 
   const uint8_t* data_;
   size_t n_;
   size_t pos_ = 0;
-  at::Storage base_;
+  PyObject* mapping_;  // the file's UntypedStorage (the caller keeps it alive)
+  int64_t mapping_bytes_;
+  uint8_t* mapping_data_ = nullptr;
+  dlpack::Keeper* keeper_ = nullptr;  // the mapping, for the DLPack tensors (one count is the reader's)
+  const TorchKit& kit_;
   const Hooks& hooks_;
   py::object record_setstate_;  // DeepSpeedRecord.__setstate__, the stand-ins' own
   std::vector<Val> stack_;
@@ -176,7 +196,7 @@ class Reader {
   std::vector<Stored> storages_;
   std::vector<int32_t> by_number_;  // storage index by numbered key (see ZipDirectory::numbered)
   std::unordered_map<std::string, int32_t> by_key_;  // by any other key
-  std::vector<std::pair<Val, at::ScalarType>> kinds_;  // storage class -> its dtype, as read once
+  std::vector<Kind> kinds_;  // storage classes met so far
   std::vector<std::pair<Val, bool>> setstate_;  // stand-in class -> whether its __setstate__ is the default
   int64_t built_bytes_ = 0;
 
@@ -275,13 +295,15 @@ class Reader {
   bool default_setstate(PyTypeObject* type);
   bool set_plain_state(PyObject* inst, PyObject* state);
   Val persistent(const Val& pid);
-  at::ScalarType dtype_of(PyObject* kind);
+  size_t kind_of(PyObject* kind);
   int32_t& declared(const char* key, size_t len);
   int64_t storage_offset_py(PyObject* key, int64_t nbytes) const;
   Val rebuild_tensor(const Items& args);
+  PyObject* storage_of(Stored& s);
+  Val whole_entry(Stored& s, const DtypeInfo& dtype, const Dims& size, const Dims& stride);
   Val rebuild_parameter(const Items& args);
   Val rebuild_from_type(const Items& args);
-  void dims(const Val& v, c10::SmallVector<int64_t, 8>* out);
+  void dims(const Val& v, Dims* out);
 };
 
 void Reader::step(uint8_t op) {
@@ -475,7 +497,7 @@ Val Reader::reduce(const Val& callee, const Val& args) {
   if (f == hooks_.from_type_v2) return rebuild_from_type(items_of(args, scratch));
   // Any other allowlisted object (OrderedDict, set, torch.Size, a stand-in), called as the C
   // unpickler calls it; what is not callable fails and declines.
-  if (f == reinterpret_cast<PyObject*>(&THPSizeType) && args.tuple >= 0 && !holds_storage(args)) return make_size(args);
+  if (f == kit_.size_type && args.tuple >= 0 && !holds_storage(args)) return make_size(args);
   bool empty = args.tuple >= 0 && !args.obj && tuples_[size_t(args.tuple)].count == 0;
   PyObject* a = to_py(args);
   if (!PyTuple_Check(a)) throw Declined("REDUCE arguments are not a tuple");
@@ -495,8 +517,9 @@ Val Reader::make_size(const Val& args) {
   bool plain = dims && ((dims->tuple >= 0 && !holds_storage(*dims)) || (dims->obj && PyTuple_CheckExact(dims->obj)));
   Items items = plain ? items_of(*dims, inner) : Items{nullptr, 0};
   for (size_t i = 0; plain && i < items.size(); ++i) plain = items[i].obj && PyLong_CheckExact(items[i].obj);
-  if (!plain) return py_val(PyObject_CallObject(reinterpret_cast<PyObject*>(&THPSizeType), to_py(args)), "call");
-  Val size = py_val(THPSizeType.tp_alloc(&THPSizeType, Py_ssize_t(items.size())), "torch.Size");
+  if (!plain) return py_val(PyObject_CallObject(kit_.size_type, to_py(args)), "call");
+  auto* size_type = reinterpret_cast<PyTypeObject*>(kit_.size_type);
+  Val size = py_val(size_type->tp_alloc(size_type, Py_ssize_t(items.size())), "torch.Size");
   for (size_t i = 0; i < items.size(); ++i) {
     Py_INCREF(items[i].obj);
     PyTuple_SET_ITEM(size.obj, Py_ssize_t(i), items[i].obj);
@@ -568,13 +591,13 @@ bool Reader::set_plain_state(PyObject* inst, PyObject* state) {
   return true;
 }
 
-at::ScalarType Reader::dtype_of(PyObject* kind) {  // kind.dtype
-  for (const auto& [k, dtype] : kinds_)
-    if (k.obj == kind) return dtype;
-  py::object dtype_obj = own(PyObject_GetAttrString(kind, "dtype"), "storage dtype");
-  if (!THPDtype_Check(dtype_obj.ptr())) throw Declined("storage dtype");
-  kinds_.emplace_back(borrowed(kind), reinterpret_cast<THPDtype*>(dtype_obj.ptr())->scalar_type);
-  return kinds_.back().second;
+size_t Reader::kind_of(PyObject* kind) {  // kind.dtype, and what its tensors are made with
+  for (size_t i = 0; i < kinds_.size(); ++i)
+    if (kinds_[i].kind.obj == kind) return i;
+  Val dtype = py_val(PyObject_GetAttrString(kind, "dtype"), "storage dtype");
+  if (Py_TYPE(dtype.obj) != reinterpret_cast<PyTypeObject*>(kit_.dtype_type)) throw Declined("storage dtype");
+  kinds_.push_back(Kind{borrowed(kind), &dtype_info(dtype.obj)});
+  return kinds_.size() - 1;
 }
 
 int32_t& Reader::declared(const char* key, size_t len) {  // the storage index of `key`, -1 if new
@@ -599,8 +622,8 @@ Val Reader::persistent(const Val& pid) {  // _Storages.__call__
       Py_TYPE(kind) != reinterpret_cast<PyTypeObject*>(hooks_.storage_type) || !PyUnicode_Check(key) ||
       !index_value(p[4], &numel))
     throw Declined("not a storage reference");
-  at::ScalarType dtype = dtype_of(kind);
-  __int128 nbytes128 = __int128(numel) * int64_t(c10::elementSize(dtype));
+  size_t k = kind_of(kind);
+  __int128 nbytes128 = __int128(numel) * kinds_[k].dtype->itemsize;
   if (nbytes128 > kInt64Max) throw Declined("storage too large");
   int64_t nbytes = int64_t(nbytes128);
   Py_ssize_t key_len = 0;
@@ -609,13 +632,14 @@ Val Reader::persistent(const Val& pid) {  // _Storages.__call__
   int32_t& index = declared(key_utf8, size_t(key_len));
   if (index >= 0) {
     const Stored& s = storages_[size_t(index)];
-    if (s.nbytes != nbytes || s.dtype != dtype) throw Declined("storage declared twice differently");
+    if (s.nbytes != nbytes || kinds_[s.kind].dtype != kinds_[k].dtype)
+      throw Declined("storage declared twice differently");
     return Val::of_storage(index);
   }
   int64_t offset = hooks_.zip ? hooks_.zip->storage_offset(key_utf8, size_t(key_len), nbytes)
                               : storage_offset_py(key, nbytes);
-  if (offset < 0 || offset > int64_t(base_.nbytes()) - nbytes) throw Declined("storage outside the mapping");
-  storages_.push_back({dtype, numel, nbytes, view_of(base_, offset, nbytes)});
+  if (offset < 0 || offset > mapping_bytes_ - nbytes) throw Declined("storage outside the mapping");
+  storages_.push_back({k, numel, nbytes, offset, Val(), Val()});
   index = int32_t(storages_.size() - 1);
   return Val::of_storage(index);
 }
@@ -627,7 +651,7 @@ int64_t Reader::storage_offset_py(PyObject* key, int64_t nbytes) const {  // the
   return index_value(at.ptr(), &offset) ? offset : -1;
 }
 
-void Reader::dims(const Val& v, c10::SmallVector<int64_t, 8>* out) {  // _dims
+void Reader::dims(const Val& v, Dims* out) {  // _dims
   if (v.tuple >= 0 && !v.obj) {
     if (holds_storage(v)) throw Declined("sizes are not a tuple");
     std::vector<Val> scratch;
@@ -636,7 +660,7 @@ void Reader::dims(const Val& v, c10::SmallVector<int64_t, 8>* out) {  // _dims
     for (size_t i = 0; i < items.size(); ++i) {
       int64_t d = 0;
       if (!index_value(items[i], &d)) throw Declined("a size is not an int in [0, 2**63)");
-      out->push_back(d);
+      out->v[out->n++] = d;
     }
     return;
   }
@@ -649,15 +673,15 @@ void Reader::dims(const Val& v, c10::SmallVector<int64_t, 8>* out) {  // _dims
     int64_t d = 0;
     if (!index_value(tuple ? PyTuple_GET_ITEM(p, i) : PyList_GET_ITEM(p, i), &d))
       throw Declined("a size is not an int in [0, 2**63)");
-    out->push_back(d);
+    out->v[out->n++] = d;
   }
 }
 
 Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
   if (args.size() < 4 || args[0].storage < 0) throw Declined("not a tensor rebuild");
-  const Stored& s = storages_[args[0].storage];
+  Stored& s = storages_[args[0].storage];
   int64_t offset = 0;
-  c10::SmallVector<int64_t, 8> size, stride;
+  Dims size, stride;
   if (!index_value(args[1], &offset)) throw Declined("storage offset");
   dims(args[2], &size);
   dims(args[3], &stride);
@@ -674,18 +698,48 @@ Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
   if (empty) extent = 0;
   // Overlapping strides would let a small file demand terabytes once anything copies it.
   if (numel > s.numel || extent > s.numel) throw Declined("a tensor past its storage");
-  built_bytes_ += int64_t(numel) * int64_t(c10::elementSize(s.dtype));
+  const DtypeInfo& dtype = *kinds_[s.kind].dtype;
+  built_bytes_ += int64_t(numel) * dtype.itemsize;
   if (built_bytes_ > hooks_.byte_limit) throw Declined("too many bytes of tensors");
-  // What torch.empty(0, dtype=...).set_(storage, offset, size, stride) makes, without two trips
-  // through the dispatcher per tensor.
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(s.storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                   caffe2::TypeMeta::fromScalarType(s.dtype));
-  impl->set_sizes_and_strides(size, stride, offset);
-  return py_val(THPVariable_Wrap(at::Tensor(std::move(impl))), "tensor");
+  // The storage's first tensor, at offset 0 and reaching its last element (or an empty one over
+  // an empty entry: ZeRO-3's placeholders): one DLPack import makes both, its storage then
+  // holding exactly the entry's bytes, as the reference's does.
+  if (dtype.dl && offset == 0 && extent == s.numel && !s.storage.obj && !s.first.obj)
+    return whole_entry(s, dtype, size, stride);
+  // The sizes and strides as the set_ call takes them: the pickle's own tuples (a native one
+  // made a Python tuple now; dims() checked they hold no storage).
+  PyObject* sizes = to_py(args[2]);
+  PyObject* strides = to_py(args[3]);
+  return Val(tensor_over(dtype.proto, storage_of(s), offset, sizes, strides).release().ptr());
+}
+
+// The storage object of `s`, made once: the first tensor's (one storage per entry, shared by
+// every tensor over it, as in the reference), else cut from the mapping.
+PyObject* Reader::storage_of(Stored& s) {
+  if (!s.storage.obj)
+    s.storage = s.first.obj ? Val(call_method(s.first.obj, names().untyped_storage).release().ptr())
+                            : Val(cut(mapping_, s.at, s.nbytes).release().ptr());
+  return s.storage.obj;
+}
+
+Val Reader::whole_entry(Stored& s, const DtypeInfo& dtype, const Dims& size, const Dims& stride) {
+  if (!keeper_) {
+    if (!PyObject_TypeCheck(mapping_, kit_.storage_base)) throw Declined("the mapping is not a storage");
+    py::object at = call_method(mapping_, names().data_ptr);
+    mapping_data_ = reinterpret_cast<uint8_t*>(uintptr_t(int64_of(at.ptr(), "data_ptr")));
+    keeper_ = new dlpack::Keeper(mapping_);
+  }
+  py::object cap = own(dlpack::capsule(keeper_, mapping_data_ + s.at, dtype.dl_dtype, size.size(), size.v, stride.v),
+                       "capsule");
+  PyObject* arg[] = {cap.ptr()};
+  s.first = py_val(PyObject_Vectorcall(kit_.from_dlpack, arg, 1, nullptr), "from_dlpack");
+  return s.first;
 }
 
 Val Reader::rebuild_parameter(const Items& args) {  // _rebuild_parameter
-  if (args.empty() || !args[0].obj || !THPVariable_Check(args[0].obj)) throw Declined("not a tensor");
+  auto* tensor_type = reinterpret_cast<PyTypeObject*>(kit_.tensor_type);
+  if (args.empty() || !args[0].obj || !PyObject_TypeCheck(args[0].obj, tensor_type))
+    throw Declined("not a tensor");
   return args[0];
 }
 
@@ -707,7 +761,12 @@ Hooks hooks_from(const py::tuple& t) {
                t[8].ptr(), t[9].cast<int64_t>()};
 }
 
-py::tuple unpickle(const py::bytes& data, const at::Tensor& mapping, const py::tuple& hook_tuple) {
+// The mapping's size, asked of the storage itself (its nbytes()).
+int64_t mapping_size(PyObject* mapping) {
+  return int64_of(call_method(mapping, names().nbytes).ptr(), "mapping size");
+}
+
+py::tuple unpickle(const py::bytes& data, const py::object& mapping, const py::tuple& hook_tuple) {
   Hooks hooks = hooks_from(hook_tuple);
   const auto* bytes = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(data.ptr()));
   size_t n = size_t(PyBytes_GET_SIZE(data.ptr()));
@@ -717,12 +776,10 @@ py::tuple unpickle(const py::bytes& data, const at::Tensor& mapping, const py::t
       py::gil_scoped_release unlocked;  // the bounds pass touches no Python object
       facts = scan_pickle(bytes, n);
     }
-    Reader reader(bytes, n, mapping.storage(), hooks, std::move(facts));
+    Reader reader(bytes, n, mapping.ptr(), mapping_size(mapping.ptr()), hooks, std::move(facts));
     return py::make_tuple(true, reader.run());
   } catch (const Declined& e) {
     return py::make_tuple(false, std::string(e.what()));
-  } catch (const c10::Error& e) {
-    return py::make_tuple(false, std::string("torch: ") + e.what_without_backtrace());
   }
 }
 

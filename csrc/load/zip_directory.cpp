@@ -2,9 +2,7 @@
 // _zip64_fields, _entries, index_archive); where archive.py would raise, this declines.
 #include "zip_directory.h"
 
-#include <ATen/Parallel.h>
-#include <ATen/EmptyTensor.h>
-#include <torch/csrc/autograd/python_variable.h>
+#include <pybind11/stl.h>  // the paths, a list of str or bytes
 
 #include <cerrno>
 #include <fcntl.h>
@@ -14,11 +12,15 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string_view>
+#include <system_error>
+#include <thread>
 
 #include "pickle_scan.h"
+#include "torch_kit.h"
 
 namespace py = pybind11;
 
@@ -51,7 +53,7 @@ bool starts_lower(std::string_view s, std::string_view head) {
 }
 
 // A file's bytes for one read: mapped read-only, or (files of at most `whole` bytes) read into
-// a tensor of their own, which outlives the call as the storages' base (see zip_directories).
+// a buffer of their own, which zip_directories hands to Python as a uint8 tensor.
 class FileBytes {
  public:
   FileBytes(const std::string& path, int64_t whole) {
@@ -76,8 +78,8 @@ class FileBytes {
   FileBytes& operator=(const FileBytes&) = delete;
   const uint8_t* data() const { return data_; }
   int64_t size() const { return size_; }
-  // The bytes as a uint8 tensor where they were read whole (undefined where mapped).
-  const at::Tensor& read() const { return read_; }
+  // The bytes where they were read whole (empty where mapped).
+  std::string take_read() { return std::move(read_); }
   // What archive.py's file_identity takes from a stat: (dev, inode, size, mtime in ns).
   const std::array<int64_t, 4>& identity() const { return identity_; }
   void release() {  // the unmap and the close, early
@@ -90,9 +92,9 @@ class FileBytes {
   // One pread (a few for a file that arrives in pieces): at this size a mapping, its page
   // faults and its unmap cost several times the copy.
   void read_whole() {
-    // Not through the dispatcher: on a pool thread the caller's modes would not apply anyway.
-    read_ = at::detail::empty_cpu({size_}, at::kByte);
-    auto* out = static_cast<uint8_t*>(read_.data_ptr());
+    // Into a buffer of our own: a tensor is made only with the GIL (zip_directories).
+    read_.resize(size_t(size_));
+    auto* out = reinterpret_cast<uint8_t*>(read_.data());
     int64_t done = 0;
     while (done < size_) {
       ssize_t got = ::pread(fd_, out + done, size_t(size_ - done), off_t(done));
@@ -107,7 +109,7 @@ class FileBytes {
   int64_t size_ = 0;
   bool mapped_ = false;
   const uint8_t* data_ = nullptr;
-  at::Tensor read_;
+  std::string read_;
   std::array<int64_t, 4> identity_{};
 };
 
@@ -324,7 +326,7 @@ py::tuple zip_directory(const std::string& path, int64_t start, int64_t end) {
 // range of the bytes read whole or copied out of the mapping before it is unmapped.
 struct OneFile {
   std::shared_ptr<ZipDirectory> directory;
-  at::Tensor whole;
+  std::string whole;  // the file's bytes, where it was read whole
   std::string pickle;  // where the file was mapped
   std::array<int64_t, 4> identity{};
   std::string declined;
@@ -336,27 +338,57 @@ OneFile read_one(const std::string& path, int64_t whole) {
     FileBytes file(path, whole);
     one.identity = file.identity();
     one.directory = std::make_shared<ZipDirectory>(Parser(file.data(), 0, file.size()).run());
-    one.whole = file.read();
-    if (!one.whole.defined())
+    one.whole = file.take_read();
+    if (one.whole.empty())
       one.pickle.assign(reinterpret_cast<const char*>(file.data() + one.directory->pickle_offset),
                         size_t(one.directory->pickle_size));
   } catch (const Declined& e) {
     one = OneFile{};
     one.declined = e.what();
-  } catch (...) {  // out of memory, a torch error: this file is left to archive.py, not the batch
+  } catch (...) {  // out of memory: this file is left to archive.py, not the batch
     one = OneFile{};
     one.declined = "native error";
   }
   return one;
 }
 
-py::list zip_directories(const std::vector<std::string>& paths, int64_t whole) {
+// read_one of every path, on `threads` threads (this one among them), each taking the next
+// path not yet taken: files differ in size, so no fixed split.
+std::vector<OneFile> read_all(const std::vector<std::string>& paths, int64_t whole, int64_t threads) {
   std::vector<OneFile> read(paths.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < paths.size(); i = next++) read[i] = read_one(paths[i], whole);
+  };
+  const size_t helpers = size_t(std::clamp<int64_t>(threads, 1, int64_t(std::max<size_t>(paths.size(), 1)))) - 1;
+  std::vector<std::thread> pool;
+  pool.reserve(helpers);
+  try {
+    for (size_t i = 0; i < helpers; ++i) pool.emplace_back(work);
+  } catch (const std::system_error&) {  // no more threads to be had: those started do the rest
+  }
+  work();
+  for (std::thread& t : pool) t.join();
+  return read;
+}
+
+// A uint8 tensor holding `bytes` (torch.empty(n, dtype=torch.uint8) through the bound kit,
+// then filled): what archive.py keeps as the file's bytes and the reader cuts storages from.
+py::object bytes_tensor(const std::string& bytes) {
+  py::object n = own(PyLong_FromSize_t(bytes.size()), "int");
+  py::object t = own(PyObject_CallOneArg(bound_kit().empty_bytes, n.ptr()), "tensor");
+  py::object address = call_method(t.ptr(), names().data_ptr);
+  void* at = reinterpret_cast<void*>(uintptr_t(int64_of(address.ptr(), "data_ptr")));
+  std::memcpy(at, bytes.data(), bytes.size());
+  return t;
+}
+
+py::list zip_directories(const std::vector<std::string>& paths, int64_t whole, int64_t threads) {
+  bound_kit();  // before any file is read: without it, the whole batch is left to archive.py
+  std::vector<OneFile> read;
   {
     py::gil_scoped_release unlocked;  // opening, reading and checking thousands of files: no Python
-    at::parallel_for(0, int64_t(paths.size()), 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) read[size_t(i)] = read_one(paths[size_t(i)], whole);
-    });
+    read = read_all(paths, whole, threads);
   }
   py::list out;
   for (OneFile& one : read) {
@@ -365,15 +397,14 @@ py::list zip_directories(const std::vector<std::string>& paths, int64_t whole) {
       continue;
     }
     const ZipDirectory& d = *one.directory;
-    py::bytes pickle = one.whole.defined()
-        ? py::bytes(reinterpret_cast<const char*>(one.whole.data_ptr<uint8_t>() + d.pickle_offset), size_t(d.pickle_size))
+    py::bytes pickle = !one.whole.empty()
+        ? py::bytes(one.whole.data() + d.pickle_offset, size_t(d.pickle_size))
         : py::bytes(one.pickle);
     std::string().swap(one.pickle);  // the batch holds each pickle once, not twice
     py::object whole_bytes = py::none();
-    if (one.whole.defined()) {
-      PyObject* wrapped = THPVariable_Wrap(std::move(one.whole));
-      if (!wrapped) throw py::error_already_set();
-      whole_bytes = py::reinterpret_steal<py::object>(wrapped);
+    if (!one.whole.empty()) {
+      whole_bytes = bytes_tensor(one.whole);
+      std::string().swap(one.whole);
     }
     const auto& id = one.identity;
     out.append(py::make_tuple(true, one.directory, pickle, whole_bytes, py::make_tuple(id[0], id[1], id[2], id[3])));
@@ -451,8 +482,8 @@ void register_zip_directory(py::module_& m) {
   m.def("zip_directory", &zip_directory, py::arg("path"), py::arg("start"), py::arg("end"),
         "Read and check a torch.save zip directory natively: (True, ZipDirectory, data.pkl bytes), or "
         "(False, why, None) when archive.py must decide");
-  m.def("zip_directories", &zip_directories, py::arg("paths"), py::arg("whole"),
-        "zip_directory of whole files, on the intra-op threads without the GIL: per path (True, ZipDirectory, "
+  m.def("zip_directories", &zip_directories, py::arg("paths"), py::arg("whole"), py::arg("threads"),
+        "zip_directory of whole files, on `threads` threads without the GIL: per path (True, ZipDirectory, "
         "data.pkl bytes, the file's bytes as a uint8 tensor where it holds at most `whole` of them else None, "
         "its (dev, inode, size, mtime_ns)), or (False, why, None, None, None) when archive.py must decide");
 }

@@ -66,8 +66,8 @@ class ZipDirectory {
 int64_t numbered_key(const char* key, size_t len, size_t bound);
 
 // Adds `zip_directory(path, start, end) -> (True, ZipDirectory, pickle bytes) | (False, why)`,
-// its batch `zip_directories(paths, whole)` (many whole files on the intra-op threads; files of
-// at most `whole` bytes read into a tensor instead of mapped) and the ZipDirectory class to the
+// its batch `zip_directories(paths, whole, threads)` (many whole files on `threads` threads; files
+// of at most `whole` bytes read instead of mapped, handed back as uint8 tensors) and the ZipDirectory class to the
 // _C module.
 void register_zip_directory(pybind11::module_& m);
 

@@ -139,7 +139,7 @@ def index_archives(paths: Sequence[Path]) -> list[ArchiveIndex | None]:
     stats = list(map(_stat_or_none, paths))
     wanted = [i for i, st in enumerate(stats) if st is not None and stat.S_ISREG(st.st_mode)]
     try:
-        found = read([os.fsencode(paths[i]) for i in wanted], READ_WHOLE_BYTES)
+        found = read([os.fsencode(paths[i]) for i in wanted], READ_WHOLE_BYTES, _threads())
     except (MemoryError, RuntimeError):
         return [None] * len(paths)
     out: list[ArchiveIndex | None] = [None] * len(paths)
@@ -149,6 +149,14 @@ def index_archives(paths: Sequence[Path]) -> list[ArchiveIndex | None]:
             out[i] = ArchiveIndex(paths[i], st.st_size, directory.prefix, _NativeEntries(directory), data, directory,
                                   st, whole)
     return out
+
+
+def _threads() -> int:
+    """How many threads the native core reads directories on: torch's intra-op count, as when it
+    ran on torch's own pool (torch is loaded wherever the core is)."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:

@@ -2,8 +2,10 @@
 the Python reference (:mod:`.unpickle`) otherwise, and whenever the native one declines.
 
 The native reader bounds the pickle without the GIL (a port of :mod:`.pickle_bounds`), then
-builds the container tree in C++, keeping storage references native and cutting each tensor
-out of the file mapping there: no Python call per storage or tensor. It resolves globals
+builds the container tree in C++, keeping storage references native and making each tensor
+through torch's own API without a Python frame: one DLPack import for a storage's first tensor
+where it spans its entry, else ``mapping[offset:offset + nbytes]`` and ``set_`` as the
+reference does (csrc/load/ includes no torch header; see native/loader.py's torch_kit). It resolves globals
 through the reference's own :func:`~.unpickle.resolve_global` and storages through the same
 zip index (the native one of csrc/load/zip_directory.cpp where it read the directory), and accepts only what it builds exactly as the reference would. Anything else (an
 opcode outside ``torch.save``'s subset, a global off the allowlist, any failed bound or check)
@@ -76,12 +78,14 @@ def read_native(path: Path, index: ArchiveIndex, core: Callable) -> tuple[bool, 
     return core(index.pickle_bytes, _whole_file(path, index), _hooks(index))
 
 
-def _whole_file(path: Path, index: ArchiveIndex) -> torch.Tensor:
-    """The file's bytes as a uint8 tensor: those :func:`~.archive.index_archives` read whole,
-    else its one private mapping (remembered by :func:`map_file`)."""
+def _whole_file(path: Path, index: ArchiveIndex) -> torch.UntypedStorage:
+    """The file's bytes as a storage, which the native reader cuts each tensor's storage out of
+    (``mapping[offset:offset + nbytes]``, as the reference does): those
+    :func:`~.archive.index_archives` read whole, else its one private mapping (remembered by
+    :func:`map_file`)."""
     if index.whole is not None:
-        return index.whole
-    return torch.empty(0, dtype=torch.uint8).set_(map_file(path, index.stat))
+        return index.whole.untyped_storage()
+    return map_file(path, index.stat)
 
 
 @contextmanager
@@ -214,7 +218,7 @@ class Template:
     """A file the native reader read, kept so that files repeating it can be read as its twins."""
 
     index: ArchiveIndex
-    mapping: torch.Tensor  # the whole file, which the result's storages are cut from
+    mapping: torch.UntypedStorage  # the whole file, which the result's storages are cut from
     result: Any
 
 
