@@ -101,10 +101,10 @@ def test_extension_built_for_other_torch_is_a_typed_error(monkeypatch):
     from zerofast.native import loader
 
     core = ops.load_native()
-    monkeypatch.setattr(core, "torch_version", lambda: "1.0.0")
     monkeypatch.setattr(loader, "_state", None)  # so that the next use looks at the cached core again
-    monkeypatch.setattr(loader, "import_core", lambda path: loader.verify(core))
-    with pytest.raises(NativeExtensionError, match="built for torch 1.0.0 but torch .* is running"):
+    monkeypatch.setattr(loader, "import_core", lambda path: loader.verify(core, {"devices": ["cpu"],
+                                                                                 "stable_torch": "9.9"}))
+    with pytest.raises(NativeExtensionError, match=r"serves torch >= 9\.9 but torch .* is running"):
         ops.load_native()
 
 

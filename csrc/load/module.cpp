@@ -1,7 +1,7 @@
 // The Python module that carries the core: importing it (zerofast/native/loader.py) loads this
 // library, registering the ops of csrc/zerofast.cpp, and gives the rank-file readers of
 // zerofast/load/ their native halves. Which devices have kernels is asked of torch's dispatcher
-// from Python (zerofast/native/loader.py: kernel_devices), not here. Nothing here includes a torch
+// from Python (zerofast/native/proof.py: kernel_devices), not here. Nothing here includes a torch
 // header: the torch objects the readers need are handed in once (bind_torch).
 #include <pybind11/pybind11.h>
 
@@ -54,7 +54,7 @@ void bind_torch(const pybind11::dict& kit) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind_torch", &bind_torch, pybind11::arg("kit"),
-        "Hand the readers the running torch's objects they use (zerofast/native/loader.py: torch_kit)");
+        "Hand the readers the running torch's objects they use (zerofast/native/torch_kit.py)");
   m.def("torch_version", [] { return std::string(ZEROFAST_TORCH_VERSION); },
         "torch version this extension was compiled against");
   zerofast::load::register_zip_directory(m);

@@ -5,7 +5,7 @@ The native reader bounds the pickle without the GIL (a port of :mod:`.pickle_bou
 builds the container tree in C++, keeping storage references native and making each tensor
 through torch's own API without a Python frame: one DLPack import for a storage's first tensor
 where it spans its entry, else ``mapping[offset:offset + nbytes]`` and ``set_`` as the
-reference does (csrc/load/ includes no torch header; see native/loader.py's torch_kit). It resolves globals
+reference does (csrc/load/ includes no torch header; see native/torch_kit.py). It resolves globals
 through the reference's own :func:`~.unpickle.resolve_global` and storages through the same
 zip index (the native one of csrc/load/zip_directory.cpp where it read the directory), and accepts only what it builds exactly as the reference would. Anything else (an
 opcode outside ``torch.save``'s subset, a global off the allowlist, any failed bound or check)

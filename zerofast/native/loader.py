@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 from ..base.errors import NativeExtensionError, first_line
-from . import build as build_child, cache, cudaplan, proof, toolchain
+from . import build as build_child, cache, cudaplan, proof, toolchain, torch_kit
 from .cache import Unavailable
 from .cudaplan import wanted_devices
 from ..base.settings import Settings, settings
@@ -242,30 +242,11 @@ def import_core(core: Path) -> Loaded:
         raise Unavailable(f"{path} does not load ({first_line(e)})") from e
     manifest = cache.read_manifest(core) or {}
     verify(module, manifest)
-    kit = torch_kit()
+    kit = torch_kit.objects()
     if kit is not None:  # else the native readers decline every file and the Python reference reads it
         module.bind_torch(kit)
     sys.modules[cache.EXTENSION_NAME] = module
     return Loaded(module, path, manifest)
-
-
-def torch_kit() -> dict | None:
-    """The running torch's objects the readers of csrc/load/ work with. That half of the core
-    includes no torch header, so that its code depends on the CPython ABI alone and loads beside
-    any torch: it makes and inspects tensors through these, as the Python reference does. None
-    where a torch lacks one of the two private names (then the Python reference reads every file)."""
-    import torch
-
-    if not hasattr(torch._C, "_from_dlpack") or not hasattr(torch._C, "StorageBase"):
-        return None
-    return {"tensor_type": torch.Tensor, "parameter_type": torch.nn.Parameter, "dtype_type": torch.dtype,
-            "size_type": torch.Size, "strided": torch.strided,
-            "empty_of": lambda dtype: torch.empty(0, dtype=dtype),  # a prototype per storage dtype
-            "tensor_new": torch.Tensor.new, "tensor_set": torch.Tensor.set_,
-            "empty_bytes": lambda n: torch.empty(n, dtype=torch.uint8),
-            "from_dlpack": torch._C._from_dlpack,  # csrc/load/dlpack_tensor.h
-            "dlpack_probe": lambda dtype: torch.empty(1, dtype=dtype).__dlpack__(),  # the DLPack code of a dtype
-            "storage_base": torch._C.StorageBase}  # its C subscript, under UntypedStorage's Python one
 
 
 def verify(module, manifest: dict) -> None:
