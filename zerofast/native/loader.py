@@ -353,8 +353,10 @@ def _run_build(core: Path, devices: tuple[str, ...], archs: str | None, cxx: str
 
     for stale in core.parent.glob(f".{core.name}.*-*"):  # left by a killed build; we hold the lock
         shutil.rmtree(stale, ignore_errors=True)
-    _note(f"zerofast: building the native core for torch {torch.__version__} ({'+'.join(devices)}"
-          f"{', CUDA archs ' + archs if archs else ''}) with {cxx} in {core}: once per torch version, {BUILD_TIME}")
+    once = (f"once for torch {torch.__version__}" if "cuda" in devices else
+            f"once for every torch >= {cache.floor_text()}")
+    _note(f"zerofast: building the native core with torch {torch.__version__} ({'+'.join(devices)}"
+          f"{', CUDA archs ' + archs if archs else ''}) with {cxx} in {core}: {once}, {BUILD_TIME}")
     if job.prebuilt:
         _note(f"zerofast: {job.prebuilt}")
     start = time.monotonic()
