@@ -140,4 +140,38 @@ inline const DtypeInfo& dtype_info(PyObject* dtype) {  // with the GIL
   return known.back();
 }
 
+// The tensors imported through DLPack over one file mapping (see dlpack_tensor.h), for the
+// unpickler and the twin copier alike: the mapping's address is asked and its keeper made at the
+// first import, and this object's count of the keeper is dropped with it (the GIL held).
+class MappingImports {
+ public:
+  explicit MappingImports(PyObject* mapping) : mapping_(mapping) {}
+  ~MappingImports() {
+    if (keeper_) dlpack::release(keeper_);
+  }
+  MappingImports(const MappingImports&) = delete;
+  MappingImports& operator=(const MappingImports&) = delete;
+
+  // A tensor of `ndim` sizes and strides (elements) over the mapping's bytes from offset `at`.
+  pybind11::object tensor(const DtypeInfo& dtype, int64_t at, size_t ndim, const int64_t* size,
+                          const int64_t* stride) {
+    const TorchKit& kit = bound_kit();
+    if (!keeper_) {
+      if (!PyObject_TypeCheck(mapping_, kit.storage_base)) throw Declined("the mapping is not a storage");
+      pybind11::object address = call_method(mapping_, names().data_ptr);
+      data_ = reinterpret_cast<uint8_t*>(uintptr_t(int64_of(address.ptr(), "data_ptr")));
+      keeper_ = new dlpack::Keeper(mapping_);
+    }
+    pybind11::object cap = own(dlpack::capsule(keeper_, data_ + at, dtype.dl_dtype, ndim, size, stride), "capsule");
+    PyObject* arg[] = {cap.ptr()};
+    return own(PyObject_Vectorcall(kit.from_dlpack, arg, 1, nullptr), "from_dlpack");
+  }
+
+ private:
+  PyObject* mapping_;  // the file's UntypedStorage (the caller keeps it alive until the keeper holds it)
+  uint8_t* data_ = nullptr;
+  dlpack::Keeper* keeper_ = nullptr;
+};
+
+
 }  // namespace zerofast::load

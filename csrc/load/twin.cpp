@@ -236,7 +236,7 @@ class Rebase {
   Rebase(const py::object& from, const py::object& to, const Dir& from_dir, const Dir& to_dir,
          const py::tuple& shared, const py::tuple& types)
       : kit_(bound_kit()), from_t_(from), to_t_(to), from_(span_of(from.ptr())), to_(to.ptr()),
-        to_size_(span_of(to.ptr()).size), to_data_(span_of(to.ptr()).at), to_dir_(to_dir), shared_objects_(shared),
+        to_size_(span_of(to.ptr()).size), to_dir_(to_dir), shared_objects_(shared),
         types_(types) {
     if (!same_entries(*from_dir, *to_dir)) throw Declined("the zip directories differ");
     // Sized for a tree of a few objects per entry: rehashing was a tenth of a copy's time.
@@ -252,9 +252,6 @@ class Rebase {
     record_type_ = types[2].ptr();
   }
 
-  ~Rebase() {
-    if (keeper_) dlpack::release(keeper_);  // pybind11 deletes the copier with the GIL held
-  }
   Rebase(const Rebase&) = delete;
   Rebase& operator=(const Rebase&) = delete;
 
@@ -283,7 +280,6 @@ class Rebase {
   FileSpan from_;
   PyObject* to_;
   int64_t to_size_;
-  uintptr_t to_data_;
   Dir to_dir_;
   py::tuple shared_objects_, types_;
   std::vector<std::pair<int64_t, size_t>> entry_at_;  // the template's (data offset, entry index), sorted
@@ -299,7 +295,7 @@ class Rebase {
     int64_t at;          // the entry's data offset in this file
   };
   std::unordered_map<uintptr_t, Copied> storages_;
-  dlpack::Keeper* keeper_ = nullptr;  // `to`, for the DLPack tensors (one count is this copier's)
+  MappingImports imports_{to_};  // the DLPack tensors over `to` (pybind11 deletes the copier with the GIL held)
 
   // What the reference makes afresh but nobody can change: shared with the template.
   bool leaf(PyObject* o) const {
@@ -369,14 +365,7 @@ class Rebase {
     for (Py_ssize_t i = 0; i < n; ++i)
       if (size[i] == 0) extent = 0;
     if (extent * dtype.itemsize != c.size) return py::object();
-    if (!keeper_) {
-      if (!PyObject_TypeCheck(to_, kit_.storage_base)) throw Declined("the mapping is not a storage");
-      keeper_ = new dlpack::Keeper(to_);
-    }
-    auto* data = reinterpret_cast<uint8_t*>(to_data_) + c.at;
-    py::object cap = own(dlpack::capsule(keeper_, data, dtype.dl_dtype, size_t(n), size, step), "capsule");
-    PyObject* arg[] = {cap.ptr()};
-    c.first = own(PyObject_Vectorcall(kit_.from_dlpack, arg, 1, nullptr), "from_dlpack");
+    c.first = imports_.tensor(dtype, c.at, size_t(n), size, step);
     return c.first;
   }
 

@@ -134,9 +134,6 @@ class Reader {
     tuple_items_.reserve(facts.tuple_items);
   }
 
-  ~Reader() {
-    if (keeper_) dlpack::release(keeper_);  // the reader's own count (the GIL is held here)
-  }
   Reader(const Reader&) = delete;
   Reader& operator=(const Reader&) = delete;
 
@@ -172,8 +169,7 @@ class Reader {
   size_t pos_ = 0;
   PyObject* mapping_;  // the file's UntypedStorage (the caller keeps it alive)
   int64_t mapping_bytes_;
-  uint8_t* mapping_data_ = nullptr;
-  dlpack::Keeper* keeper_ = nullptr;  // the mapping, for the DLPack tensors (one count is the reader's)
+  MappingImports imports_{mapping_};  // the DLPack tensors over the mapping
   const TorchKit& kit_;
   const Hooks& hooks_;
   py::object record_setstate_;  // DeepSpeedRecord.__setstate__, the stand-ins' own
@@ -723,16 +719,7 @@ PyObject* Reader::storage_of(Stored& s) {
 }
 
 Val Reader::whole_entry(Stored& s, const DtypeInfo& dtype, const Dims& size, const Dims& stride) {
-  if (!keeper_) {
-    if (!PyObject_TypeCheck(mapping_, kit_.storage_base)) throw Declined("the mapping is not a storage");
-    py::object at = call_method(mapping_, names().data_ptr);
-    mapping_data_ = reinterpret_cast<uint8_t*>(uintptr_t(int64_of(at.ptr(), "data_ptr")));
-    keeper_ = new dlpack::Keeper(mapping_);
-  }
-  py::object cap = own(dlpack::capsule(keeper_, mapping_data_ + s.at, dtype.dl_dtype, size.size(), size.v, stride.v),
-                       "capsule");
-  PyObject* arg[] = {cap.ptr()};
-  s.first = py_val(PyObject_Vectorcall(kit_.from_dlpack, arg, 1, nullptr), "from_dlpack");
+  s.first = Val(imports_.tensor(dtype, s.at, size.size(), size.v, stride.v).release().ptr());
   return s.first;
 }
 
