@@ -137,12 +137,12 @@ def test_an_older_torch_runs_the_reference_with_one_line(tmp_path):
 
 def test_verify_takes_a_cpu_core_for_any_torch_from_its_floor(monkeypatch):
     core = loader.load(required=True)
-    loader.verify(core.module, core.manifest)
+    loader.verify(core.manifest)
     with pytest.raises(loader.Environment, match=r"serves torch >= 9\.9 but torch .* is running"):
-        loader.verify(core.module, {**core.manifest, "stable_torch": "9.9"})
+        loader.verify({**core.manifest, "stable_torch": "9.9"})
     with pytest.raises(loader.Environment, match="the native core with CUDA kernels was built for torch"):
         monkeypatch.setattr(torch, "__version__", "2.14.1")
-        loader.verify(core.module, {**core.manifest, "devices": ["cpu", "cuda"]})
+        loader.verify({**core.manifest, "devices": ["cpu", "cuda"]})
 
 
 def test_cpu_torch_never_builds_cuda_even_with_nvcc(monkeypatch, tmp_path):

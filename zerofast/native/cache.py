@@ -119,8 +119,7 @@ def torch_identity() -> dict:
 
 def cxx_flags(torch_version: str) -> list[str]:
     # torch 2.14's headers need C++20; older ones are built and tested here as C++17.
-    major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
-    return ["-O3", f"-std={'c++20' if (major, minor) >= (2, 14) else 'c++17'}", "-fopenmp"]
+    return ["-O3", f"-std={'c++20' if release(torch_version) >= (2, 14) else 'c++17'}", "-fopenmp"]
 
 
 def release(version: str) -> tuple[int, int]:
@@ -139,6 +138,21 @@ def torch_floor_problem(identity: dict) -> str | None:
         return None
     return (f"the native core is built on torch's stable ABI and serves torch >= {floor_text()}; "
             f"torch {identity['__version__']} is older, so the pure-torch reference runs (same bytes, slower)")
+
+
+def unfit_for(manifest: dict, torch_version: str) -> str | None:
+    """Why the core of ``manifest`` does not serve ``torch_version``, or None: a core with CUDA kernels
+    (torch's full C++ API) serves the torch build it was compiled against only, the CPU core (the
+    stable ABI) any torch from its floor on."""
+    if "cuda" in manifest.get("devices", ()):
+        if manifest.get("torch") == torch_version:
+            return None
+        return f"the native core with CUDA kernels was built for torch {manifest.get('torch')} but torch {torch_version} " \
+               "is running"
+    floor = manifest.get("stable_torch")
+    if floor is not None and release(torch_version) >= release(floor):
+        return None
+    return f"the native core serves torch >= {floor or '?'} but torch {torch_version} is running"
 
 
 def core_tag(src: Path, identity: dict) -> str:

@@ -241,7 +241,7 @@ def import_core(core: Path) -> Loaded:
     except ImportError as e:
         raise Unavailable(f"{path} does not load ({first_line(e)})") from e
     manifest = cache.read_manifest(core) or {}
-    verify(module, manifest)
+    verify(manifest)
     kit = torch_kit.objects()
     if kit is not None:  # else the native readers decline every file and the Python reference reads it
         module.bind_torch(kit)
@@ -249,21 +249,13 @@ def import_core(core: Path) -> Loaded:
     return Loaded(module, path, manifest)
 
 
-def verify(module, manifest: dict) -> None:
-    """The core must serve the running torch: a core with CUDA kernels (torch's full C++ API) only
-    the torch build it was compiled against, the CPU core (the stable ABI) any torch from its floor on."""
+def verify(manifest: dict) -> None:
+    """The core must serve the running torch (:func:`.cache.unfit_for`)."""
     import torch
 
-    built_for = module.torch_version()
-    if "cuda" in manifest.get("devices", ()):
-        if built_for != torch.__version__:
-            raise Environment(f"the native core with CUDA kernels was built for torch {built_for} but torch "
-                              f"{torch.__version__} is running")
-        return
-    floor = manifest.get("stable_torch")
-    if floor is None or cache.release(torch.__version__) < cache.release(floor):
-        raise Environment(f"the native core serves torch >= {floor or built_for} but torch {torch.__version__} "
-                          "is running")
+    problem = cache.unfit_for(manifest, torch.__version__)
+    if problem:
+        raise Environment(problem)
 
 
 def device_problem(device: str) -> str | None:

@@ -62,6 +62,19 @@ def run_problem(device: str) -> str | None:
     return None if out.tolist() == [2.0, 3.0, 4.0, 0.0] else f"its {device} op copied the wrong values"
 
 
+KERNEL_DEVICES = (("CPU", "cpu"), ("CUDA", "cuda"))  # dispatch key, device type
+
+
+def kernel_devices() -> list[str]:
+    """The device types whose kernels the loaded core registered (``["cpu"]``, ``["cpu", "cuda"]``):
+    a device directory compiled in registers under its dispatch key, so the dispatcher is asked
+    rather than a list kept beside the build flags."""
+    import torch
+
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return [name for key, name in KERNEL_DEVICES if has("zerofast::gather_cast", key)]
+
+
 def main(argv: list[str]) -> int:
     """``python -m zerofast.native.proof CORE DEVICE``: load the core in CORE and check DEVICE."""
     import importlib.util
@@ -80,16 +93,3 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
-
-
-KERNEL_DEVICES = (("CPU", "cpu"), ("CUDA", "cuda"))  # dispatch key, device type
-
-
-def kernel_devices() -> list[str]:
-    """The device types whose kernels the loaded core registered (``["cpu"]``, ``["cpu", "cuda"]``):
-    a device directory compiled in registers under its dispatch key, so the dispatcher is asked
-    rather than a list kept beside the build flags."""
-    import torch
-
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    return [name for key, name in KERNEL_DEVICES if has("zerofast::gather_cast", key)]

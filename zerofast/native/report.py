@@ -72,13 +72,8 @@ def _core_line() -> str:
 def _built_by(tag_dir, key: str):
     """The complete core of the compiler named ``key``, most devices first, or None."""
     found = [(d, m) for d in sorted(tag_dir.glob(f"*@{key}*")) if d.is_dir() and cache.compiler_key_of(d) == key
-             and (m := cache.read_manifest(d)) and _serves_this_torch(m)]
+             and (m := cache.read_manifest(d)) and not cache.unfit_for(m, cache.torch_identity()["__version__"])]
     return max(found, key=lambda dm: len(dm[1].get("devices", [])), default=None)
-
-
-def _serves_this_torch(manifest: dict) -> bool:
-    """A core with CUDA kernels serves the torch build it was compiled against only (see :mod:`.cache`)."""
-    return "cuda" not in manifest.get("devices", ()) or manifest.get("torch") == cache.torch_identity()["__version__"]
 
 
 def _why_not(tag_dir, cxx: str, s, asked: bool) -> str | None:
@@ -145,8 +140,6 @@ def doctor_lines(zerofast_version: str) -> list[str]:
 
 def _proof_lines(loaded) -> list[str]:
     """What the core was built with, what it links and what its checks found (see :mod:`.proof`)."""
-
-
     m = loaded.manifest
     problem = toolchain.linkage_problem(str(loaded.path))
     checked = m.get("checked", [])
