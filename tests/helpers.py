@@ -116,6 +116,16 @@ def every_writer_refuses(root: Path, tmp_path: Path, key: str, planted: list) ->
         assert nothing_written(out), (writer, sorted(os.listdir(out)))
 
 
+def exported(out: Path, files) -> dict:
+    """Every tensor of an export's safetensors ``files`` (an ``ExportResult.files``) in ``out``, by name."""
+    from safetensors.torch import load_file
+
+    got = {}
+    for name in files:
+        got.update(load_file(out / name))
+    return got
+
+
 def nothing_written(out: Path) -> bool:
     """``out`` is absent or holds nothing but zerofast's own leftovers (its lock, a temp folder)."""
     return not out.exists() or not [p for p in os.listdir(out) if not p.startswith(".zerofast")]

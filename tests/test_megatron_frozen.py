@@ -16,7 +16,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import zerofast
 from tests.conftest import needs_deepspeed
@@ -24,7 +23,7 @@ from tests.dsgen.catalog import ensure_checkpoint
 from tests.dsgen.families import MEGATRON_VARIANTS, ensure_megatron_variant
 from tests.dsgen.megatron_pipe_layouts import MEGATRON_PIPE_LAYOUTS
 from tests.dsgen.train_megatron import FROZEN
-from tests.helpers import assert_bitwise_equal, expected_value
+from tests.helpers import assert_bitwise_equal, expected_value, exported
 
 pytestmark = needs_deepspeed
 
@@ -93,9 +92,7 @@ def test_frozen_shards_are_put_together(layout, dtype):
 def test_export_writes_the_whole_frozen_parameters(layout, tmp_path):
     truth = _truth(layout)
     result = zerofast.export(_root(layout), tmp_path / "hf", dtype=None)
-    got = {}
-    for name in result.files:
-        got.update(load_file(tmp_path / "hf" / name))
+    got = exported(tmp_path / "hf", result.files)
     assert sorted(got) == sorted(truth["state_dict_keys"])
     for name in truth["state_dict_keys"]:
         assert_bitwise_equal(got[name], expected_value(_want(truth, name), None), name)

@@ -17,13 +17,12 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import zerofast
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
 from tests.dsgen.families import MEGATRON_MOE_LAYOUTS
-from tests.helpers import assert_bitwise_equal, expected_value
+from tests.helpers import assert_bitwise_equal, expected_value, exported
 
 pytestmark = needs_deepspeed
 
@@ -123,9 +122,7 @@ def test_optimizer_state_matches_the_training_job(layout, key):
 def test_export_writes_the_full_tensors(layout, tmp_path):
     truth = _truth(layout)
     result = zerofast.export(ensure_checkpoint(layout), tmp_path / "hf", dtype=None)
-    got = {}
-    for name in result.files:
-        got.update(load_file(tmp_path / "hf" / name))
+    got = exported(tmp_path / "hf", result.files)
     assert sorted(got) == sorted(truth["state_dict_keys"])
     for name in truth["state_dict_keys"]:
         assert_bitwise_equal(got[name], _want(truth, name), name)

@@ -9,13 +9,12 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import zerofast
 from tests.conftest import needs_deepspeed
 from tests.dsgen.catalog import ensure_checkpoint
 from tests.dsgen.families import MOE_PIPE_LAYOUTS
-from tests.helpers import assert_bitwise_equal, expected_value
+from tests.helpers import assert_bitwise_equal, expected_value, exported
 
 pytestmark = needs_deepspeed
 
@@ -75,9 +74,7 @@ def test_lazy_matches_the_training_job(layout):
 def test_export_writes_every_tensor(layout, tmp_path):
     truth = _truth(layout)
     result = zerofast.export(ensure_checkpoint(layout), tmp_path / "hf", dtype=None)
-    got = {}
-    for name in result.files:
-        got.update(load_file(tmp_path / "hf" / name))
+    got = exported(tmp_path / "hf", result.files)
     assert sorted(got) == sorted(truth["state_dict_keys"])
     want = _want(truth)
     for name in truth["state_dict_keys"]:
