@@ -260,9 +260,8 @@ def test_read_cast_new_checks_shapes():
 @st.composite
 def end_to_end_problems(draw):
     """Sources cut into consecutive pieces, as a ZeRO-3 rank's share of many small parameters
-    lies in its flat group: the op reads runs of them with one pread, casts a run that needs it
-    in one call per 32768 elements, and copies the pieces out. Runs end at 1 MiB, at a piece over
-    64 KiB, where either dtype changes, and at a plain copy from memory (memcpy'd as it is)."""
+    lies in its flat group: the op reads runs of them with one pread (runs end at 1 MiB, at a
+    piece over 64 KiB, at a cast, at a source copied from memory) and copies the pieces out."""
     sizes = [draw(st.sampled_from([0, 7, 3000, 300_000])) for _ in range(draw(st.integers(1, 3)))]
     dtypes = [draw(st.sampled_from([torch.float32, torch.bfloat16])) for _ in sizes]
     sources = [_source(n, d, seed=i) for i, (n, d) in enumerate(zip(sizes, dtypes))]
@@ -308,80 +307,3 @@ def test_runs_written_end_to_end_match_reference(tmp_path_factory, readers, copy
     native, ref = _to_file_both(tmp, (sources, fds, offsets, segments), fd, pos, out_offsets, [n for (n,) in shapes],
                                 out_dtype, readers, copy_mode)
     assert native == ref
-
-
-# Bit patterns the casts treat specially: NaNs with payloads (quiet, signalling, negative), the
-# infinities, subnormals of the source and of the narrower dtypes, -0.0, ties that round to even,
-# and fp16's overflow edge. A run casts them in the middle of a long call, not alone as Tensor.to
-# of one output would, so they show whether that changes a bit.
-FP32_BITS = [0x7FC00000, 0x7FC00001, 0x7F800001, 0x7FBFFFFF, 0xFFC00000, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF,
-             0x7F800000, 0xFF800000, 0x00000001, 0x80000001, 0x007FFFFF, 0x80000000, 0x3F808000, 0x3F818000,
-             0x477FE000, 0x477FF000, 0x33800000, 0x33000001, 0x387FC000, 0x00000000]
-BF16_BITS = [0x7FC1, 0x7F81, 0xFF81, 0xFFC0, 0x7F80, 0xFF80, 0x0001, 0x8001, 0x007F, 0x8000, 0x3F81, 0x0000]
-
-
-def _with_specials(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """_source's values with the special bit patterns of ``dtype`` every 13 elements."""
-    values = _source(n, dtype, seed)
-    patterns, signed = (FP32_BITS, torch.int32) if dtype == torch.float32 else (BF16_BITS, torch.int16)
-    width = 8 * dtype.itemsize
-    special = torch.tensor([p - (1 << width) if p >> (width - 1) else p for p in patterns], dtype=signed)
-    at = torch.arange(0, n, 13)
-    values.view(signed)[at] = special[torch.arange(len(at)) % len(special)]
-    return values
-
-
-def _pieces(n: int, plan: list[tuple[list[int], list[torch.dtype], int]]) -> list[tuple[int, int, torch.dtype]]:
-    """Consecutive (offset, length, output dtype) pieces of a source of ``n`` elements: each
-    (lengths' cycle, dtypes' cycle, count) of ``plan`` in turn, then one piece to the end in the
-    first dtype of the last entry."""
-    pieces, pos = [], 0
-    for lengths, dtypes, count in plan:
-        for k in range(count):
-            pieces.append((pos, lengths[k % len(lengths)], dtypes[k % len(dtypes)]))
-            pos += lengths[k % len(lengths)]
-    assert pos <= n, "the plan must fit its source"
-    pieces.append((pos, n - pos, plan[-1][1][0]))
-    return pieces
-
-
-BF, HALF, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
-# Source dtype, elements, pieces: long stretches of one cast (runs up to the 1 MiB cap and past
-# one cast call of 32768 elements), pieces whose neighbours change the output dtype or copy
-# (which must not join a cast run), and a piece over 64 KiB (read on its own). Each source
-# continues the one before it: the first two share both dtypes where they meet (a run may
-# cross), the last two only the output dtype (it may not).
-CAST_RUN_SOURCES = [
-    (F32, 290_000, [([1, 2, 3, 5, 7], [BF], 600), ([1, 4, 9], [BF, HALF, F32, F64, BF, BF], 400),
-                    ([1000], [HALF], 260), ([20_000], [BF], 1), ([3], [BF], 300)]),
-    (F32, 3000, [([2, 7], [BF], 100), ([3], [HALF], 100)]),
-    (BF, 6000, [([1, 6, 11], [HALF], 100), ([1, 6, 11], [F32], 200), ([1, 2, 5], [F32, HALF, BF, F64], 400),
-                ([900], [F32], 3)]),
-]
-
-
-@pytest.mark.parametrize("in_file", [True, False], ids=["pread", "memory"])
-def test_cast_runs_of_adjacent_pieces_equal_tensor_to(tmp_path, readers, in_file):
-    """Adjacent pieces cast to one dtype are read once and cast in one call per 32768 elements;
-    each output must still be Tensor.to of its piece alone, bit for bit. The sources lie end to
-    end in the file and in memory (views of one buffer), so runs can cross from one to the next,
-    and only where both dtypes agree may they."""
-    sources = [_with_specials(n, dtype, seed=i) for i, (dtype, n, _) in enumerate(CAST_RUN_SOURCES)]
-    if not in_file:  # end to end in memory as in the file: views of one byte buffer
-        flat = torch.cat([s.view(torch.uint8) for s in sources])
-        bounds = torch.tensor([0] + [s.numel() * s.element_size() for s in sources]).cumsum(0).tolist()
-        sources = [flat[a:b].view(s.dtype) for a, b, s in zip(bounds, bounds[1:], sources)]
-    rows, outs, want = [], [], []
-    for src, (source, (_, n, plan)) in enumerate(zip(sources, CAST_RUN_SOURCES)):
-        for off, length, dtype in _pieces(n, plan):
-            rows.append((len(outs), src, off, 0, length))
-            outs.append(torch.full((length,), 7, dtype=dtype))
-            want.append(source[off:off + length].to(dtype))
-    fd, fds, offsets = _source_file(tmp_path, sources, [0] * len(sources), [in_file] * len(sources))
-    try:
-        ops.load_native()
-        torch.ops.zerofast.read_cast(sources, fds, offsets, torch.tensor(rows, dtype=torch.int64), outs, readers)
-    finally:
-        os.close(fd)
-    for i, (got, expected) in enumerate(zip(outs, want)):
-        assert_bitwise_equal(got, expected, f"output {i}")

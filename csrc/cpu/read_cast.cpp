@@ -79,26 +79,6 @@ constexpr int64_t kCastElems = 32768;
 // their output, which saves the copy out of the bounce buffer.
 constexpr int64_t kRunItemBytes = 64 << 10;
 
-// What the items of one run share besides lying end to end: a run either copies bytes, of any
-// dtypes, or casts them with one cast call per chunk, so its items share both dtypes.
-struct RunKind {
-  bool cast;
-  c10::ScalarType from, to;
-  bool operator==(const RunKind& o) const { return cast == o.cast && (!cast || (from == o.from && to == o.to)); }
-};
-
-// A bounce buffer of at least `n` bytes. It doubles up to kItemBytes as the work needs (a batch
-// of a few tiny casts does not fault in a whole MiB) and never shrinks: sizing it back up after a
-// smaller use would zero the bytes in between again, each time single items and runs alternate.
-char* room(std::vector<char>& buf, int64_t n) {
-  const auto need = static_cast<size_t>(n);
-  if (buf.size() < need) {
-    buf.reserve(std::max(need, std::min(2 * buf.size(), static_cast<size_t>(kItemBytes))));
-    buf.resize(buf.capacity());
-  }
-  return buf.data();
-}
-
 void pwrite_all(int fd, const char* src, int64_t nbytes, int64_t offset) {
   while (nbytes > 0) {
     const ssize_t put = ::pwrite(fd, src, static_cast<size_t>(nbytes), offset);
@@ -171,29 +151,14 @@ class Batch {
     group();
   }
 
-  // Whether an item can join a run: a plain copy from a file into memory or from a file or memory
-  // into the output file, or a cast into memory. Casts into the file keep one item each.
-  bool can_run(const ReadItem& it) const {
+  // Bytes an item moves when it can join a run, else -1: a plain copy (no cast) from a file into
+  // memory, or from a file or memory into the output file.
+  int64_t run_bytes(const ReadItem& it) const {
     const int64_t* r = row(it.seg);
     const Source& s = sources_[r[1]];
     const Dest& d = dests_[r[0]];
-    if (d.mem == nullptr) return s.dtype == d.dtype;
-    return s.dtype != d.dtype || s.fd >= 0;
-  }
-
-  // Source bytes an item reads.
-  int64_t src_bytes(const ReadItem& it) const { return it.n * sources_[row(it.seg)[1]].itemsize; }
-
-  // Bytes an item takes of a bounce buffer: its source's or, cast to a wider dtype, its output's.
-  int64_t buffer_bytes(const ReadItem& it) const {
-    const int64_t* r = row(it.seg);
-    return it.n * std::max(sources_[r[1]].itemsize, dests_[r[0]].itemsize);
-  }
-
-  RunKind kind(const ReadItem& it) const {
-    const int64_t* r = row(it.seg);
-    const c10::ScalarType from = sources_[r[1]].dtype, to = dests_[r[0]].dtype;
-    return {from != to, from, to};
+    if (s.dtype != d.dtype) return -1;
+    return d.mem == nullptr || s.fd >= 0 ? it.n * s.itemsize : -1;
   }
 
   // Where an item lands in the output file.
@@ -207,80 +172,49 @@ class Batch {
   // small parameters lies that way) are read with one pread into the bounce buffer and copied
   // out from there: 200k tiny preads cost more than the bytes they move. Written to a file, a run
   // must also land end to end (consecutive parameters of a ZeRO 1-2 partition in an export, in
-  // model order): it is then one copy_file_range, not one per tensor. Runs that cast (from a file
-  // or from adjacent memory) are cast with one cast_piece per chunk, not one per item: each call
-  // costs about a microsecond besides its elements, which 50k tiny outputs add up to.
+  // model order): it is then one copy_file_range, not one per tensor.
   void group() {
     const bool to_file = out_fd_ >= 0;
     int64_t end = -1, file_end = -1, size = 0;
     int fd = -1;
-    RunKind last{false, c10::ScalarType::Undefined, c10::ScalarType::Undefined};
     bool open = false;  // the last item can be joined
     for (size_t i = 0; i < items_.size(); ++i) {
       const ReadItem& it = items_[i];
-      const bool can = can_run(it) && (to_file || buffer_bytes(it) <= kRunItemBytes);
-      const int64_t n = can ? src_bytes(it) : 0, room = can ? buffer_bytes(it) : 0;
+      const int64_t n = run_bytes(it);
       const int64_t at_file = to_file ? file_at(it) : 0;
-      const RunKind k = kind(it);
-      const bool joins = open && can && it.fd == fd && it.at == end && k == last &&
-                         (!to_file || at_file == file_end) && size + room <= kItemBytes;
+      const bool can = n >= 0 && (to_file || n <= kRunItemBytes);
+      const bool joins = open && can && it.fd == fd && it.at == end && (!to_file || at_file == file_end) &&
+                         size + n <= kItemBytes;
       if (!joins) {
         runs_.push_back(i);
         size = 0;
       }
       open = can;
       fd = it.fd;
-      last = k;
-      end = it.at + n;
-      file_end = at_file + n;
-      size += room;
+      end = it.at + std::max<int64_t>(n, 0);
+      file_end = at_file + std::max<int64_t>(n, 0);
+      size += std::max<int64_t>(n, 0);
     }
     runs_.push_back(items_.size());
   }
 
-  void move_run(size_t first, size_t last, std::vector<char>& in, std::vector<char>& out) {
-    const ReadItem& a = items_[first];
-    const int64_t start = a.at;
-    const int64_t total = items_[last - 1].at + src_bytes(items_[last - 1]) - start;
+  void move_run(size_t first, size_t last, std::vector<char>& in) {
     if (out_fd_ >= 0) {  // one stretch of the source onto one stretch of the file
-      copy_to_file(a.fd, start, file_at(a), total, in);
+      const ReadItem& a = items_[first];
+      const ReadItem& z = items_[last - 1];
+      copy_to_file(a.fd, a.at, file_at(a), z.at + run_bytes(z) - a.at, in);
       return;
     }
-    const char* from = reinterpret_cast<const char*>(start);  // a run from memory is used in place
-    if (a.fd >= 0) {  // at most kItemBytes: group() bounds a run's bytes
-      pread_all(a.fd, room(in, total), total, start);
-      from = in.data();
-    }
-    if (kind(a).cast) {
-      cast_run(first, last, from, total, out);
-      return;
-    }
-    for (size_t i = first; i < last; ++i) {  // a copy run may mix dtypes: its items are placed by bytes
-      const ReadItem& it = items_[i];
-      const int64_t* r = row(it.seg);
-      const Dest& d = dests_[r[0]];
-      std::memcpy(d.mem + (r[3] + it.skip) * d.itemsize, from + (it.at - start), static_cast<size_t>(src_bytes(it)));
-    }
-  }
-
-  // Casts a run's `total` source bytes at `from` into `out`, kCastElems per call (below ATen's
-  // grain size, as for single items), and copies each item's piece to its output. Elementwise
-  // casts do not depend on where an element sits in the call, so each piece is what Tensor.to
-  // makes of that item alone. All items of the run share both dtypes, so the first one's sizes hold.
-  void cast_run(size_t first, size_t last, const char* from, int64_t total, std::vector<char>& out) {
-    const int64_t* r0 = row(items_[first].seg);
-    const Source& s = sources_[r0[1]];
-    const int64_t to_size = dests_[r0[0]].itemsize, n = total / s.itemsize;
-    char* to = room(out, n * to_size);  // at most kItemBytes: group() counts runs at their wider dtype
-    for (int64_t done = 0; done < n; done += kCastElems)
-      cast_piece(from + done * s.itemsize, s.dtype, to + done * to_size, dests_[r0[0]].dtype,
-                 std::min(kCastElems, n - done));
+    const int64_t start = items_[first].at;
+    const int64_t total = items_[last - 1].at + run_bytes(items_[last - 1]) - start;
+    in.resize(static_cast<size_t>(std::max<int64_t>(total, kItemBytes)));
+    const Source& s = sources_[row(items_[first].seg)[1]];
+    pread_all(s.fd, in.data(), total, start);
     for (size_t i = first; i < last; ++i) {
-      const ReadItem& it = items_[i];
-      const int64_t* r = row(it.seg);
-      const int64_t pos = (it.at - items_[first].at) / s.itemsize;  // elements into the run
-      std::memcpy(dests_[r[0]].mem + (r[3] + it.skip) * to_size, to + pos * to_size,
-                  static_cast<size_t>(it.n * to_size));
+      const int64_t* r = row(items_[i].seg);
+      const Dest& d = dests_[r[0]];
+      std::memcpy(d.mem + (r[3] + items_[i].skip) * d.itemsize, in.data() + (items_[i].at - start),
+                  static_cast<size_t>(run_bytes(items_[i])));
     }
   }
 
@@ -291,7 +225,7 @@ class Batch {
         if (runs_[g + 1] - runs_[g] == 1) {
           move(items_[runs_[g]], in, out);
         } else {
-          move_run(runs_[g], runs_[g + 1], in, out);
+          move_run(runs_[g], runs_[g + 1], in);
         }
       }
     } catch (...) {
@@ -315,10 +249,15 @@ class Batch {
       const int64_t n = std::min(kCastElems, it.n - done);
       const char* from = s.mem + src_byte + done * s.itemsize;
       if (s.fd >= 0) {
-        pread_all(s.fd, room(in, n * s.itemsize), n * s.itemsize, s.file_off + src_byte + done * s.itemsize);
+        in.resize(static_cast<size_t>(kCastElems * s.itemsize));
+        pread_all(s.fd, in.data(), n * s.itemsize, s.file_off + src_byte + done * s.itemsize);
         from = in.data();
       }
-      char* to = d.mem == nullptr ? room(out, n * d.itemsize) : d.mem + dst_byte + done * d.itemsize;
+      char* to = d.mem == nullptr ? nullptr : d.mem + dst_byte + done * d.itemsize;
+      if (to == nullptr) {
+        out.resize(static_cast<size_t>(kCastElems * d.itemsize));
+        to = out.data();
+      }
       cast_piece(from, s.dtype, to, d.dtype, n);
       if (d.mem == nullptr) pwrite_all(out_fd_, to, n * d.itemsize, d.file_off + dst_byte + done * d.itemsize);
     }
@@ -346,9 +285,10 @@ class Batch {
       return;
     }
     if (copy_file_range_ && copy_range(fd, at, out_fd_, out_off, nbytes)) return;
+    in.resize(static_cast<size_t>(kItemBytes));
     for (int64_t done = 0; done < nbytes; done += kItemBytes) {
       const int64_t n = std::min(kItemBytes, nbytes - done);
-      pread_all(fd, room(in, n), n, at + done);
+      pread_all(fd, in.data(), n, at + done);
       pwrite_all(out_fd_, in.data(), n, out_off + done);
     }
   }
