@@ -41,6 +41,14 @@ STABLE_TORCH_LIBRARY(zerofast, m) {
         "int out_fd, Tensor out_offsets, Tensor out_numels, ScalarType out_dtype, int readers=0, "
         "bool copy_file_range=True) -> ()");
 
+  // Tensors over the storages of `bases`, none copied: `layout` (1-D int64) holds one record per
+  // output, (base index, storage offset, ndim, sizes..., strides...) in elements of that base's
+  // dtype. Each output shares its base's storage as Tensor.set_ would make it: not an autograd
+  // view of the base. The reader of torch.save files (csrc/load/unpickle.cpp) makes the tensors
+  // that share a storage with it in one call. Checked: every output lies inside its base's
+  // storage. Its outputs' shapes are the layout's values, so it has no fake (not traceable).
+  m.def("restrided(Tensor(a)[] bases, Tensor layout) -> Tensor(a)[]");
+
   // The checks of `zerofast verify` in one pass, nothing materialized (csrc/cpu/check_ranges.cpp).
   // `segments` rows are (tensor, side, source, source offset, tensor offset, length) in elements;
   // sources as for read_cast, except that a source read from its file (fd >= 0) gives only its

@@ -134,6 +134,64 @@ def test_backward_hooks_shared_with_the_tree_stay_one_object(tmp_path, monkeypat
     assert pair[0] is pair[1] and type(pair[0]) is OrderedDict
 
 
+# -- tensors made in batches -------------------------------------------------------------------------
+
+class _Items:
+    """An OrderedDict pickled as ``OrderedDict()`` then SETITEMS of ``pairs`` as given, repeated
+    keys included (no dict can be saved with those)."""
+
+    def __init__(self, *pairs):
+        self.pairs = pairs
+
+    def __reduce__(self):
+        return Global("collections.OrderedDict"), (), None, None, iter(self.pairs)
+
+
+def _batched_cases() -> dict[str, object]:
+    """The native reader makes the tensors that share a storage in batches, after the items they
+    go into are set: each case puts such tensors where a batch must be made early, or where the
+    items set meanwhile must keep their order and their last value."""
+    base = torch.arange(40, dtype=torch.float32)
+    a, b, c = base[2:10], base[10:22].view(3, 4), base.as_strided((3, 3), (1, 3), 5)
+    return {
+        "in_lists_tuples_and_twice": {"x": a, "y": a, "l": [b, (a, c)], "t": (c, b)},
+        "repeated_keys": _Items(("k", a), ("k", None), ("j", b), ("j", c), ("m", None), ("m", a),
+                                ("p", a), ("q", 5), ("p", b)),
+        "int_keys": {1: a, "s": b, 2: c},
+        "handed_to_a_call": Call("collections.OrderedDict", {"x": a, "y": b, "z": c}),
+        "in_a_record_state": Build(FRAGMENT_ADDRESS, {"numel": 4, "start": 0, "t": a}),
+        "parameter": {"p": Call("torch._utils._rebuild_parameter", b, False, OrderedDict()), "q": c},
+    }
+
+
+def test_batched_tensors_get_the_reference_tree(tmp_path, monkeypatch):
+    cases = _batched_cases()
+    accepted = {label for label in cases if _verdict_ok(tmp_path, label, cases[label], monkeypatch)}
+    assert {"in_lists_tuples_and_twice", "repeated_keys", "int_keys", "handed_to_a_call", "parameter"} <= accepted
+    tally = _check(tmp_path, monkeypatch, cases, accepted)
+    assert tally.native >= 5
+    tree = _native_tree(tmp_path / "in_lists_tuples_and_twice.pt")["zf_case"]
+    assert tree["x"] is tree["y"] is tree["l"][1][0] and tree["t"][0] is tree["l"][1][1]
+    assert not tree["x"]._is_view() and tree["x"]._base is None
+    assert tree["x"].untyped_storage().data_ptr() == tree["l"][0].untyped_storage().data_ptr()
+    repeated = _native_tree(tmp_path / "repeated_keys.pt")["zf_case"]
+    assert list(repeated) == ["k", "j", "m", "p", "q"] and repeated["k"] is None and repeated["q"] == 5
+    assert torch.equal(repeated["j"], torch.arange(40.0).as_strided((3, 3), (1, 3), 5))
+    assert repeated["m"] is not None and torch.equal(repeated["p"], torch.arange(10.0, 22.0).view(3, 4))
+    called = _native_tree(tmp_path / "handed_to_a_call.pt")["zf_case"]
+    assert type(called) is OrderedDict and list(called) == ["x", "y", "z"]
+    assert all(isinstance(t, torch.Tensor) for t in called.values())
+
+
+def _verdict_ok(tmp_path: Path, label: str, value, monkeypatch) -> bool:
+    """Whether the reference reads the case (written to ``<label>.ref.pt``)."""
+    obj = load(_source())
+    obj["zf_case"] = value
+    path = tmp_path / f"{label}.ref.pt"
+    save(obj, path)
+    return _verdict(path, monkeypatch, native=False)[0] == "ok"
+
+
 # -- torch.Size -------------------------------------------------------------------------------------
 
 def test_torch_sizes_are_the_reference_sizes(tmp_path, monkeypatch):

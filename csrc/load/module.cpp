@@ -36,6 +36,8 @@ void bind_torch(const pybind11::dict& kit) {
   k.tensor_new = take("tensor_new");
   k.tensor_set = take("tensor_set");
   k.empty_bytes = take("empty_bytes");
+  k.empty_longs = take("empty_longs");
+  k.restrided = take("restrided");
   k.from_dlpack = take("from_dlpack");
   k.dlpack_probe = take("dlpack_probe");
   PyObject* storage_base = take("storage_base");

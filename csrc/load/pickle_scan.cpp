@@ -77,7 +77,7 @@ class Scan {
   std::vector<uint8_t> fetched_;  // per memo index: whether a GET reads it
   std::vector<int32_t> marked_;   // see pop_mark
   std::vector<size_t> marks_;
-  size_t tuples_ = 0, tuple_items_ = 0;
+  size_t tuples_ = 0, tuple_items_ = 0, calls_ = 0, dict_items_ = 0;
 
   ScanFacts facts() const {
     ScanFacts f;
@@ -89,6 +89,8 @@ class Scan {
     }
     f.tuples = tuples_;
     f.tuple_items = tuple_items_;
+    f.calls = calls_;
+    f.dict_items = dict_items_;
     return f;
   }
 
@@ -239,6 +241,7 @@ void Scan::step(uint8_t op) {
       int32_t parts[2];
       parts[1] = pop();
       parts[0] = pop();
+      ++calls_;
       stack_.push_back(call(Span{parts, 2}));
       return;
     }
@@ -275,11 +278,13 @@ void Scan::step_containers(uint8_t op) {
       int32_t kv[2];
       kv[1] = pop();
       kv[0] = pop();
+      ++dict_items_;
       add(top(), Span{kv, 2}, recs_[kv[0]].cost);
       return;
     }
     case SETITEMS: {
       auto rs = pop_mark();
+      dict_items_ += rs.size() / 2;
       add(top(), rs, costs(rs, 0, 2));
       return;
     }

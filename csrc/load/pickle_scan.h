@@ -38,6 +38,7 @@ struct ScanFacts {
   std::vector<int32_t> memo_slot;
   int32_t memo_slots = 0;
   size_t tuples = 0, tuple_items = 0;  // what TUPLE* and FROZENSET make, to size the arenas once
+  size_t calls = 0, dict_items = 0;    // REDUCE and NEWOBJ; SETITEM(S) pairs: bounds for the batches
 };
 
 // Throws Declined unless `data` is a pickle the native unpickler may build. Needs no Python.

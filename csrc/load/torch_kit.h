@@ -24,6 +24,8 @@ struct TorchKit {
   PyObject* tensor_new = nullptr;      // torch.Tensor.new: proto.new() is a fresh empty tensor of its dtype
   PyObject* tensor_set = nullptr;      // torch.Tensor.set_
   PyObject* empty_bytes = nullptr;     // n -> torch.empty(n, dtype=torch.uint8)
+  PyObject* empty_longs = nullptr;     // n -> torch.empty(n, dtype=torch.int64)
+  PyObject* restrided = nullptr;       // torch.ops.zerofast.restrided.default (csrc/cpu/restrided.cpp)
   // torch._C.StorageBase's own subscript: UntypedStorage.__getitem__ is a Python method that
   // checks for a meta storage (a file mapping never is one) and then calls this.
   PyObject* from_dlpack = nullptr;     // torch._C._from_dlpack: a tensor from a "dltensor" capsule

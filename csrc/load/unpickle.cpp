@@ -45,7 +45,8 @@ struct Hooks {
 // One stack or memo slot: a Python object, a storage reference (native), a tuple kept native
 // (its items in the reader's arena: made a Python tuple only when something other than a
 // rebuild, a storage reference or torch.Size takes it, and never where it holds a storage), or
-// an empty OrderedDict not made yet (`lazy`: a tensor's backward hooks, which the rebuild drops).
+// an empty OrderedDict not made yet (`lazy`: a tensor's backward hooks, which the rebuild drops),
+// or a tensor that shares its storage, made with the next batch (`view`: see Reader::flush).
 // Owns its reference by hand: pybind11's handles check the GIL on every copy, and the stack
 // and memo copy a value per opcode.
 struct Val {
@@ -53,20 +54,24 @@ struct Val {
   int32_t storage = -1;
   int32_t tuple = -1;
   int32_t lazy = -1;
+  int32_t view = -1;
 
   Val() = default;
   explicit Val(PyObject* owned) : obj(owned) {}
-  Val(const Val& o) : obj(o.obj), storage(o.storage), tuple(o.tuple), lazy(o.lazy) { Py_XINCREF(obj); }
-  Val(Val&& o) noexcept : obj(o.obj), storage(o.storage), tuple(o.tuple), lazy(o.lazy) { o.obj = nullptr; }
+  Val(const Val& o) : obj(o.obj), storage(o.storage), tuple(o.tuple), lazy(o.lazy), view(o.view) { Py_XINCREF(obj); }
+  Val(Val&& o) noexcept : obj(o.obj), storage(o.storage), tuple(o.tuple), lazy(o.lazy), view(o.view) {
+    o.obj = nullptr;
+  }
   Val& operator=(Val o) noexcept {
     std::swap(obj, o.obj);
-    storage = o.storage, tuple = o.tuple, lazy = o.lazy;
+    storage = o.storage, tuple = o.tuple, lazy = o.lazy, view = o.view;
     return *this;
   }
   ~Val() { Py_XDECREF(obj); }
   static Val of_storage(int32_t i) { Val v; v.storage = i; return v; }
   static Val of_tuple(int32_t i) { Val v; v.tuple = i; return v; }
   static Val of_lazy(int32_t i) { Val v; v.lazy = i; return v; }
+  static Val of_view(int32_t i) { Val v; v.view = i; return v; }
 };
 
 Val py_val(PyObject* p, const char* what) {
@@ -132,6 +137,18 @@ class Reader {
     memo_.resize(size_t(facts.memo_slots));
     tuples_.reserve(facts.tuples);
     tuple_items_.reserve(facts.tuple_items);
+    views_.reserve(facts.calls);  // a tensor is one REDUCE
+    inserts_.reserve(facts.dict_items);
+  }
+
+  // Drops the reader's references to the tensors it made, fetching each a few ahead: they are
+  // cold by now, and one cache miss apiece was a tenth of a 20k-tensor file's read.
+  ~Reader() {
+    constexpr size_t ahead = 8;
+    for (size_t i = 0; i < views_.size(); ++i) {
+      if (i + ahead < views_.size() && views_[i + ahead].obj) __builtin_prefetch(views_[i + ahead].obj, 1);
+      views_[i] = Val();
+    }
   }
 
   Reader(const Reader&) = delete;
@@ -143,6 +160,7 @@ class Reader {
       if (op == STOP) {
         Val result = pop();
         if (pos_ != n_) throw Declined("bytes after STOP");
+        flush();
         return py::reinterpret_borrow<py::object>(to_py(result));
       }
       step(op);
@@ -162,6 +180,8 @@ class Reader {
     int64_t at;    // its bytes' offset in the mapping
     Val storage;   // mapping[at:at + nbytes], made when a tensor needs it
     Val first;     // the tensor made over the whole entry through DLPack, whose storage it is
+    Val base;      // a tensor over its storage that the batched tensors are made from
+    int32_t slot = -1;  // its index among the current batch's bases, -1 when it has none there
   };
 
   const uint8_t* data_;
@@ -195,6 +215,19 @@ class Reader {
   std::vector<Kind> kinds_;  // storage classes met so far
   std::vector<std::pair<Val, bool>> setstate_;  // stand-in class -> whether its __setstate__ is the default
   int64_t built_bytes_ = 0;
+  // The tensors that share a storage are made in batches (flush), one zerofast::restrided call
+  // each, instead of a Tensor.new and a Tensor.set_ through Python apiece (about 1.4 us each,
+  // most of a 20k-tensor model-states file's time). A batch is made when something needs one of
+  // its tensors as a Python object, before any Python code that could see the unpickled objects
+  // runs, and at STOP. Until then the items set into dicts wait too (inserts_), in their order.
+  std::vector<Val> views_;  // by view index: null until its batch is made
+  size_t views_made_ = 0;   // views_[:views_made_] are made
+  std::vector<int64_t> layout_;  // the records of the rest (see the op's schema in csrc/zerofast.cpp)
+  std::vector<int32_t> batch_bases_;  // storage indices, by base index in layout_
+  struct Insert {
+    Val dict, key, value;
+  };
+  std::vector<Insert> inserts_;
 
   // -- input and stack, with CPython's underflow rules -------------------------------------
   const uint8_t* take(size_t width) {
@@ -223,6 +256,10 @@ class Reader {
   // A Python object (borrowed: `v` or the reader holds it), making a lazy one now.
   PyObject* to_py(const Val& v) {
     if (v.obj) return v.obj;
+    if (v.view >= 0) {
+      if (!views_[size_t(v.view)].obj) flush();
+      return views_[size_t(v.view)].obj;
+    }
     if (v.lazy >= 0) {
       Val& made = lazies_[size_t(v.lazy)];
       if (!made.obj) made = py_val(PyObject_CallNoArgs(hooks_.ordered_dict), "OrderedDict");
@@ -297,6 +334,9 @@ class Reader {
   Val rebuild_tensor(const Items& args);
   PyObject* storage_of(Stored& s);
   Val whole_entry(Stored& s, const DtypeInfo& dtype, const Dims& size, const Dims& stride);
+  Val defer(int32_t index, int64_t offset, const Dims& size, const Dims& stride);
+  void flush();
+  void insert(PyObject* target, PyObject* key, PyObject* value);
   Val rebuild_parameter(const Items& args);
   Val rebuild_from_type(const Items& args);
   void dims(const Val& v, Dims* out);
@@ -465,12 +505,18 @@ void Reader::set_items(ptrdiff_t x) {
   if (x == len) return;
   if ((len - x) % 2) throw Declined("odd number of items for SETITEMS");
   PyObject* target = to_py(stack_[x - 1]);
-  bool exact = PyDict_CheckExact(target);
-  if (!exact && Py_TYPE(target) != reinterpret_cast<PyTypeObject*>(hooks_.ordered_dict))
+  if (!PyDict_CheckExact(target) && Py_TYPE(target) != reinterpret_cast<PyTypeObject*>(hooks_.ordered_dict))
     throw Declined("SETITEM on something other than a dict");
   for (size_t i = size_t(x); i < stack_.size(); i += 2) {
-    PyObject *k = to_py(stack_[i]), *v = to_py(stack_[i + 1]);
-    if ((exact ? PyDict_SetItem(target, k, v) : PyObject_SetItem(target, k, v)) < 0) decline_py("dict item");
+    PyObject* k = to_py(stack_[i]);
+    // While a batch is open, items keyed by an exact str (whose hash and equality run no
+    // Python code) wait for it: a state dict's tensors are then made in one call.
+    if (views_made_ < views_.size() && PyUnicode_CheckExact(k)) {
+      inserts_.push_back(Insert{borrowed(target), borrowed(k), stack_[i + 1]});
+      continue;
+    }
+    flush();
+    insert(target, k, to_py(stack_[i + 1]));
   }
   stack_.resize(size_t(x));
 }
@@ -501,6 +547,7 @@ Val Reader::reduce(const Val& callee, const Val& args) {
     lazies_.emplace_back();  // made only if something other than a tensor rebuild takes it
     return Val::of_lazy(int32_t(lazies_.size() - 1));
   }
+  flush();  // the callee could look into a dict whose items still wait for their batch
   return py_val(PyObject_CallObject(f, a), "call");
 }
 
@@ -513,7 +560,10 @@ Val Reader::make_size(const Val& args) {
   bool plain = dims && ((dims->tuple >= 0 && !holds_storage(*dims)) || (dims->obj && PyTuple_CheckExact(dims->obj)));
   Items items = plain ? items_of(*dims, inner) : Items{nullptr, 0};
   for (size_t i = 0; plain && i < items.size(); ++i) plain = items[i].obj && PyLong_CheckExact(items[i].obj);
-  if (!plain) return py_val(PyObject_CallObject(kit_.size_type, to_py(args)), "call");
+  if (!plain) {
+    flush();
+    return py_val(PyObject_CallObject(kit_.size_type, to_py(args)), "call");
+  }
   auto* size_type = reinterpret_cast<PyTypeObject*>(kit_.size_type);
   Val size = py_val(size_type->tp_alloc(size_type, Py_ssize_t(items.size())), "torch.Size");
   for (size_t i = 0; i < items.size(); ++i) {
@@ -525,6 +575,7 @@ Val Reader::make_size(const Val& args) {
 
 Val Reader::newobj(const Val& cls, const Val& args) {
   // Only the stand-ins' classes: DeepSpeed's objects are pickled this way, nothing else is.
+  flush();
   PyObject *c = to_py(cls), *a = to_py(args);
   if (!PyType_Check(c) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(c),
                                             reinterpret_cast<PyTypeObject*>(hooks_.record_type)))
@@ -538,6 +589,7 @@ void Reader::build(const Val& state) {
   // Only on a stand-in, whose __setstate__ checks the state, or on an OrderedDict given a dict
   // (a state_dict's `_metadata`). BUILD on anything else (a tensor, an allowlisted function)
   // could change it, and the reference's check after loading is not repeated here.
+  flush();
   PyObject* inst = to_py(top());
   PyObject* s = to_py(state);
   if (PyObject_TypeCheck(inst, reinterpret_cast<PyTypeObject*>(hooks_.record_type))) {
@@ -702,11 +754,65 @@ Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
   // holding exactly the entry's bytes, as the reference's does.
   if (dtype.dl && offset == 0 && extent == s.numel && !s.storage.obj && !s.first.obj)
     return whole_entry(s, dtype, size, stride);
-  // The sizes and strides as the set_ call takes them: the pickle's own tuples (a native one
-  // made a Python tuple now; dims() checked they hold no storage).
-  PyObject* sizes = to_py(args[2]);
-  PyObject* strides = to_py(args[3]);
-  return Val(tensor_over(dtype.proto, storage_of(s), offset, sizes, strides).release().ptr());
+  return defer(args[0].storage, offset, size, stride);
+}
+
+// A tensor over storage `index` (checked to lie inside it), made with the next batch.
+Val Reader::defer(int32_t index, int64_t offset, const Dims& size, const Dims& stride) {
+  Stored& s = storages_[size_t(index)];
+  if (!s.base.obj) {  // the storage's own tensor, else one over its storage, as the reference's
+    if (s.first.obj) {
+      s.base = s.first;
+    } else {
+      py::object n = own(PyLong_FromLongLong(s.numel), "int");
+      py::object sizes = own(PyTuple_Pack(1, n.ptr()), "tuple");
+      py::object strides = own(Py_BuildValue("(i)", 1), "tuple");
+      s.base = Val(tensor_over(kinds_[s.kind].dtype->proto, storage_of(s), 0, sizes.ptr(), strides.ptr()).release().ptr());
+    }
+  }
+  if (s.slot < 0) {
+    s.slot = int32_t(batch_bases_.size());
+    batch_bases_.push_back(index);
+  }
+  layout_.insert(layout_.end(), {int64_t(s.slot), offset, int64_t(size.size())});
+  layout_.insert(layout_.end(), size.v, size.v + size.size());
+  layout_.insert(layout_.end(), stride.v, stride.v + stride.size());
+  views_.emplace_back();
+  return Val::of_view(int32_t(views_.size() - 1));
+}
+
+// Makes the batch: every tensor defer() left, in one zerofast::restrided call.
+void Reader::flush() {
+  if (views_made_ == views_.size()) return;  // then no item waits either
+  const size_t count = views_.size() - views_made_;
+  Val bases = py_val(PyList_New(Py_ssize_t(batch_bases_.size())), "list");
+  for (size_t i = 0; i < batch_bases_.size(); ++i) {
+    Stored& s = storages_[size_t(batch_bases_[i])];
+    Py_INCREF(s.base.obj);
+    PyList_SET_ITEM(bases.obj, Py_ssize_t(i), s.base.obj);
+    s.slot = -1;
+  }
+  py::object n = own(PyLong_FromSize_t(layout_.size()), "int");
+  py::object layout = own(PyObject_CallOneArg(kit_.empty_longs, n.ptr()), "layout");
+  py::object address = call_method(layout.ptr(), names().data_ptr);
+  std::memcpy(reinterpret_cast<void*>(uintptr_t(int64_of(address.ptr(), "data_ptr"))), layout_.data(),
+              layout_.size() * sizeof(int64_t));
+  PyObject* args[] = {bases.obj, layout.ptr()};
+  py::object made = own(PyObject_Vectorcall(kit_.restrided, args, 2, nullptr), "restrided");
+  if (!PyList_CheckExact(made.ptr()) || size_t(PyList_GET_SIZE(made.ptr())) != count)
+    throw Declined("restrided made other than one tensor per record");
+  for (size_t i = 0; i < count; ++i) views_[views_made_ + i] = borrowed(PyList_GET_ITEM(made.ptr(), Py_ssize_t(i)));
+  views_made_ = views_.size();
+  layout_.clear();
+  batch_bases_.clear();
+  std::vector<Insert> waiting;  // in the order SETITEM met them, as if each were set then
+  waiting.swap(inserts_);
+  for (const Insert& item : waiting) insert(item.dict.obj, item.key.obj, to_py(item.value));
+}
+
+void Reader::insert(PyObject* target, PyObject* key, PyObject* value) {  // a dict or an OrderedDict
+  if ((PyDict_CheckExact(target) ? PyDict_SetItem(target, key, value) : PyObject_SetItem(target, key, value)) < 0)
+    decline_py("dict item");
 }
 
 // The storage object of `s`, made once: the first tensor's (one storage per entry, shared by
@@ -725,6 +831,7 @@ Val Reader::whole_entry(Stored& s, const DtypeInfo& dtype, const Dims& size, con
 
 Val Reader::rebuild_parameter(const Items& args) {  // _rebuild_parameter
   auto* tensor_type = reinterpret_cast<PyTypeObject*>(kit_.tensor_type);
+  if (!args.empty() && args[0].view >= 0) return args[0];  // a tensor, made with its batch
   if (args.empty() || !args[0].obj || !PyObject_TypeCheck(args[0].obj, tensor_type))
     throw Declined("not a tensor");
   return args[0];

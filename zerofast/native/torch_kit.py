@@ -22,6 +22,10 @@ def objects() -> dict | None:
             "empty_of": lambda dtype: torch.empty(0, dtype=dtype),  # a prototype per storage dtype
             "tensor_new": torch.Tensor.new, "tensor_set": torch.Tensor.set_,
             "empty_bytes": lambda n: torch.empty(n, dtype=torch.uint8),
+            "empty_longs": lambda n: torch.empty(n, dtype=torch.int64),
+            # this core's own op (loaded with it): the readers make a file's tensors that share
+            # a storage in one call of it (csrc/load/unpickle.cpp)
+            "restrided": torch.ops.zerofast.restrided.default,
             "from_dlpack": torch._C._from_dlpack,  # csrc/load/dlpack_tensor.h
             "dlpack_probe": lambda dtype: torch.empty(1, dtype=dtype).__dlpack__(),  # the DLPack code of a dtype
             "storage_base": torch._C.StorageBase}  # its C subscript, under UntypedStorage's Python one

@@ -1,0 +1,106 @@
+// CPU kernel of zerofast::restrided: the tensors of a torch.save file that share a storage, made
+// in one call (csrc/load/unpickle.cpp batches them). The readers include no torch header, so
+// without this op each tensor would cost a Tensor.new and a Tensor.set_ through Python; here each
+// is one TensorImpl over its base's storage, as set_ makes it (no autograd view, no copy).
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/c/shim.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/stableivalue_conversions.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "../check.h"
+
+namespace zerofast {
+namespace {
+
+using torch::stable::Tensor;
+
+constexpr int64_t kMaxDims = 64;  // as the readers' own limit (csrc/load/unpickle.cpp)
+
+// The element one past the furthest a tensor of these sizes and strides reaches from `offset`
+// (0 when it is empty), saturating past int64: the check below only compares it.
+__int128 extent(int64_t offset, const int64_t* size, const int64_t* stride, int64_t ndim) {
+  __int128 end = __int128(offset) + 1;
+  for (int64_t d = 0; d < ndim; ++d) {
+    if (size[d] == 0) return 0;
+    end += __int128(size[d] - 1) * stride[d];
+    if (end > (__int128(1) << 100)) return end;
+  }
+  return end;
+}
+
+// The tensor of one record of `layout`, (base, storage offset, ndim, sizes..., strides...) in
+// elements: a new owning handle.
+AtenTensorHandle one(const std::vector<Tensor>& bases, const std::vector<int64_t>& capacity, const int64_t* r,
+                     int64_t left, int64_t at) {
+  ZF_CHECK(left >= 3, "restrided: `layout` ends inside the record at ", at);
+  const int64_t base = r[0], offset = r[1], ndim = r[2];
+  ZF_CHECK(base >= 0 && base < int64_t(bases.size()), "restrided: the record at ", at, " names base ", base,
+           " of ", bases.size());
+  ZF_CHECK(ndim >= 0 && ndim <= kMaxDims && left >= 3 + 2 * ndim, "restrided: the record at ", at,
+           " has ", ndim, " dimensions, past `layout`'s end or more than ", kMaxDims);
+  const int64_t* size = r + 3;
+  const int64_t* stride = size + ndim;
+  bool plain = offset >= 0;
+  for (int64_t d = 0; d < ndim; ++d) plain = plain && size[d] >= 0 && stride[d] >= 0;
+  ZF_CHECK(plain, "restrided: the record at ", at, " has a negative offset, size or stride");
+  ZF_CHECK(extent(offset, size, stride, ndim) <= capacity[size_t(base)], "restrided: the record at ", at,
+           " reaches past base ", base, "'s storage");
+  int64_t from = 0;  // the shim's offset counts from the base's own
+  aoti_torch_get_storage_offset(bases[size_t(base)].get(), &from);
+  AtenTensorHandle made = nullptr;
+  ZF_CHECK(aoti_torch__reinterpret_tensor(bases[size_t(base)].get(), ndim, size, stride, offset - from, &made) ==
+               AOTI_TORCH_SUCCESS,
+           "restrided: torch could not make the tensor of the record at ", at);
+  return made;
+}
+
+// The handles made so far, deleted unless handed to the caller: a StableList holds its items as
+// plain words, so deleting one would not delete them.
+struct Made {
+  std::vector<AtenTensorHandle> handles;
+  ~Made() {
+    for (AtenTensorHandle t : handles) aoti_torch_delete_tensor_object(t);
+  }
+};
+
+// Boxed by hand rather than with TORCH_BOX: a std::vector<Tensor> return would hold each tensor
+// twice on its way out (a shared handle, then a copy for the list), which was a third of the
+// op's time at 20k tensors. Each handle made here goes into the list as it is.
+void restrided_boxed(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  ZF_CHECK(num_args == 2 && num_outputs == 1, "restrided: expected the schema's 2 arguments and 1 output");
+  const auto bases = torch::stable::detail::to<std::vector<Tensor>>(stack[0]);
+  const auto layout = torch::stable::detail::to<Tensor>(stack[1]);
+  ZF_CHECK(layout.scalar_type() == c10::ScalarType::Long && layout.dim() == 1 && layout.is_contiguous(),
+           "restrided: `layout` must be a contiguous 1-D int64 tensor");
+  std::vector<int64_t> capacity;  // each base's storage, in its elements
+  for (size_t i = 0; i < bases.size(); ++i) {
+    int64_t bytes = 0;
+    ZF_CHECK(aoti_torch_get_storage_size(bases[i].get(), &bytes) == AOTI_TORCH_SUCCESS,
+             "restrided: `bases[", i, "]` has no storage");
+    capacity.push_back(bytes / int64_t(bases[i].element_size()));
+  }
+  const int64_t* r = layout.const_data_ptr<int64_t>();
+  const int64_t n = layout.numel();
+  Made made;
+  for (int64_t at = 0; at < n; at += 3 + 2 * r[at + 2]) made.handles.push_back(one(bases, capacity, r + at, n - at, at));
+  StableListHandle list = nullptr;
+  ZF_CHECK(torch_new_list_reserve_size(made.handles.size(), &list) == AOTI_TORCH_SUCCESS,
+           "restrided: torch could not make a list");
+  // Room was reserved, so no push fails.
+  for (AtenTensorHandle t : made.handles) torch_list_push_back(list, torch::stable::detail::from(t));
+  made.handles.clear();  // the list's now, and the caller's once on the stack
+  stack[0] = torch::stable::detail::from(list);
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
+  m.impl("restrided", &restrided_boxed);
+}
+
+}  // namespace zerofast
