@@ -33,6 +33,7 @@
 
 #include "../gather_cast_checks.h"
 #include "cast.h"
+#include "handles.h"
 #include "file_read.h"
 
 namespace zerofast {
@@ -339,36 +340,47 @@ const int64_t* check_rows(const Tensor& segments, const std::vector<Tensor>& sou
 // zeroing pass) per 2 MiB instead of per 4 KiB when the readers first touch them. Measured about
 // 2x faster on a 400 MB eager dict (README, performance); `hugepages=False` turns it off, for
 // machines whose fragmented memory makes the kernel compact on each fault (defrag=madvise).
-void advise_huge(const std::vector<Tensor>& outs, bool hugepages) {
+void advise_huge(const std::vector<Dest>& dests, const std::vector<int64_t>& numel, bool hugepages) {
   if (!hugepages) return;
   constexpr uintptr_t kHuge = 2u << 20;
-  for (const auto& o : outs) {
-    const auto base = reinterpret_cast<uintptr_t>(o.data_ptr());
+  for (size_t i = 0; i < dests.size(); ++i) {
+    const auto base = reinterpret_cast<uintptr_t>(dests[i].mem);
     const auto lo = (base + kHuge - 1) / kHuge * kHuge;
-    const auto hi = (base + static_cast<uintptr_t>(o.numel()) * o.element_size()) / kHuge * kHuge;
+    const auto hi = (base + static_cast<uintptr_t>(numel[i] * dests[i].itemsize)) / kHuge * kHuge;
     if (hi > lo) (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
   }
+}
+
+// In-memory outputs: where each starts, and how many elements of which dtype it holds.
+struct Outs {
+  std::vector<Dest> dests;
+  std::vector<int64_t> numel;
+  std::vector<c10::ScalarType> dtypes;
+};
+
+void read_into(const std::vector<Tensor>& sources, IntList source_fds, const Tensor& source_offsets,
+               const Tensor& segments, Outs outs, int64_t readers, bool hugepages) {
+  auto srcs = cpu::make_sources("read_cast", sources, source_fds, source_offsets, /*strided_files=*/false);
+  const int64_t* seg = check_rows(segments, sources, outs.numel, outs.dtypes);
+  advise_huge(outs.dests, outs.numel, hugepages);
+  Batch(std::move(srcs), std::move(outs.dests), seg, segments.size(0), -1, readers, false).run();
 }
 
 void read_cast_cpu(const std::vector<Tensor>& sources, IntList source_fds,
                    const Tensor& source_offsets, const Tensor& segments, const std::vector<Tensor>& outs,
                    int64_t readers, bool hugepages) {
-  std::vector<Dest> dests;
-  std::vector<int64_t> numel;
-  std::vector<c10::ScalarType> dtypes;
+  Outs described;
   for (size_t i = 0; i < outs.size(); ++i) {
     const auto& o = outs[i];
     ZF_CHECK(is_cpu(o.device()) && o.is_contiguous(), "read_cast: `outs[", i,
              "]` must be a contiguous CPU tensor, got a ", o.is_contiguous() ? "contiguous" : "non-contiguous",
              " one on ", device_text(o.device()));
-    dests.push_back({static_cast<char*>(o.data_ptr()), 0, static_cast<int64_t>(o.element_size()), o.scalar_type()});
-    numel.push_back(o.numel());
-    dtypes.push_back(o.scalar_type());
+    described.dests.push_back(
+        {static_cast<char*>(o.data_ptr()), 0, static_cast<int64_t>(o.element_size()), o.scalar_type()});
+    described.numel.push_back(o.numel());
+    described.dtypes.push_back(o.scalar_type());
   }
-  auto srcs = cpu::make_sources("read_cast", sources, source_fds, source_offsets, /*strided_files=*/false);
-  const int64_t* seg = check_rows(segments, sources, numel, dtypes);
-  advise_huge(outs, hugepages);
-  Batch(std::move(srcs), std::move(dests), seg, segments.size(0), -1, readers, false).run();
+  read_into(sources, source_fds, source_offsets, segments, std::move(described), readers, hugepages);
 }
 
 // Contiguous CPU tensors of one dtype, made with the shim's empty_strided: torch::stable::empty
@@ -386,7 +398,7 @@ class Allocator {
 
   int64_t itemsize() const { return itemsize_; }
 
-  Tensor empty(IntList sizes) {
+  AtenTensorHandle empty(IntList sizes) {  // a new owning handle
     const auto n = sizes.size();
     strides_.resize(n);
     int64_t stride = 1;  // torch's contiguous strides: a size of 0 counts as 1
@@ -397,7 +409,7 @@ class Allocator {
     AtenTensorHandle made = nullptr;
     STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(n), sizes.data(), strides_.data(),
                                                            dtype_, aoti_torch_device_type_cpu(), 0, &made));
-    return Tensor(made);
+    return made;
   }
 
  private:
@@ -408,16 +420,26 @@ class Allocator {
 
 // Allocating here rather than in Python is most of what a batch of 50k small tensors costs
 // besides the reads: an empty tensor per output instead of a torch.empty and a view. The shapes
-// are int lists, not tensors, so that the op's fake knows them.
-std::vector<Tensor> read_cast_new_cpu(const std::vector<Tensor>& sources, IntList source_fds,
-                                          const Tensor& source_offsets, const Tensor& segments,
-                                          IntList dims, IntList ranks, c10::ScalarType dtype,
-                                          int64_t readers, bool hugepages) {
+// are int lists, not tensors, so that the op's fake knows them. Boxed by hand (handles.h), and
+// the outputs described from what made them rather than asked of each.
+void read_cast_new_boxed(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
+  ZF_CHECK(num_args == 9 && num_outputs == 1, "read_cast_new: expected the schema's 9 arguments and 1 output");
+  using torch::stable::detail::to;
+  const auto sources = to<std::vector<Tensor>>(stack[0]);
+  const auto source_fds = to<std::vector<int64_t>>(stack[1]);
+  const auto source_offsets = to<Tensor>(stack[2]);
+  const auto segments = to<Tensor>(stack[3]);
+  const auto dims = to<std::vector<int64_t>>(stack[4]);
+  const auto ranks = to<std::vector<int64_t>>(stack[5]);
+  const auto dtype = to<c10::ScalarType>(stack[6]);
+  const auto readers = to<int64_t>(stack[7]);
+  const auto hugepages = to<bool>(stack[8]);
   Allocator alloc(dtype);
   const int64_t itemsize = alloc.itemsize();
   const auto ndims = static_cast<int64_t>(dims.size());
-  std::vector<Tensor> outs;
-  outs.reserve(ranks.size());
+  cpu::OwnedHandles made;
+  made.reserve(ranks.size());
+  Outs outs;
   int64_t pos = 0;
   for (size_t i = 0; i < ranks.size(); ++i) {
     ZF_CHECK(ranks[i] >= 0 && ranks[i] <= ndims - pos, "read_cast_new: `ranks[", i, "]` = ", ranks[i],
@@ -429,12 +451,19 @@ std::vector<Tensor> read_cast_new_cpu(const std::vector<Tensor>& sources, IntLis
                pos, ":", pos + ranks[i], "]`: output ", i, " has more bytes than int64 counts");
       bytes *= dims[k] == 0 ? 1 : dims[k];
     }
-    outs.push_back(alloc.empty(dims.slice(pos, ranks[i])));
+    int64_t numel = 1;
+    for (int64_t k = pos; k < pos + ranks[i]; ++k) numel *= dims[k];
+    made.add(alloc.empty(IntList(dims.data() + pos, static_cast<size_t>(ranks[i]))));
+    void* data = nullptr;
+    STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(made[i], &data));
+    outs.dests.push_back({static_cast<char*>(data), 0, itemsize, dtype});
+    outs.numel.push_back(numel);
+    outs.dtypes.push_back(dtype);
     pos += ranks[i];
   }
   ZF_CHECK(pos == ndims, "read_cast_new: `dims` holds ", ndims - pos, " sizes past the last output");
-  read_cast_cpu(sources, source_fds, source_offsets, segments, outs, readers, hugepages);
-  return outs;
+  read_into(sources, source_fds, source_offsets, segments, std::move(outs), readers, hugepages);
+  stack[0] = made.release_as_list("read_cast_new");
 }
 
 void read_cast_to_file_cpu(const std::vector<Tensor>& sources, IntList source_fds,
@@ -474,7 +503,7 @@ void read_cast_to_file_cpu(const std::vector<Tensor>& sources, IntList source_fd
 
 STABLE_TORCH_LIBRARY_IMPL(zerofast, CPU, m) {
   m.impl("read_cast", TORCH_BOX(&read_cast_cpu));
-  m.impl("read_cast_new", TORCH_BOX(&read_cast_new_cpu));
+  m.impl("read_cast_new", &read_cast_new_boxed);
   m.impl("read_cast_to_file", TORCH_BOX(&read_cast_to_file_cpu));
 }
 

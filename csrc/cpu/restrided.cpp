@@ -3,9 +3,7 @@
 // without this op each tensor would cost a Tensor.new and a Tensor.set_ through Python; here each
 // is one TensorImpl over its base's storage, as set_ makes it (no autograd view, no copy).
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <torch/csrc/stable/c/shim.h>
 #include <torch/csrc/stable/library.h>
-#include <torch/csrc/stable/stableivalue_conversions.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 
@@ -13,6 +11,7 @@
 #include <vector>
 
 #include "../check.h"
+#include "handles.h"
 
 namespace zerofast {
 namespace {
@@ -59,18 +58,7 @@ AtenTensorHandle one(const std::vector<Tensor>& bases, const std::vector<int64_t
   return made;
 }
 
-// The handles made so far, deleted unless handed to the caller: a StableList holds its items as
-// plain words, so deleting one would not delete them.
-struct Made {
-  std::vector<AtenTensorHandle> handles;
-  ~Made() {
-    for (AtenTensorHandle t : handles) aoti_torch_delete_tensor_object(t);
-  }
-};
-
-// Boxed by hand rather than with TORCH_BOX: a std::vector<Tensor> return would hold each tensor
-// twice on its way out (a shared handle, then a copy for the list), which was a third of the
-// op's time at 20k tensors. Each handle made here goes into the list as it is.
+// Boxed by hand (handles.h).
 void restrided_boxed(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   ZF_CHECK(num_args == 2 && num_outputs == 1, "restrided: expected the schema's 2 arguments and 1 output");
   const auto bases = torch::stable::detail::to<std::vector<Tensor>>(stack[0]);
@@ -86,15 +74,9 @@ void restrided_boxed(StableIValue* stack, uint64_t num_args, uint64_t num_output
   }
   const int64_t* r = layout.const_data_ptr<int64_t>();
   const int64_t n = layout.numel();
-  Made made;
-  for (int64_t at = 0; at < n; at += 3 + 2 * r[at + 2]) made.handles.push_back(one(bases, capacity, r + at, n - at, at));
-  StableListHandle list = nullptr;
-  ZF_CHECK(torch_new_list_reserve_size(made.handles.size(), &list) == AOTI_TORCH_SUCCESS,
-           "restrided: torch could not make a list");
-  // Room was reserved, so no push fails.
-  for (AtenTensorHandle t : made.handles) torch_list_push_back(list, torch::stable::detail::from(t));
-  made.handles.clear();  // the list's now, and the caller's once on the stack
-  stack[0] = torch::stable::detail::from(list);
+  cpu::OwnedHandles made;
+  for (int64_t at = 0; at < n; at += 3 + 2 * r[at + 2]) made.add(one(bases, capacity, r + at, n - at, at));
+  stack[0] = made.release_as_list("restrided");
 }
 
 }  // namespace
