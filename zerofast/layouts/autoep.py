@@ -33,16 +33,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..base.errors import CorruptCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError
+from ..base.errors import CorruptCheckpointError, InconsistentCheckpointError, UnsupportedCheckpointError, ZeroFastError
 from ..discover import MODEL_FILE_STAGE012, Found
 from ..load import LoadedCheckpoint, PartitionedCheckpoint, Partition, Stored, load_file, load_files
+from ..load.archive import index_archive
 from ..load.checkpoint import check_partitions, merged_meta
+from ..load.legacy import is_legacy
 from ..load.records import (expect_dict, expect_mapping, read_model_states, read_optim_states, settle_stage,
                             settle_world_size)
 from ..plan.columns import EntryTable
@@ -78,15 +79,16 @@ def autoep_records(raw: dict, path: Path) -> list[dict] | None:
 
 
 def _probe(path: Path) -> bool:
-    """Whether ``path``'s pickle holds AutoEP's layer records (a byte search, nothing unpickled)."""
+    """Whether ``path``'s pickle holds AutoEP's layer records (a byte search, nothing unpickled).
+    The pickle is found through the archive index (the native zip directory where the core is
+    there): zipfile's Python parse of a 50k-entry ZeRO-3 model-states file took 340 ms, half of
+    reconstructing that checkpoint, against 11 ms."""
     try:
-        with zipfile.ZipFile(path) as z:
-            pkl = [i for i in z.infolist() if i.filename.endswith("data.pkl")]
-            if len(pkl) != 1 or pkl[0].file_size > _PROBE_LIMIT:
-                return False
-            return _MARK in z.read(pkl[0])
-    except (OSError, zipfile.BadZipFile, RuntimeError, ValueError):
-        pass
+        if not is_legacy(path):
+            data = index_archive(path).pickle_bytes
+            return len(data) <= _PROBE_LIMIT and _MARK in data
+    except (ZeroFastError, OSError):
+        return False
     try:  # torch.save's legacy format: the object's pickle comes before the storages
         with open(path, "rb") as f:
             return _MARK in f.read(_LEGACY_PROBE)
