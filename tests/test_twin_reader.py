@@ -369,3 +369,27 @@ def test_without_the_native_core_the_directories_are_read_in_turn(tmp_path, monk
     states = read_rank_model_states(paths)
     assert [float(s.module["w"][0]) for s in states] == [0.0, 1.0, 2.0]
     assert threads == [threading.current_thread().name] * 3
+
+
+def test_parts_copied_in_turn_are_one_tree(tmp_path):
+    """A twin's parts copied by separate calls (each making its tensors in one batch) share what
+    they share in the file: the same tensor object, one storage per entry."""
+    def tree(k: int) -> dict:
+        base = torch.arange(40, dtype=torch.float32) + k
+        shared = base[2:10].view(2, 4)
+        return {"a": [shared, base[10:20], {"t": base.as_strided((3, 3), (1, 3), 5)}],
+                "b": {"again": shared, "whole": base}}
+
+    first, other = tmp_path / "r0.pt", tmp_path / "r1.pt"
+    save(tree(0), first)
+    save(tree(100), other)
+    _, template = load_like(first, [])
+    twin, how = load_like(other, [template])
+    assert how == 0
+    a = twin.copy(template.result["a"])
+    b = twin.copy(template.result["b"])
+    assert b["again"] is a[0]
+    assert len({t.untyped_storage().data_ptr() for t in (a[0], a[1], a[2]["t"], b["whole"])}) == 1
+    want = load_archive(other)
+    assert_same_tree({"a": a, "b": b}, want)
+    assert float(b["whole"][0]) == 100.0 and not a[0]._is_view()

@@ -15,6 +15,7 @@
 #include "opcodes.h"
 #include "pickle_scan.h"
 #include "py_own.h"
+#include "restride.h"
 #include "torch_kit.h"
 #include "zip_directory.h"
 
@@ -255,6 +256,22 @@ class Rebase {
   Rebase(const Rebase&) = delete;
   Rebase& operator=(const Rebase&) = delete;
 
+  // The copy of `part` of the template's tree: its tensors first, in batches (premake), then
+  // the tree around them.
+  py::object copy_part(PyObject* part) {
+    premake(part, 0);
+    walked_.clear();
+    if (batch_.size()) place(batch_.make());
+    return copy(part, 0);
+  }
+
+  py::object copy_tensor(PyObject* o) {  // one premake did not reach (a stand-in's attribute)
+    py::object made = tensor(o);
+    if (made) return remember(o, made);
+    place(batch_.make());
+    return made_.at(o);
+  }
+
   py::object copy(PyObject* o, int depth) {
     if (leaf(o)) return py::reinterpret_borrow<py::object>(o);
     if (depth > kMaxCopyDepth) throw Declined("nested too deeply");
@@ -265,7 +282,7 @@ class Rebase {
     }
     if (Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(kit_.tensor_type) ||
         Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(kit_.parameter_type))
-      return remember(o, tensor(o));
+      return copy_tensor(o);
     if (PyTuple_CheckExact(o)) return immutable(o, depth);
     if (PyList_CheckExact(o)) return list(o, depth);
     if (PyDict_CheckExact(o)) return dict(o, depth);
@@ -291,11 +308,15 @@ class Rebase {
   struct Copied {  // a template storage's counterpart here
     int64_t size;
     py::object storage;  // made when a tensor needs it
-    py::object first;    // the tensor made over the whole entry through DLPack, whose storage it is
+    py::object base;     // the tensor the batch makes this storage's others from: the DLPack one
+                         // over the whole entry where the first spans it, else one over `storage`
     int64_t at;          // the entry's data offset in this file
   };
   std::unordered_map<uintptr_t, Copied> storages_;
   MappingImports imports_{to_};  // the DLPack tensors over `to` (pybind11 deletes the copier with the GIL held)
+  RestrideBatch batch_;  // the tensors premake collected, made in one call
+  std::vector<PyObject*> pending_;  // their templates, in the batch's order (kept alive by the tree)
+  std::unordered_set<PyObject*> walked_;  // what premake has been through this call
 
   // What the reference makes afresh but nobody can change: shared with the template.
   bool leaf(PyObject* o) const {
@@ -312,16 +333,22 @@ class Rebase {
 
   // What the reader never makes declines. Asked through the tensor's Python attributes: this
   // half has no torch headers.
+  // Being CPU and strided is not asked: a tensor found over the template's file mapping
+  // (counterpart) is both, and any other has no data pointer or one outside it.
   void check_plain(PyObject* o) const {
     const Names& n = names();
-    if (get_attr(o, n.requires_grad).ptr() != Py_False || get_attr(o, n.is_cpu).ptr() != Py_True ||
-        get_attr(o, n.layout).ptr() != kit_.strided || call_method(o, n.is_conj).ptr() != Py_False ||
+    if (get_attr(o, n.requires_grad).ptr() != Py_False || call_method(o, n.is_conj).ptr() != Py_False ||
         call_method(o, n.is_neg).ptr() != Py_False)
       throw Declined("a tensor the reader does not make");
   }
 
   // The counterpart here of the template storage tensor `o` is over, found once per storage.
-  Copied& counterpart(PyObject* o) {
+  // Where a tensor over the same storage came before, found by where that storage starts (its
+  // data less its offset): no storage object is made for the template's other tensors.
+  Copied& counterpart(PyObject* o, int64_t offset, int64_t itemsize) {
+    const auto data = uintptr_t(int64_of(call_method(o, names().data_ptr).ptr(), "data_ptr"));
+    auto seen = storages_.find(data - uintptr_t(offset) * uintptr_t(itemsize));
+    if (data && seen != storages_.end()) return seen->second;
     py::object storage = call_method(o, names().untyped_storage);
     const FileSpan s = span_of(storage.ptr());
     if (s.at < from_.at || s.size > from_.size || int64_t(s.at - from_.at) > from_.size - s.size)
@@ -333,20 +360,76 @@ class Rebase {
     return found->second;
   }
 
-  // The same tensor over this file's storage.
+  // The same tensor over this file's storage: made now where it is its storage's first and
+  // spans it (one DLPack import), else added to the batch (null returned).
   py::object tensor(PyObject* o) {
     check_plain(o);
-    Copied& c = counterpart(o);
     const Names& n = names();
     py::object dtype_obj = get_attr(o, n.dtype), shape = get_attr(o, n.shape), stride = call_method(o, n.stride);
     const int64_t offset = int64_of(call_method(o, n.storage_offset).ptr(), "storage_offset");
     const DtypeInfo& dtype = dtype_info(dtype_obj.ptr());
-    if (!c.storage && !c.first && offset == 0 && dtype.dl) {
+    Copied& c = counterpart(o, offset, dtype.itemsize);
+    if (!c.base && offset == 0 && dtype.dl) {
       py::object made = whole_entry(c, dtype, shape.ptr(), stride.ptr());
       if (made) return made;
     }
-    if (!c.storage) c.storage = c.first ? call_method(c.first.ptr(), n.untyped_storage) : cut(to_, c.at, c.size);
-    return tensor_over(dtype.proto, c.storage.ptr(), offset, shape.ptr(), stride.ptr());
+    if (!c.base) {  // a tensor over the whole storage, the batch's base for this one
+      c.storage = cut(to_, c.at, c.size);
+      py::object numel = own(PyLong_FromLongLong(c.size / dtype.itemsize), "int");
+      py::object sizes = own(PyTuple_Pack(1, numel.ptr()), "tuple");
+      py::object strides = own(Py_BuildValue("(i)", 1), "tuple");
+      c.base = tensor_over(dtype.proto, c.storage.ptr(), 0, sizes.ptr(), strides.ptr());
+    }
+    Dims size, step;
+    dims_of(shape.ptr(), stride.ptr(), &size, &step);
+    batch_.add(c.base.ptr(), offset, size.n, size.v, step.v);
+    pending_.push_back(o);
+    return py::object();
+  }
+
+  // The template's tensors under `o`, walked in the order copy() meets them: each not copied yet
+  // is made now or joins the batch. What copy() would decline is left to it.
+  void premake(PyObject* o, int depth) {
+    if (leaf(o) || depth > kMaxCopyDepth || made_.count(o) || !walked_.insert(o).second) return;
+    if (Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(kit_.tensor_type) ||
+        Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(kit_.parameter_type)) {
+      py::object made = tensor(o);
+      if (made) remember(o, made);
+      return;
+    }
+    if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {
+      py::object items = own(PySequence_Fast(o, "items"), "items");
+      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items.ptr()); ++i)
+        premake(PySequence_Fast_GET_ITEM(items.ptr(), i), depth + 1);
+    } else if (PyDict_Check(o)) {  // a dict or an OrderedDict (keys are leaves in any tree read)
+      Py_ssize_t i = 0;
+      PyObject *k, *v;
+      while (PyDict_Next(o, &i, &k, &v)) premake(v, depth + 1);
+    }
+  }
+
+  // The batch's tensors, in the order premake added them, remembered as their templates' copies.
+  void place(const py::object& made) {
+    for (size_t i = 0; i < pending_.size(); ++i)
+      remember(pending_[i], py::reinterpret_borrow<py::object>(PyList_GET_ITEM(made.ptr(), Py_ssize_t(i))));
+    pending_.clear();
+  }
+
+  struct Dims {
+    int64_t v[64];
+    size_t n = 0;
+  };
+
+  // A template tensor's sizes and strides (checked by torch when it was made).
+  static void dims_of(PyObject* shape, PyObject* stride, Dims* size, Dims* step) {
+    const Py_ssize_t n = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
+    if (n < 0 || n > 64 || !PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != n)
+      throw Declined("a tensor's sizes and strides");
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      size->v[i] = int64_of(PyTuple_GET_ITEM(shape, i), "size");
+      step->v[i] = int64_of(PyTuple_GET_ITEM(stride, i), "stride");
+    }
+    size->n = step->n = size_t(n);
   }
 
   // As the unpickler makes a storage's first tensor where it spans the entry (see
@@ -365,8 +448,8 @@ class Rebase {
     for (Py_ssize_t i = 0; i < n; ++i)
       if (size[i] == 0) extent = 0;
     if (extent * dtype.itemsize != c.size) return py::object();
-    c.first = imports_.tensor(dtype, c.at, size_t(n), size, step);
-    return c.first;
+    c.base = imports_.tensor(dtype, c.at, size_t(n), size, step);
+    return c.base;
   }
 
 
@@ -495,7 +578,7 @@ void register_twin(py::module_& m) {
         "Whether two data.pkl read the same to zerofast's readers: equal, or equal but for the location strings of "
         "storage ids that nothing else refers to");
   py::class_<Rebase>(m, "Twin").def(
-      "copy", [](Rebase& r, const py::object& o) { return declining([&] { return r.copy(o.ptr(), 0); }); },
+      "copy", [](Rebase& r, const py::object& o) { return declining([&] { return r.copy_part(o.ptr()); }); },
       py::arg("tree"),
       "(True, copy) of a part of the template's tree, sharing what earlier calls copied; (False, why) where it "
       "holds what the copy does not know");

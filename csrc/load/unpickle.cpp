@@ -15,6 +15,7 @@
 #include "opcodes.h"
 #include "pickle_scan.h"
 #include "py_own.h"
+#include "restride.h"
 #include "torch_kit.h"
 #include "zip_directory.h"
 
@@ -181,7 +182,6 @@ class Reader {
     Val storage;   // mapping[at:at + nbytes], made when a tensor needs it
     Val first;     // the tensor made over the whole entry through DLPack, whose storage it is
     Val base;      // a tensor over its storage that the batched tensors are made from
-    int32_t slot = -1;  // its index among the current batch's bases, -1 when it has none there
   };
 
   const uint8_t* data_;
@@ -222,8 +222,7 @@ class Reader {
   // runs, and at STOP. Until then the items set into dicts wait too (inserts_), in their order.
   std::vector<Val> views_;  // by view index: null until its batch is made
   size_t views_made_ = 0;   // views_[:views_made_] are made
-  std::vector<int64_t> layout_;  // the records of the rest (see the op's schema in csrc/zerofast.cpp)
-  std::vector<int32_t> batch_bases_;  // storage indices, by base index in layout_
+  RestrideBatch batch_;  // views_[views_made_:], to be made
   struct Insert {
     Val dict, key, value;
   };
@@ -770,13 +769,7 @@ Val Reader::defer(int32_t index, int64_t offset, const Dims& size, const Dims& s
       s.base = Val(tensor_over(kinds_[s.kind].dtype->proto, storage_of(s), 0, sizes.ptr(), strides.ptr()).release().ptr());
     }
   }
-  if (s.slot < 0) {
-    s.slot = int32_t(batch_bases_.size());
-    batch_bases_.push_back(index);
-  }
-  layout_.insert(layout_.end(), {int64_t(s.slot), offset, int64_t(size.size())});
-  layout_.insert(layout_.end(), size.v, size.v + size.size());
-  layout_.insert(layout_.end(), stride.v, stride.v + stride.size());
+  batch_.add(s.base.obj, offset, size.size(), size.v, stride.v);
   views_.emplace_back();
   return Val::of_view(int32_t(views_.size() - 1));
 }
@@ -785,26 +778,9 @@ Val Reader::defer(int32_t index, int64_t offset, const Dims& size, const Dims& s
 void Reader::flush() {
   if (views_made_ == views_.size()) return;  // then no item waits either
   const size_t count = views_.size() - views_made_;
-  Val bases = py_val(PyList_New(Py_ssize_t(batch_bases_.size())), "list");
-  for (size_t i = 0; i < batch_bases_.size(); ++i) {
-    Stored& s = storages_[size_t(batch_bases_[i])];
-    Py_INCREF(s.base.obj);
-    PyList_SET_ITEM(bases.obj, Py_ssize_t(i), s.base.obj);
-    s.slot = -1;
-  }
-  py::object n = own(PyLong_FromSize_t(layout_.size()), "int");
-  py::object layout = own(PyObject_CallOneArg(kit_.empty_longs, n.ptr()), "layout");
-  py::object address = call_method(layout.ptr(), names().data_ptr);
-  std::memcpy(reinterpret_cast<void*>(uintptr_t(int64_of(address.ptr(), "data_ptr"))), layout_.data(),
-              layout_.size() * sizeof(int64_t));
-  PyObject* args[] = {bases.obj, layout.ptr()};
-  py::object made = own(PyObject_Vectorcall(kit_.restrided, args, 2, nullptr), "restrided");
-  if (!PyList_CheckExact(made.ptr()) || size_t(PyList_GET_SIZE(made.ptr())) != count)
-    throw Declined("restrided made other than one tensor per record");
+  py::object made = batch_.make();
   for (size_t i = 0; i < count; ++i) views_[views_made_ + i] = borrowed(PyList_GET_ITEM(made.ptr(), Py_ssize_t(i)));
   views_made_ = views_.size();
-  layout_.clear();
-  batch_bases_.clear();
   std::vector<Insert> waiting;  // in the order SETITEM met them, as if each were set then
   waiting.swap(inserts_);
   for (const Insert& item : waiting) insert(item.dict.obj, item.key.obj, to_py(item.value));

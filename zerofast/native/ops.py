@@ -5,7 +5,9 @@ core's plain functions (the rank-file readers of :mod:`zerofast.load`). Only :mo
 core without it.
 
 Each op has its wrapper here and, beside it, its fake (the meta kernel FakeTensor tracing,
-``torch.compile`` and ``opcheck`` use). A fake needs its op's schema, which exists only once the
+``torch.compile`` and ``opcheck`` use); ``restrided`` alone has neither: only the native reader
+calls it (csrc/load/unpickle.cpp, handed it by :mod:`.torch_kit`), and its outputs' shapes are its
+layout's values, so no fake can know them. A fake needs its op's schema, which exists only once the
 core is loaded, so the fakes are declared at module scope but registered when the core first
 loads (:func:`load_native`, also reached through :func:`native_module`), not at import as in
 ``pytorch/extension-cpp``, whose import loads its library. Each wrapper asks for the core once
