@@ -142,16 +142,6 @@ class Reader {
     inserts_.reserve(facts.dict_items);
   }
 
-  // Drops the reader's references to the tensors it made, fetching each a few ahead: they are
-  // cold by now, and one cache miss apiece was a tenth of a 20k-tensor file's read.
-  ~Reader() {
-    constexpr size_t ahead = 8;
-    for (size_t i = 0; i < views_.size(); ++i) {
-      if (i + ahead < views_.size() && views_[i + ahead].obj) __builtin_prefetch(views_[i + ahead].obj, 1);
-      views_[i] = Val();
-    }
-  }
-
   Reader(const Reader&) = delete;
   Reader& operator=(const Reader&) = delete;
 
