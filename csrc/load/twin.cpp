@@ -259,6 +259,7 @@ class Rebase {
   // The copy of `part` of the template's tree: its tensors first, in batches (premake), then
   // the tree around them.
   py::object copy_part(PyObject* part) {
+    walked_.clear();  // also where an earlier call declined midway
     premake(part, 0);
     walked_.clear();
     if (batch_.size()) place(batch_.make());
