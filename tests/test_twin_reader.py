@@ -393,3 +393,25 @@ def test_parts_copied_in_turn_are_one_tree(tmp_path):
     want = load_archive(other)
     assert_same_tree({"a": a, "b": b}, want)
     assert float(b["whole"][0]) == 100.0 and not a[0]._is_view()
+
+
+def test_a_twin_is_its_file_whatever_was_done_to_the_template(tmp_path):
+    """The twin's tensors come from what the template's read noted of each (its recipes), not
+    from the template's tensors as they are now: changing those changes no copy."""
+    def tree(k: int) -> dict:
+        base = torch.arange(24, dtype=torch.float32) + k
+        return {"views": [base[2:8].view(2, 3), base[8:]], "whole": torch.arange(6, dtype=torch.int64) + k}
+
+    first, other = tmp_path / "r0.pt", tmp_path / "r1.pt"
+    save(tree(0), first)
+    save(tree(100), other)
+    _, template = load_like(first, [])
+    views = template.result["views"]
+    views[0].requires_grad_(True)
+    views[1].as_strided_((2, 2), (1, 2), 3)
+    template.result["whole"].unsqueeze_(0)
+    twin, how = load_like(other, [template])
+    assert how == 0
+    copied = twin.tree()
+    assert_same_tree(copied, load_archive(other))
+    assert not copied["views"][0].requires_grad and copied["whole"].shape == (6,)

@@ -15,6 +15,7 @@
 #include "opcodes.h"
 #include "pickle_scan.h"
 #include "py_own.h"
+#include "recipes.h"
 #include "restride.h"
 #include "torch_kit.h"
 #include "zip_directory.h"
@@ -235,8 +236,8 @@ class Rebase {
  public:
   using Dir = std::shared_ptr<ZipDirectory>;
   Rebase(const py::object& from, const py::object& to, const Dir& from_dir, const Dir& to_dir,
-         const py::tuple& shared, const py::tuple& types)
-      : kit_(bound_kit()), from_t_(from), to_t_(to), from_(span_of(from.ptr())), to_(to.ptr()),
+         const py::tuple& shared, const py::tuple& types, std::shared_ptr<Recipes> recipes)
+      : kit_(bound_kit()), recipes_(std::move(recipes)), from_t_(from), to_t_(to), from_(span_of(from.ptr())), to_(to.ptr()),
         to_size_(span_of(to.ptr()).size), to_dir_(to_dir), shared_objects_(shared),
         types_(types) {
     if (!same_entries(*from_dir, *to_dir)) throw Declined("the zip directories differ");
@@ -294,6 +295,7 @@ class Rebase {
 
  private:
   const TorchKit& kit_;
+  std::shared_ptr<Recipes> recipes_;  // what the template's read noted of its tensors, or null
   py::object from_t_, to_t_;  // the two mappings (UntypedStorage), alive while this copies
   FileSpan from_;
   PyObject* to_;
@@ -364,14 +366,34 @@ class Rebase {
   // The same tensor over this file's storage: made now where it is its storage's first and
   // spans it (one DLPack import), else added to the batch (null returned).
   py::object tensor(PyObject* o) {
+    if (const Recipe* r = recipes_ ? recipes_->find(o) : nullptr) return from_recipe(o, *r);
     check_plain(o);
     const Names& n = names();
     py::object dtype_obj = get_attr(o, n.dtype), shape = get_attr(o, n.shape), stride = call_method(o, n.stride);
     const int64_t offset = int64_of(call_method(o, n.storage_offset).ptr(), "storage_offset");
     const DtypeInfo& dtype = dtype_info(dtype_obj.ptr());
     Copied& c = counterpart(o, offset, dtype.itemsize);
+    Dims size, step;
+    dims_of(shape.ptr(), stride.ptr(), &size, &step);
+    return made_or_batched(o, c, dtype, offset, size.n, size.v, step.v);
+  }
+
+  // The same from the recipe of the template's read: no question asked of the tensor.
+  py::object from_recipe(PyObject* o, const Recipe& r) {
+    const uintptr_t at = from_.at + uintptr_t(r.entry_at);  // where the template's storage starts
+    auto found = storages_.find(at);
+    if (found == storages_.end())
+      found = storages_.emplace(at, Copied{r.nbytes, {}, {}, entry_like(r.entry_at, r.nbytes)}).first;
+    return made_or_batched(o, found->second, *r.dtype, r.offset, r.ndim, recipes_->sizes(r),
+                           recipes_->strides(r));
+  }
+
+  // Made now where it is its storage's first and spans the entry (one DLPack import), else
+  // added to the batch as the copy of template `o` (null returned).
+  py::object made_or_batched(PyObject* o, Copied& c, const DtypeInfo& dtype, int64_t offset, size_t ndim,
+                             const int64_t* size, const int64_t* step) {
     if (!c.base && offset == 0 && dtype.dl) {
-      py::object made = whole_entry(c, dtype, shape.ptr(), stride.ptr());
+      py::object made = whole_entry(c, dtype, ndim, size, step);
       if (made) return made;
     }
     if (!c.base) {  // a tensor over the whole storage, the batch's base for this one
@@ -381,9 +403,7 @@ class Rebase {
       py::object strides = own(Py_BuildValue("(i)", 1), "tuple");
       c.base = tensor_over(dtype.proto, c.storage.ptr(), 0, sizes.ptr(), strides.ptr());
     }
-    Dims size, step;
-    dims_of(shape.ptr(), stride.ptr(), &size, &step);
-    batch_.add(c.base.ptr(), offset, size.n, size.v, step.v);
+    batch_.add(c.base.ptr(), offset, ndim, size, step);
     pending_.push_back(o);
     return py::object();
   }
@@ -435,21 +455,16 @@ class Rebase {
 
   // As the unpickler makes a storage's first tensor where it spans the entry (see
   // unpickle.cpp): one DLPack import. Null where the tensor does not span it.
-  py::object whole_entry(Copied& c, const DtypeInfo& dtype, PyObject* shape, PyObject* stride) {
-    int64_t size[64], step[64];
-    const Py_ssize_t n = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
-    if (n < 0 || n > 64 || !PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != n) return py::object();
+  py::object whole_entry(Copied& c, const DtypeInfo& dtype, size_t n, const int64_t* size, const int64_t* step) {
     __int128 extent = 1;
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      size[i] = int64_of(PyTuple_GET_ITEM(shape, i), "size");
-      step[i] = int64_of(PyTuple_GET_ITEM(stride, i), "stride");
+    for (size_t i = 0; i < n; ++i) {
       if (size[i] < 0 || step[i] < 0) return py::object();
       extent += __int128(size[i] ? size[i] - 1 : 0) * step[i];
     }
-    for (Py_ssize_t i = 0; i < n; ++i)
+    for (size_t i = 0; i < n; ++i)
       if (size[i] == 0) extent = 0;
     if (extent * dtype.itemsize != c.size) return py::object();
-    c.base = imports_.tensor(dtype, c.at, size_t(n), size, step);
+    c.base = imports_.tensor(dtype, c.at, n, size, step);
     return c.base;
   }
 
@@ -586,13 +601,15 @@ void register_twin(py::module_& m) {
   m.def(
       "twin",
       [](const py::object& from, const py::object& to, const Rebase::Dir& from_dir, const Rebase::Dir& to_dir,
-         const py::tuple& shared, const py::tuple& types) {
-        return declining([&] { return py::cast(new Rebase(from, to, from_dir, to_dir, shared, types),
+         const py::tuple& shared, const py::tuple& types, std::shared_ptr<Recipes> recipes) {
+        return declining([&] { return py::cast(new Rebase(from, to, from_dir, to_dir, shared, types, recipes),
                                                py::return_value_policy::take_ownership); });
       },
       py::arg("from"), py::arg("to"), py::arg("from_dir"), py::arg("to_dir"), py::arg("shared"), py::arg("types"),
+      py::arg("recipes").none(true) = py::none(),
       "(True, Twin): copies of the tree read from mapping `from` (directory `from_dir`), each storage cut from `to` "
-      "where `to_dir` puts the same entry; (False, why)");
+      "where `to_dir` puts the same entry, each tensor made from its recipe where `recipes` (the template read's, "
+      "unpickle(recipes=True)) has one; (False, why)");
 }
 
 }  // namespace zerofast::load

@@ -7,6 +7,7 @@
 #include "unpickle.h"
 
 #include <cstring>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "opcodes.h"
 #include "pickle_scan.h"
 #include "py_own.h"
+#include "recipes.h"
 #include "restride.h"
 #include "torch_kit.h"
 #include "zip_directory.h"
@@ -131,8 +133,11 @@ struct Dims {
 
 class Reader {
  public:
-  Reader(const uint8_t* data, size_t n, PyObject* mapping, int64_t mapping_bytes, const Hooks& hooks, ScanFacts facts)
+  // `recipes`: where to note what each tensor is made from (a template's read), or null.
+  Reader(const uint8_t* data, size_t n, PyObject* mapping, int64_t mapping_bytes, const Hooks& hooks, ScanFacts facts,
+         Recipes* recipes)
       : data_(data), n_(n), mapping_(mapping), mapping_bytes_(mapping_bytes), kit_(bound_kit()), hooks_(hooks),
+        recipes_(recipes),
         record_setstate_(own(PyObject_GetAttrString(hooks.record_type, "__setstate__"), "__setstate__")),
         memo_slot_(std::move(facts.memo_slot)) {
     memo_.resize(size_t(facts.memo_slots));
@@ -182,6 +187,9 @@ class Reader {
   MappingImports imports_{mapping_};  // the DLPack tensors over the mapping
   const TorchKit& kit_;
   const Hooks& hooks_;
+  Recipes* recipes_;
+  std::vector<Recipe> view_recipes_;  // the batch's, while recipes_ is set (dims in view_dims_)
+  std::vector<int64_t> view_dims_;
   py::object record_setstate_;  // DeepSpeedRecord.__setstate__, the stand-ins' own
   std::vector<Val> stack_;
   // The memo: only the values some GET reads, each in its slot (see ScanFacts::memo_slot).
@@ -760,6 +768,11 @@ Val Reader::defer(int32_t index, int64_t offset, const Dims& size, const Dims& s
     }
   }
   batch_.add(s.base.obj, offset, size.size(), size.v, stride.v);
+  if (recipes_) {
+    view_recipes_.push_back(Recipe{s.at, s.nbytes, kinds_[s.kind].dtype, offset, size.size(), view_dims_.size()});
+    view_dims_.insert(view_dims_.end(), size.v, size.v + size.size());
+    view_dims_.insert(view_dims_.end(), stride.v, stride.v + stride.size());
+  }
   views_.emplace_back();
   return Val::of_view(int32_t(views_.size() - 1));
 }
@@ -770,6 +783,12 @@ void Reader::flush() {
   const size_t count = views_.size() - views_made_;
   py::object made = batch_.make();
   for (size_t i = 0; i < count; ++i) views_[views_made_ + i] = borrowed(PyList_GET_ITEM(made.ptr(), Py_ssize_t(i)));
+  for (size_t i = 0; recipes_ && i < view_recipes_.size(); ++i) {
+    const Recipe& r = view_recipes_[i];
+    recipes_->add(views_[views_made_ + i].obj, r, view_dims_.data() + r.dims_at, view_dims_.data() + r.dims_at + r.ndim);
+  }
+  view_recipes_.clear();
+  view_dims_.clear();
   views_made_ = views_.size();
   std::vector<Insert> waiting;  // in the order SETITEM met them, as if each were set then
   waiting.swap(inserts_);
@@ -792,6 +811,7 @@ PyObject* Reader::storage_of(Stored& s) {
 
 Val Reader::whole_entry(Stored& s, const DtypeInfo& dtype, const Dims& size, const Dims& stride) {
   s.first = Val(imports_.tensor(dtype, s.at, size.size(), size.v, stride.v).release().ptr());
+  if (recipes_) recipes_->add(s.first.obj, Recipe{s.at, s.nbytes, &dtype, 0, size.size(), 0}, size.v, stride.v);
   return s.first;
 }
 
@@ -826,19 +846,23 @@ int64_t mapping_size(PyObject* mapping) {
   return int64_of(call_method(mapping, names().nbytes).ptr(), "mapping size");
 }
 
-py::tuple unpickle(const py::bytes& data, const py::object& mapping, const py::tuple& hook_tuple) {
+py::tuple unpickle(const py::bytes& data, const py::object& mapping, const py::tuple& hook_tuple, bool recipes) {
   Hooks hooks = hooks_from(hook_tuple);
   const auto* bytes = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(data.ptr()));
   size_t n = size_t(PyBytes_GET_SIZE(data.ptr()));
+  auto noted = recipes ? std::make_shared<Recipes>() : nullptr;
   try {
     ScanFacts facts;
     {
       py::gil_scoped_release unlocked;  // the bounds pass touches no Python object
       facts = scan_pickle(bytes, n);
     }
-    Reader reader(bytes, n, mapping.ptr(), mapping_size(mapping.ptr()), hooks, std::move(facts));
-    return py::make_tuple(true, reader.run());
+    Reader reader(bytes, n, mapping.ptr(), mapping_size(mapping.ptr()), hooks, std::move(facts), noted.get());
+    py::object result = reader.run();
+    if (recipes) return py::make_tuple(true, result, noted);
+    return py::make_tuple(true, result);
   } catch (const Declined& e) {
+    if (recipes) return py::make_tuple(false, std::string(e.what()), py::none());
     return py::make_tuple(false, std::string(e.what()));
   }
 }
@@ -861,8 +885,11 @@ py::tuple pickle_bounded(const py::bytes& data) {
 }  // namespace
 
 void register_unpickle(py::module_& m) {
-  m.def("unpickle", &unpickle, py::arg("data"), py::arg("mapping"), py::arg("hooks"),
-        "Read a torch.save pickle natively: (True, result), or (False, why) when the Python reader must decide");
+  py::class_<Recipes, std::shared_ptr<Recipes>>(m, "Recipes",
+                                                "What a read made each of its tensors from, for the twin copier");
+  m.def("unpickle", &unpickle, py::arg("data"), py::arg("mapping"), py::arg("hooks"), py::arg("recipes") = false,
+        "Read a torch.save pickle natively: (True, result), or (False, why) when the Python reader must decide; "
+        "with recipes=True a third item, the Recipes of the result's tensors (None when declined)");
   m.def("pickle_bounded", &pickle_bounded, py::arg("data"),
         "The native bounds pass alone: (True, '') where the pickle passes it, else (False, why)");
 }

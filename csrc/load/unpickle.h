@@ -14,7 +14,8 @@
 
 namespace zerofast::load {
 
-// Adds `unpickle(data, mapping, hooks) -> (True, result) | (False, reason)` to the _C module.
+// Adds `unpickle(data, mapping, hooks, recipes=False) -> (True, result) | (False, reason)` to the _C
+// module (with recipes=True, a third item: the Recipes of the result's tensors, recipes.h).
 void register_unpickle(pybind11::module_& m);
 
 }  // namespace zerofast::load

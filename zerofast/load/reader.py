@@ -220,6 +220,7 @@ class Template:
     index: ArchiveIndex
     mapping: torch.UntypedStorage  # the whole file, which the result's storages are cut from
     result: Any
+    recipes: Any = None  # the native core's Recipes: what the read made each tensor from, for the twins
 
 
 # What the copy of a template's tree shares with it: the allowlisted objects, which the
@@ -278,10 +279,11 @@ def load_like(path: Path, templates: Sequence[Template], index: ArchiveIndex | N
             # multiple of its size) is then at least the bound the template's tree was read under.
             if (index.file_size >= t.index.file_size and core.same_archive(t.index.directory, index.directory)
                     and core.same_pickle(t.index.pickle_bytes, index.pickle_bytes)):
-                ok, copier = core.twin(t.mapping, whole, t.index.directory, index.directory, _SHARED, _TYPES)
+                ok, copier = core.twin(t.mapping, whole, t.index.directory, index.directory, _SHARED, _TYPES,
+                                       t.recipes)
                 if ok:
                     return Twin(path, t, copier), i
-        ok, result = core.unpickle(index.pickle_bytes, whole, _hooks(index))
+        ok, result, recipes = core.unpickle(index.pickle_bytes, whole, _hooks(index), True)
         if ok:
-            return result, Template(index, whole, result)
+            return result, Template(index, whole, result, recipes)
         return load_indexed(path, index), None
