@@ -444,15 +444,14 @@ void read_cast_new_boxed(StableIValue* stack, uint64_t num_args, uint64_t num_ou
   for (size_t i = 0; i < ranks.size(); ++i) {
     ZF_CHECK(ranks[i] >= 0 && ranks[i] <= ndims - pos, "read_cast_new: `ranks[", i, "]` = ", ranks[i],
              " reaches past the end of `dims`");
-    int64_t bytes = itemsize;
+    int64_t bytes = itemsize, numel = 1;
     for (int64_t k = pos; k < pos + ranks[i]; ++k) {
       ZF_CHECK(dims[k] >= 0, "read_cast_new: `dims[", k, "]` = ", dims[k], ": output ", i, " has a negative size");
       ZF_CHECK(dims[k] == 0 || bytes <= std::numeric_limits<int64_t>::max() / dims[k], "read_cast_new: `dims[",
                pos, ":", pos + ranks[i], "]`: output ", i, " has more bytes than int64 counts");
       bytes *= dims[k] == 0 ? 1 : dims[k];
+      numel *= dims[k];
     }
-    int64_t numel = 1;
-    for (int64_t k = pos; k < pos + ranks[i]; ++k) numel *= dims[k];
     made.add(alloc.empty(IntList(dims.data() + pos, static_cast<size_t>(ranks[i]))));
     void* data = nullptr;
     STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(made[i], &data));

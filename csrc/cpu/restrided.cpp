@@ -32,10 +32,16 @@ __int128 extent(int64_t offset, const int64_t* size, const int64_t* stride, int6
   return end;
 }
 
+// What each record needs of its base, asked of torch once per base rather than per record.
+struct Base {
+  AtenTensorHandle handle;
+  int64_t capacity;  // its storage, in its elements
+  int64_t offset;    // its own storage offset: the shim's offset counts from it
+};
+
 // The tensor of one record of `layout`, (base, storage offset, ndim, sizes..., strides...) in
 // elements: a new owning handle.
-AtenTensorHandle one(const std::vector<Tensor>& bases, const std::vector<int64_t>& capacity, const int64_t* r,
-                     int64_t left, int64_t at) {
+AtenTensorHandle one(const std::vector<Base>& bases, const int64_t* r, int64_t left, int64_t at) {
   ZF_CHECK(left >= 3, "restrided: `layout` ends inside the record at ", at);
   const int64_t base = r[0], offset = r[1], ndim = r[2];
   ZF_CHECK(base >= 0 && base < int64_t(bases.size()), "restrided: the record at ", at, " names base ", base,
@@ -47,13 +53,11 @@ AtenTensorHandle one(const std::vector<Tensor>& bases, const std::vector<int64_t
   bool plain = offset >= 0;
   for (int64_t d = 0; d < ndim; ++d) plain = plain && size[d] >= 0 && stride[d] >= 0;
   ZF_CHECK(plain, "restrided: the record at ", at, " has a negative offset, size or stride");
-  ZF_CHECK(extent(offset, size, stride, ndim) <= capacity[size_t(base)], "restrided: the record at ", at,
-           " reaches past base ", base, "'s storage");
-  int64_t from = 0;  // the shim's offset counts from the base's own
-  aoti_torch_get_storage_offset(bases[size_t(base)].get(), &from);
+  const Base& b = bases[size_t(base)];
+  ZF_CHECK(extent(offset, size, stride, ndim) <= b.capacity, "restrided: the record at ", at, " reaches past base ",
+           base, "'s storage");
   AtenTensorHandle made = nullptr;
-  ZF_CHECK(aoti_torch__reinterpret_tensor(bases[size_t(base)].get(), ndim, size, stride, offset - from, &made) ==
-               AOTI_TORCH_SUCCESS,
+  ZF_CHECK(aoti_torch__reinterpret_tensor(b.handle, ndim, size, stride, offset - b.offset, &made) == AOTI_TORCH_SUCCESS,
            "restrided: torch could not make the tensor of the record at ", at);
   return made;
 }
@@ -65,17 +69,18 @@ void restrided_boxed(StableIValue* stack, uint64_t num_args, uint64_t num_output
   const auto layout = torch::stable::detail::to<Tensor>(stack[1]);
   ZF_CHECK(layout.scalar_type() == c10::ScalarType::Long && layout.dim() == 1 && layout.is_contiguous(),
            "restrided: `layout` must be a contiguous 1-D int64 tensor");
-  std::vector<int64_t> capacity;  // each base's storage, in its elements
+  std::vector<Base> described;
   for (size_t i = 0; i < bases.size(); ++i) {
-    int64_t bytes = 0;
-    ZF_CHECK(aoti_torch_get_storage_size(bases[i].get(), &bytes) == AOTI_TORCH_SUCCESS,
+    int64_t bytes = 0, offset = 0;
+    ZF_CHECK(aoti_torch_get_storage_size(bases[i].get(), &bytes) == AOTI_TORCH_SUCCESS &&
+                 aoti_torch_get_storage_offset(bases[i].get(), &offset) == AOTI_TORCH_SUCCESS,
              "restrided: `bases[", i, "]` has no storage");
-    capacity.push_back(bytes / int64_t(bases[i].element_size()));
+    described.push_back({bases[i].get(), bytes / int64_t(bases[i].element_size()), offset});
   }
   const int64_t* r = layout.const_data_ptr<int64_t>();
   const int64_t n = layout.numel();
   cpu::OwnedHandles made;
-  for (int64_t at = 0; at < n; at += 3 + 2 * r[at + 2]) made.add(one(bases, capacity, r + at, n - at, at));
+  for (int64_t at = 0; at < n; at += 3 + 2 * r[at + 2]) made.add(one(described, r + at, n - at, at));
   stack[0] = made.release_as_list("restrided");
 }
 

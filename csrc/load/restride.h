@@ -17,6 +17,25 @@
 
 namespace zerofast::load {
 
+constexpr size_t kMaxDims = 64;  // the readers' bound on a tensor's dimensions
+
+// A tensor's sizes or strides: at most kMaxDims of them.
+struct Dims {
+  int64_t v[kMaxDims];
+  size_t n = 0;
+  size_t size() const { return n; }
+  int64_t operator[](size_t i) const { return v[i]; }
+};
+
+// A 1-D tensor of `numel` elements over the whole of `storage`: the base the tensors sharing it
+// are made from, holding the storage for them.
+inline pybind11::object whole_storage_tensor(const DtypeInfo& dtype, PyObject* storage, int64_t numel) {
+  pybind11::object n = own(PyLong_FromLongLong(numel), "int");
+  pybind11::object sizes = own(PyTuple_Pack(1, n.ptr()), "tuple");
+  pybind11::object strides = own(Py_BuildValue("(i)", 1), "tuple");
+  return tensor_over(dtype.proto, storage, 0, sizes.ptr(), strides.ptr());
+}
+
 class RestrideBatch {
  public:
   // A tensor over `base`'s storage (borrowed: the caller keeps it alive until make()), checked

@@ -310,9 +310,8 @@ class Rebase {
   // key, at its entry's data, and no two entries' data start at one address.
   struct Copied {  // a template storage's counterpart here
     int64_t size;
-    py::object storage;  // made when a tensor needs it
     py::object base;     // the tensor the batch makes this storage's others from: the DLPack one
-                         // over the whole entry where the first spans it, else one over `storage`
+                         // over the whole entry where the first spans it, else one over the entry
     int64_t at;          // the entry's data offset in this file
   };
   std::unordered_map<uintptr_t, Copied> storages_;
@@ -358,7 +357,7 @@ class Rebase {
       throw Declined("a storage outside the template's mapping");
     auto found = storages_.find(s.at);
     if (found == storages_.end())
-      found = storages_.emplace(s.at, Copied{s.size, {}, {}, entry_like(int64_t(s.at - from_.at), s.size)}).first;
+      found = storages_.emplace(s.at, Copied{s.size, {}, entry_like(int64_t(s.at - from_.at), s.size)}).first;
     if (found->second.size != s.size) throw Declined("two storages at one address");
     return found->second;
   }
@@ -375,7 +374,7 @@ class Rebase {
     Copied& c = counterpart(o, offset, dtype.itemsize);
     Dims size, step;
     dims_of(shape.ptr(), stride.ptr(), &size, &step);
-    return made_or_batched(o, c, dtype, offset, size.n, size.v, step.v);
+    return made_or_batched(o, c, dtype, offset, size.size(), size.v, step.v);
   }
 
   // The same from the recipe of the template's read: no question asked of the tensor.
@@ -383,7 +382,7 @@ class Rebase {
     const uintptr_t at = from_.at + uintptr_t(r.entry_at);  // where the template's storage starts
     auto found = storages_.find(at);
     if (found == storages_.end())
-      found = storages_.emplace(at, Copied{r.nbytes, {}, {}, entry_like(r.entry_at, r.nbytes)}).first;
+      found = storages_.emplace(at, Copied{r.nbytes, {}, entry_like(r.entry_at, r.nbytes)}).first;
     return made_or_batched(o, found->second, *r.dtype, r.offset, r.ndim, recipes_->sizes(r),
                            recipes_->strides(r));
   }
@@ -396,13 +395,7 @@ class Rebase {
       py::object made = whole_entry(c, dtype, ndim, size, step);
       if (made) return made;
     }
-    if (!c.base) {  // a tensor over the whole storage, the batch's base for this one
-      c.storage = cut(to_, c.at, c.size);
-      py::object numel = own(PyLong_FromLongLong(c.size / dtype.itemsize), "int");
-      py::object sizes = own(PyTuple_Pack(1, numel.ptr()), "tuple");
-      py::object strides = own(Py_BuildValue("(i)", 1), "tuple");
-      c.base = tensor_over(dtype.proto, c.storage.ptr(), 0, sizes.ptr(), strides.ptr());
-    }
+    if (!c.base) c.base = whole_storage_tensor(dtype, cut(to_, c.at, c.size).ptr(), c.size / dtype.itemsize);
     batch_.add(c.base.ptr(), offset, ndim, size, step);
     pending_.push_back(o);
     return py::object();
@@ -436,15 +429,10 @@ class Rebase {
     pending_.clear();
   }
 
-  struct Dims {
-    int64_t v[64];
-    size_t n = 0;
-  };
-
   // A template tensor's sizes and strides (checked by torch when it was made).
   static void dims_of(PyObject* shape, PyObject* stride, Dims* size, Dims* step) {
     const Py_ssize_t n = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
-    if (n < 0 || n > 64 || !PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != n)
+    if (n < 0 || size_t(n) > kMaxDims || !PyTuple_Check(stride) || PyTuple_GET_SIZE(stride) != n)
       throw Declined("a tensor's sizes and strides");
     for (Py_ssize_t i = 0; i < n; ++i) {
       size->v[i] = int64_of(PyTuple_GET_ITEM(shape, i), "size");

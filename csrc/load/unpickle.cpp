@@ -27,7 +27,6 @@ namespace zerofast::load {
 namespace {
 
 constexpr int64_t kInt64Max = INT64_MAX;
-constexpr size_t kMaxDims = 64;
 constexpr int kMaxTupleDepth = 3;  // native tuples inside native tuples, at most
 
 // The reference's objects, by identity, and its two callbacks (see native_reader.py).
@@ -123,13 +122,6 @@ bool dunder(PyObject* key) {  // key.startswith("__") of an exact str
   return PyUnicode_GET_LENGTH(key) >= 2 && PyUnicode_READ_CHAR(key, 0) == '_' && PyUnicode_READ_CHAR(key, 1) == '_';
 }
 
-// A tensor's sizes or strides, checked (_dims): at most kMaxDims of them.
-struct Dims {
-  int64_t v[kMaxDims];
-  size_t n = 0;
-  size_t size() const { return n; }
-  int64_t operator[](size_t i) const { return v[i]; }
-};
 
 class Reader {
  public:
@@ -174,9 +166,8 @@ class Reader {
     int64_t numel;
     int64_t nbytes;
     int64_t at;    // its bytes' offset in the mapping
-    Val storage;   // mapping[at:at + nbytes], made when a tensor needs it
     Val first;     // the tensor made over the whole entry through DLPack, whose storage it is
-    Val base;      // a tensor over its storage that the batched tensors are made from
+    Val base;      // the batched tensors' base: `first`, else one over mapping[at:at + nbytes]
   };
 
   const uint8_t* data_;
@@ -329,7 +320,6 @@ class Reader {
   int32_t& declared(const char* key, size_t len);
   int64_t storage_offset_py(PyObject* key, int64_t nbytes) const;
   Val rebuild_tensor(const Items& args);
-  PyObject* storage_of(Stored& s);
   Val whole_entry(Stored& s, const DtypeInfo& dtype, const Dims& size, const Dims& stride);
   Val defer(int32_t index, int64_t offset, const Dims& size, const Dims& stride);
   void flush();
@@ -749,7 +739,7 @@ Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
   // The storage's first tensor, at offset 0 and reaching its last element (or an empty one over
   // an empty entry: ZeRO-3's placeholders): one DLPack import makes both, its storage then
   // holding exactly the entry's bytes, as the reference's does.
-  if (dtype.dl && offset == 0 && extent == s.numel && !s.storage.obj && !s.first.obj)
+  if (dtype.dl && offset == 0 && extent == s.numel && !s.base.obj && !s.first.obj)
     return whole_entry(s, dtype, size, stride);
   return defer(args[0].storage, offset, size, stride);
 }
@@ -757,15 +747,10 @@ Val Reader::rebuild_tensor(const Items& args) {  // _rebuild_tensor
 // A tensor over storage `index` (checked to lie inside it), made with the next batch.
 Val Reader::defer(int32_t index, int64_t offset, const Dims& size, const Dims& stride) {
   Stored& s = storages_[size_t(index)];
-  if (!s.base.obj) {  // the storage's own tensor, else one over its storage, as the reference's
-    if (s.first.obj) {
-      s.base = s.first;
-    } else {
-      py::object n = own(PyLong_FromLongLong(s.numel), "int");
-      py::object sizes = own(PyTuple_Pack(1, n.ptr()), "tuple");
-      py::object strides = own(Py_BuildValue("(i)", 1), "tuple");
-      s.base = Val(tensor_over(kinds_[s.kind].dtype->proto, storage_of(s), 0, sizes.ptr(), strides.ptr()).release().ptr());
-    }
+  if (!s.base.obj && s.first.obj) s.base = s.first;  // the storage's own tensor
+  if (!s.base.obj) {  // else one over the entry, cut as the reference cuts it
+    py::object storage = cut(mapping_, s.at, s.nbytes);
+    s.base = Val(whole_storage_tensor(*kinds_[s.kind].dtype, storage.ptr(), s.numel).release().ptr());
   }
   batch_.add(s.base.obj, offset, size.size(), size.v, stride.v);
   if (recipes_) {
@@ -798,15 +783,6 @@ void Reader::flush() {
 void Reader::insert(PyObject* target, PyObject* key, PyObject* value) {  // a dict or an OrderedDict
   if ((PyDict_CheckExact(target) ? PyDict_SetItem(target, key, value) : PyObject_SetItem(target, key, value)) < 0)
     decline_py("dict item");
-}
-
-// The storage object of `s`, made once: the first tensor's (one storage per entry, shared by
-// every tensor over it, as in the reference), else cut from the mapping.
-PyObject* Reader::storage_of(Stored& s) {
-  if (!s.storage.obj)
-    s.storage = s.first.obj ? Val(call_method(s.first.obj, names().untyped_storage).release().ptr())
-                            : Val(cut(mapping_, s.at, s.nbytes).release().ptr());
-  return s.storage.obj;
 }
 
 Val Reader::whole_entry(Stored& s, const DtypeInfo& dtype, const Dims& size, const Dims& stride) {
